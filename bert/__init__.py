@@ -1,0 +1,1 @@
+"""MLPerf Training BERT phase-2 harness: unpadded BERT, load balancing, bucket-wise clipping."""

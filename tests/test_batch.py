@@ -1,0 +1,43 @@
+import numpy as np
+import pytest
+import torch
+
+from bert.batch import Sample, SeqLayout, collate
+from bert.lengths import WIKI_PHASE2, histogram
+from bert.synthetic import random_batch
+
+
+def test_collate_offsets_positions_and_masks():
+    a = Sample(np.array([101, 5, 102]), np.array([0, 0, 0]), np.array([1]), np.array([7]), 0)
+    b = Sample(np.array([101, 6, 8, 102]), np.array([0, 0, 1, 1]), np.array([1, 2]), np.array([9, 10]), 1)
+    batch = collate([a, b])
+    assert batch.seq.cu_seqlens.tolist() == [0, 3, 7]
+    assert batch.seq.cu_seqlens.dtype == torch.int32
+    assert batch.seq.max_seqlen == 4 and batch.seq.lengths == (3, 4)
+    assert batch.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert batch.masked_positions.tolist() == [1, 4, 5]  # offsets into the token axis
+    assert batch.input_ids[batch.masked_positions].tolist() == [5, 6, 8]
+    assert batch.nsp_labels.tolist() == [0, 1]
+
+
+def test_collate_rejects_bad_samples():
+    bad = Sample(np.array([101, 5]), np.array([0, 0]), np.array([2]), np.array([7]), 0)
+    with pytest.raises(ValueError, match="outside"):
+        collate([bad])
+    with pytest.raises(ValueError):
+        SeqLayout.from_lengths([3, 0])
+
+
+def test_random_batch_masks_about_15_percent():
+    batch = random_batch([1, 512, 100], seed=1)
+    assert batch.num_tokens == 613
+    assert batch.masked_positions.numel() == 0 + 76 + 15  # a lone [CLS] has nothing to mask
+    assert (batch.input_ids[batch.masked_positions] == 103).all()
+
+
+def test_wiki_mix_matches_paper_shares():
+    lengths = WIKI_PHASE2.sample(200_000, np.random.default_rng(0))
+    shares = histogram(lengths, WIKI_PHASE2.edges) / len(lengths)
+    assert np.allclose(shares, [0.373, 0.197, 0.117, 0.314], atol=0.005)
+    assert abs((lengths == 512).mean() - 0.23) < 0.005
+    assert lengths.min() >= 1 and lengths.max() == 512
