@@ -1,0 +1,322 @@
+"""The on-disk shard formats: MLPerf fixed-length hdf5 and NVIDIA's varlength hdf5.
+
+Varlength shard (what training reads; keys and dtypes exactly as NVIDIA's
+`convert_fixed2variable.py`, one row per sample, no padding, no mask):
+
+    input_ids            (N,) vlen int16   [CLS] A [SEP] B [SEP]
+    segment_ids          (N,) vlen int8
+    masked_lm_positions  (N,) vlen int16   positions inside the sequence, sorted
+    masked_lm_ids        (N,) vlen int16   original token ids at those positions
+    next_sentence_labels (N,) int8         1 = sentence B is random
+    lengths              (N,) int16        OUR length index, optional on read: NVIDIA's shards lack
+                                           it, and then `VarlenShard.lengths()` computes it from input_ids
+
+Fixed-length shard (what `create_pretraining_data` writes; MLPerf keys, int32, zero padded):
+
+    input_ids, input_mask, segment_ids   (N, max_seq_length)
+    masked_lm_positions, masked_lm_ids   (N, max_predictions_per_seq)
+    next_sentence_labels                 (N,)
+
+Writers are atomic (a temporary file renamed into place), so a file with the final name is
+always complete. Readers validate keys, dtypes and row counts on open and raise `ShardError`,
+naming the file, for anything missing, mistyped, truncated or corrupt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from bert.batch import Sample
+
+VARLEN_DTYPES: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int16),
+    "segment_ids": np.dtype(np.int8),
+    "masked_lm_positions": np.dtype(np.int16),
+    "masked_lm_ids": np.dtype(np.int16),
+}
+NSP_KEY, NSP_DTYPE = "next_sentence_labels", np.dtype(np.int8)
+VARLEN_KEYS: tuple[str, ...] = (*VARLEN_DTYPES, NSP_KEY)
+LENGTHS_KEY, LENGTHS_DTYPE = "lengths", np.dtype(np.int16)
+
+FIXED_SEQ_KEYS: tuple[str, ...] = ("input_ids", "input_mask", "segment_ids")
+FIXED_PRED_KEYS: tuple[str, ...] = ("masked_lm_positions", "masked_lm_ids")
+FIXED_KEYS: tuple[str, ...] = (*FIXED_SEQ_KEYS, *FIXED_PRED_KEYS, NSP_KEY)
+FIXED_DTYPE = np.dtype(np.int32)
+MAX_SEQ_LENGTH, MAX_PREDICTIONS = 512, 76
+
+
+class ShardError(ValueError):
+    """A shard that cannot be used; the message names the file and the problem."""
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it to `path` only if the block succeeds."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _vlen_column(rows: Sequence[np.ndarray], dtype: np.dtype, key: str) -> np.ndarray:
+    info = np.iinfo(dtype)
+    column = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        row = np.asarray(row)
+        if row.size and (row.min() < info.min or row.max() > info.max):
+            # Token ids above 32767 mean a vocab that is not the 30522-entry MLPerf one.
+            raise ValueError(f"{key} of sample {i} has values outside {dtype} ({row.min()}..{row.max()})")
+        column[i] = row.astype(dtype)
+    return column
+
+
+def write_varlength_shard(path: str | os.PathLike, samples: Iterable[Sample]) -> int:
+    """Write `samples` as one varlength shard (atomically); return the number written."""
+    samples = list(samples)
+    columns = {
+        "input_ids": [s.input_ids for s in samples],
+        "segment_ids": [s.segment_ids for s in samples],
+        "masked_lm_positions": [s.masked_positions for s in samples],
+        "masked_lm_ids": [s.masked_labels for s in samples],
+    }
+    for i, s in enumerate(samples):
+        if len(s.segment_ids) != len(s.input_ids) or len(s.masked_positions) != len(s.masked_labels):
+            raise ValueError(f"sample {i} has mismatched field lengths")
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    if len(lengths) and lengths.max() > np.iinfo(LENGTHS_DTYPE).max:
+        raise ValueError(f"sequence of {lengths.max()} tokens does not fit the int16 length index")
+    with atomic_output(path) as tmp, h5py.File(tmp, "w", track_order=False) as f:
+        for key, dtype in VARLEN_DTYPES.items():
+            data = _vlen_column(columns[key], dtype, key)
+            f.create_dataset(key, shape=(len(data),), dtype=h5py.vlen_dtype(dtype), data=data, track_times=False)
+        nsp = np.array([int(s.nsp_label) for s in samples], dtype=NSP_DTYPE)
+        f.create_dataset(NSP_KEY, data=nsp, track_times=False)
+        f.create_dataset(LENGTHS_KEY, data=lengths.astype(LENGTHS_DTYPE), track_times=False)
+    return len(samples)
+
+
+def write_fixed_shard(
+    path: str | os.PathLike,
+    samples: Iterable[Sample],
+    max_seq_length: int = MAX_SEQ_LENGTH,
+    max_predictions: int = MAX_PREDICTIONS,
+) -> int:
+    """Write `samples` zero-padded in the MLPerf fixed-length layout (atomically); return the count."""
+    samples = list(samples)
+    n = len(samples)
+    arrays = {key: np.zeros((n, max_seq_length), FIXED_DTYPE) for key in FIXED_SEQ_KEYS}
+    arrays |= {key: np.zeros((n, max_predictions), FIXED_DTYPE) for key in FIXED_PRED_KEYS}
+    arrays[NSP_KEY] = np.zeros(n, FIXED_DTYPE)
+    for i, s in enumerate(samples):
+        length, n_pred = len(s.input_ids), len(s.masked_positions)
+        if length > max_seq_length or n_pred > max_predictions:
+            raise ValueError(
+                f"sample {i} ({length} tokens, {n_pred} masked) exceeds {max_seq_length}/{max_predictions}"
+            )
+        arrays["input_ids"][i, :length] = s.input_ids
+        arrays["input_mask"][i, :length] = 1
+        arrays["segment_ids"][i, :length] = s.segment_ids
+        arrays["masked_lm_positions"][i, :n_pred] = s.masked_positions
+        arrays["masked_lm_ids"][i, :n_pred] = s.masked_labels
+        arrays[NSP_KEY][i] = s.nsp_label
+    with atomic_output(path) as tmp, h5py.File(tmp, "w") as f:
+        for key, data in arrays.items():
+            # Padding compresses well; chunk by rows so a slice of samples reads few chunks.
+            chunks = (min(max(n, 1), 256), *data.shape[1:])
+            f.create_dataset(key, data=data, compression="gzip", compression_opts=1, chunks=chunks, track_times=False)
+    return n
+
+
+def _open(path: Path) -> h5py.File:
+    if not path.is_file():
+        raise ShardError(f"{path}: no such shard")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:  # truncated files and non-hdf5 files both land here
+        raise ShardError(f"{path}: not a readable hdf5 file (truncated or corrupt?): {e}") from e
+
+
+def _dataset(f: h5py.File, path: Path, key: str) -> h5py.Dataset:
+    if key not in f:
+        raise ShardError(f"{path}: missing key {key!r} (has {sorted(f.keys())})")
+    node = f[key]
+    if not isinstance(node, h5py.Dataset):
+        raise ShardError(f"{path}: {key!r} is not a dataset")
+    return node
+
+
+def _check_rows(path: Path, datasets: dict[str, h5py.Dataset]) -> int:
+    rows = {key: ds.shape[0] if ds.shape else None for key, ds in datasets.items()}
+    if len(set(rows.values())) != 1 or None in rows.values():
+        raise ShardError(f"{path}: datasets disagree on the number of samples: {rows}")
+    return next(iter(rows.values()))
+
+
+class VarlenShard:
+    """A varlength shard opened read-only; rows come back as `Sample`s with int64 arrays."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = _open(self.path)
+        try:
+            self._ds = {key: _dataset(self._file, self.path, key) for key in VARLEN_KEYS}
+            for key, dtype in VARLEN_DTYPES.items():
+                base = h5py.check_vlen_dtype(self._ds[key].dtype)
+                if base != dtype or self._ds[key].ndim != 1:
+                    found = f"vlen {base}" if base is not None else str(self._ds[key].dtype)
+                    raise ShardError(f"{self.path}: {key!r} is {found} {self._ds[key].shape}, expected vlen {dtype}")
+            if self._ds[NSP_KEY].dtype != NSP_DTYPE or self._ds[NSP_KEY].ndim != 1:
+                raise ShardError(f"{self.path}: {NSP_KEY!r} is {self._ds[NSP_KEY].dtype}, expected {NSP_DTYPE} (N,)")
+            datasets = dict(self._ds)
+            if LENGTHS_KEY in self._file:
+                datasets[LENGTHS_KEY] = _dataset(self._file, self.path, LENGTHS_KEY)
+                if datasets[LENGTHS_KEY].dtype != LENGTHS_DTYPE:
+                    raise ShardError(f"{self.path}: {LENGTHS_KEY!r} is {datasets[LENGTHS_KEY].dtype}, expected int16")
+            self._len = _check_rows(self.path, datasets)
+            self._lengths_ds = datasets.get(LENGTHS_KEY)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __len__(self) -> int:
+        return self._len
+
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample (int64): from the length index, or computed from input_ids if absent."""
+        with self._reading():
+            if self._lengths_ds is not None:
+                return self._lengths_ds[()].astype(np.int64)
+            return np.fromiter((len(r) for r in self._ds["input_ids"][()]), dtype=np.int64, count=self._len)
+
+    def __getitem__(self, i: int) -> Sample:
+        if not -self._len <= i < self._len:
+            raise IndexError(f"{self.path}: sample {i} out of range for {self._len} samples")
+        return self.read([i % self._len])[0]
+
+    def read(self, indices: Sequence[int] | np.ndarray) -> list[Sample]:
+        """The samples at `indices`, in that order (one sorted hdf5 read per key)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size == 0:
+            return []
+        if indices.min() < 0 or indices.max() >= self._len:
+            raise IndexError(f"{self.path}: indices outside 0..{self._len - 1}")
+        # h5py fancy indexing needs increasing unique indices; read those, then map back.
+        unique, inverse = np.unique(indices, return_inverse=True)
+        with self._reading():
+            cols = {key: ds[unique] for key, ds in self._ds.items()}
+        samples = []
+        for j, row in zip(inverse, indices):
+            sample = Sample(
+                input_ids=cols["input_ids"][j].astype(np.int64),
+                segment_ids=cols["segment_ids"][j].astype(np.int64),
+                masked_positions=cols["masked_lm_positions"][j].astype(np.int64),
+                masked_labels=cols["masked_lm_ids"][j].astype(np.int64),
+                nsp_label=int(cols[NSP_KEY][j]),
+            )
+            if len(sample.segment_ids) != len(sample.input_ids) or len(sample.masked_positions) != len(
+                sample.masked_labels
+            ):
+                raise ShardError(f"{self.path}: sample {row} has fields of mismatched lengths")
+            samples.append(sample)
+        return samples
+
+    def __iter__(self) -> Iterator[Sample]:
+        for start in range(0, self._len, 1024):
+            yield from self.read(np.arange(start, min(start + 1024, self._len)))
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:  # a damaged chunk or heap is only found when it is read
+            raise ShardError(f"{self.path}: read failed (corrupt shard?): {e}") from e
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> VarlenShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self):
+        # An open hdf5 handle cannot cross a process boundary; reopen by path in the worker.
+        return (type(self), (self.path,))
+
+
+class FixedShard:
+    """A fixed-length MLPerf shard opened read-only; rows come back unpadded as `Sample`s."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._file = _open(self.path)
+        try:
+            self._ds = {key: _dataset(self._file, self.path, key) for key in FIXED_KEYS}
+            for key, ds in self._ds.items():
+                ndim = 1 if key == NSP_KEY else 2
+                if ds.dtype.kind not in "iu" or ds.ndim != ndim:
+                    raise ShardError(
+                        f"{self.path}: {key!r} is {ds.dtype} {ds.shape}, expected a {ndim}-d integer array"
+                    )
+            self._len = _check_rows(self.path, self._ds)
+            widths = {key: self._ds[key].shape[1] for key in FIXED_SEQ_KEYS + FIXED_PRED_KEYS}
+            if len({widths[k] for k in FIXED_SEQ_KEYS}) != 1 or len({widths[k] for k in FIXED_PRED_KEYS}) != 1:
+                raise ShardError(f"{self.path}: padded widths disagree: {widths}")
+            self.max_seq_length, self.max_predictions = widths["input_ids"], widths["masked_lm_ids"]
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __len__(self) -> int:
+        return self._len
+
+    def read(self, start: int, stop: int) -> list[Sample]:
+        """Samples start..stop-1, with padding removed (length from input_mask, as NVIDIA's converter)."""
+        try:
+            cols = {key: ds[start:stop] for key, ds in self._ds.items()}
+        except OSError as e:
+            raise ShardError(f"{self.path}: read failed (corrupt shard?): {e}") from e
+        samples = []
+        for i in range(len(cols[NSP_KEY])):
+            length = int(cols["input_mask"][i].sum())
+            # Position 0 is [CLS], which is never masked, so a zero position is padding.
+            n_pred = int(np.count_nonzero(cols["masked_lm_positions"][i]))
+            samples.append(
+                Sample(
+                    input_ids=cols["input_ids"][i, :length].astype(np.int64),
+                    segment_ids=cols["segment_ids"][i, :length].astype(np.int64),
+                    masked_positions=cols["masked_lm_positions"][i, :n_pred].astype(np.int64),
+                    masked_labels=cols["masked_lm_ids"][i, :n_pred].astype(np.int64),
+                    nsp_label=int(cols[NSP_KEY][i]),
+                )
+            )
+        return samples
+
+    def __iter__(self) -> Iterator[Sample]:
+        for start in range(0, self._len, 1024):
+            yield from self.read(start, min(start + 1024, self._len))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> FixedShard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def fixed_to_varlength(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """Convert one fixed-length shard to a varlength shard; return the number of samples."""
+    with FixedShard(src) as shard:
+        return write_varlength_shard(dst, iter(shard))
