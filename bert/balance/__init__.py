@@ -11,9 +11,13 @@ sample data moved between ranks:
   array of the same shape whose row r holds the indices (into `lengths.ravel()`) of the
   sequences rank r trains on. Every index appears exactly once.
 
-`get_strategy(name)` returns the `Strategy` registered under `name`; `STRATEGIES` lists them.
+`get_strategy(name)` returns the `Strategy` registered under `name`; `STRATEGIES` lists them:
+none, global (NVIDIA exchange padding), stratified, local, snake, samsung (stratified + local
+presort + snake), lpt and stratified_lpt (world-wide longest-first greedy, `greedy.py`).
+`Strategy.scope` says whose lengths `assign` reads (the rank's, its node's, the world's).
 """
 
 from bert.balance.strategies import STRATEGIES, Strategy, get_strategy
+from bert.balance.stratify import strata_counts, stratum_of
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy"]
+__all__ = ["STRATEGIES", "Strategy", "get_strategy", "strata_counts", "stratum_of"]

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from bert.balance.greedy import assign_greedy
+from bert.balance.presort import assign_global, assign_local, assign_snake
+
 Assign = Callable[[np.ndarray, int], np.ndarray]
+# Whose lengths `assign` needs: the rank's own, its node's, or the whole world's. With a shared
+# seed and a length index every rank can know them without a collective; the cost model
+# (bench/balance_cost.py) prices what moving them would cost instead.
+Scope = Literal["rank", "node", "world"]
 
 
 def assign_none(lengths: np.ndarray, ranks_per_node: int) -> np.ndarray:
@@ -19,14 +27,24 @@ def assign_none(lengths: np.ndarray, ranks_per_node: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    stratified: bool
+    stratified: bool  # the sampler draws `strata_counts` sequences per stratum for each rank
     assign: Assign
     doc: str = ""
+    scope: Scope = "rank"
 
 
-# Filled in by the balance modules (global presort, local presort, snake, ...).
 STRATEGIES: dict[str, Strategy] = {
-    "none": Strategy("none", stratified=False, assign=assign_none, doc="no balancing"),
+    s.name: s
+    for s in (
+        Strategy("none", False, assign_none, "no balancing"),
+        Strategy("global", False, assign_global, "NVIDIA exchange padding: world-wide sort, round-robin", "world"),
+        Strategy("stratified", True, assign_none, "stratified draw (6/3/2/5 of 16), no reassignment"),
+        Strategy("local", False, assign_local, "sort inside each node, round-robin", "node"),
+        Strategy("snake", False, assign_snake, "sort inside each node, boustrophedon (paper Fig. 4)", "node"),
+        Strategy("samsung", True, assign_snake, "stratified draw + node-local sort + snake (paper 000)", "node"),
+        Strategy("lpt", False, assign_greedy, "world-wide longest-first into least-loaded, equal counts", "world"),
+        Strategy("stratified_lpt", True, assign_greedy, "stratified draw + lpt", "world"),
+    )
 }
 
 
