@@ -1,0 +1,130 @@
+"""logging/verify_result.py against crafted result logs, with the official compliance checker as the referee.
+
+`write_log` is our own generator of BERT result logs laid out like NVIDIA's (and like
+/work/shared/reference/sample_bert_result_pass.log), with evals on the rules' cadence. The clean log must
+pass the official checker (so the fixture is realistic) and our verifier; each violation must fail our
+verifier with a message naming the rule, most of them while the official checker still passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+T0 = 1_700_000_000_000
+
+HYPERPARAMETERS = {
+    "opt_base_learning_rate": 0.000425, "opt_lamb_epsilon": 1e-6, "opt_learning_rate_training_steps": 6700,
+    "opt_learning_rate_warmup_steps": 0, "num_warmup_steps": 0, "start_warmup_step": 0, "opt_lamb_beta_1": 0.9,
+    "opt_lamb_beta_2": 0.999, "opt_lamb_weight_decay_rate": 0.01,
+}
+
+
+def rules_interval(gbs: int) -> int:
+    return math.floor(0.05 * (230.23 * gbs + 3_000_000) / 25_000) * 25_000
+
+
+def write_log(path: Path, accuracies=(0.45, 0.62, 0.705, 0.7205), *, gbs: int = 448, status: str | None = "success",
+              division: str = "closed", init_minutes: float = 1.0, epoch_nums: list | None = None,
+              train_samples: int | None = None, eval_samples: int = 10000, run_starts: int = 1,
+              seed: int = 1234, step_s: float = 60.0) -> Path:
+    interval = rules_interval(gbs)
+    epoch_nums = epoch_nums or [math.ceil(interval * (k + 1) / gbs) * gbs for k in range(len(accuracies))]
+    clock = [T0]
+    lines: list[str] = []
+
+    def log(key, value=None, after_s: float = 0.001, **metadata):
+        clock[0] += int(after_s * 1000)
+        record = {"namespace": "", "time_ms": clock[0], "event_type": "POINT_IN_TIME", "key": key, "value": value,
+                  "metadata": {"file": "gen.py", "lineno": len(lines) + 1, **metadata}}
+        lines.append(f":::MLLOG {json.dumps(record)}")
+
+    log("cache_clear", True)
+    log("init_start")
+    for key, value in [("submission_benchmark", "bert"), ("submission_org", "TestOrg"),
+                       ("submission_division", division), ("submission_status", "onprem"),
+                       ("submission_platform", "1xTest"), ("seed", seed), ("global_batch_size", gbs),
+                       ("gradient_accumulation_steps", 1), *HYPERPARAMETERS.items()]:
+        log(key, value)
+    log("init_stop", after_s=init_minutes * 60)
+    for _ in range(run_starts):
+        log("run_start")
+    log("block_start", first_epoch_num=1, epoch_count=1)
+    for n, acc in zip(epoch_nums, accuracies):
+        log("eval_accuracy", acc, after_s=step_s, epoch_num=n)
+    log("block_stop", first_epoch_num=1)
+    log("train_samples", epoch_nums[len(accuracies) - 1] if train_samples is None else train_samples)
+    log("eval_samples", eval_samples)
+    log("run_stop", **({} if status is None else {"status": status}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def official_check(log: Path, tmp: Path) -> bool:
+    out = subprocess.run([PY, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset", "5.0.0",
+                          "--log_output", str(tmp / "cc.log"), str(log)], capture_output=True, text=True, cwd=tmp)
+    return out.returncode == 0
+
+
+def verify(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_clean_log_passes_official_checker_and_verifier(tmp_path):
+    log = write_log(tmp_path / "result_0.txt")
+    assert official_check(log, tmp_path)
+    out = verify(log)
+    assert out.returncode == 0, out.stdout
+    assert out.stdout.startswith("PASS")
+
+
+def test_open_division_allows_a_long_init(tmp_path):
+    assert verify(write_log(tmp_path / "r.txt", division="open", init_minutes=100)).returncode == 0
+
+
+# (variant kwargs, words the verifier must print, does the official 5.0.0 checker catch it too?)
+VIOLATIONS = {
+    "last_eval_below_target_but_success": (dict(accuracies=(0.5, 0.73, 0.71)), "convergence", False),
+    "target_reached_but_aborted": (dict(status="aborted"), "convergence", False),
+    "epoch_index_not_samples": (dict(accuracies=(0.6, 0.73), epoch_nums=[1, 2]), "not a whole number", False),
+    "float_epoch_num": (dict(accuracies=(0.73,), epoch_nums=[150080.0]), "integer sample count", False),
+    "train_samples_mismatch": (dict(train_samples=999_936), "train_samples", False),
+    "wrong_eval_set_size": (dict(eval_samples=5000), "eval_samples", False),
+    "skipped_eval": (dict(accuracies=(0.6, 0.73), epoch_nums=[150080, 450240]), "eval cadence", False),
+    "two_run_starts": (dict(run_starts=2), "run_start: expected exactly one", False),  # a same-value repeat: WARNING
+    "no_run_stop_status": (dict(status=None), "status", True),
+    "init_over_30_min": (dict(init_minutes=35), "init: took 35.0 min", True),
+}
+
+
+@pytest.mark.parametrize("name", VIOLATIONS)
+def test_verifier_catches(name, tmp_path):
+    kwargs, message, official_catches = VIOLATIONS[name]
+    log = write_log(tmp_path / "result_0.txt", **kwargs)
+    assert official_check(log, tmp_path) is not official_catches
+    out = verify(log)
+    assert out.returncode == 1
+    assert message in out.stdout, out.stdout
+
+
+def test_cadence_from_the_command_line(tmp_path):
+    gbs, every = 32, 1000
+    nums = [math.ceil((500 + k * every) / gbs) * gbs for k in range(3)]
+    log = write_log(tmp_path / "r.txt", accuracies=(0.3, 0.5, 0.73), gbs=gbs, epoch_nums=nums)
+    assert verify(log, "--eval-start", 500, "--eval-every", every).returncode == 0
+    assert "eval cadence" in verify(log, "--eval-start", 500, "--eval-every", 2 * every).stdout
+
+
+def test_unreadable_line_names_file_and_line(tmp_path):
+    log = write_log(tmp_path / "r.txt")
+    log.write_text(log.read_text() + ':::MLLOG {"key": "broken"\n')
+    out = verify(log)
+    assert out.returncode == 1 and f"{log}:" in out.stdout
