@@ -1,0 +1,138 @@
+"""Variable-length multi-head attention over concatenated sequences, with backends chosen by name.
+
+All backends take q, k, v of shape (T, heads, head_dim) for the tokens of a `SeqLayout` and return
+(T, heads, head_dim); a token attends to every token of its own sequence and to nothing else.
+A backend is a planner: called once per batch with the `SeqLayout`, it does its host-side work
+(index plans, grouping) and returns the `Attend` function every layer then calls.
+
+    loop     one SDPA per sequence; exact and the fastest on CPU (reference doc, section 1)
+    grouped  Baidu's length-grouped attention (paper 001, IV-A-2): one padded SDPA per length
+             group (0,128], (128,256], (256,384], (384,512]; on CUDA each group on its own stream
+    varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
+    padded   pad every sequence to the batch maximum, mask padded keys: the baseline
+    auto     `varlen` when CUDA is available, else `loop`
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bert.batch import SeqLayout
+from bert.model.cuda_varlen import flash_varlen
+from bert.model.padding import PadLayout, pad, unpad
+
+Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
+Planner = Callable[[SeqLayout], Attend]
+
+GROUP_EDGES = (128, 256, 384)  # upper edges of all but the last group, as in the paper's Figure 8
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, dropout_p: float) -> Tensor:
+    """Attention on padded (B, L, H, D) tensors; key_mask (B, L) is True at real tokens."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask[:, None, None, :],
+        dropout_p=dropout_p,
+    )
+    return out.transpose(1, 2)
+
+
+def plan_loop(seq: SeqLayout) -> Attend:
+    bounds = np.concatenate([[0], np.cumsum(seq.lengths)]).tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        # (L, H, D) -> (H, L, D): SDPA treats heads as the batch dimension.
+        outs = [
+            F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           dropout_p=dropout_p).transpose(0, 1)
+            for a, b in spans
+        ]
+        return torch.cat(outs)
+
+    return attend
+
+
+def plan_padded(seq: SeqLayout) -> Attend:
+    layout = PadLayout.build(seq)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        out = masked_sdpa(pad(q, layout), pad(k, layout), pad(v, layout), layout.key_mask, dropout_p)
+        return unpad(out, layout)
+
+    return attend
+
+
+def length_groups(lengths: Sequence[int], edges: Sequence[int] = GROUP_EDGES) -> list[list[int]]:
+    """Indices of the sequences in each non-empty group (0, e0], (e0, e1], ..., (e_last, inf)."""
+    group = np.searchsorted(np.asarray(edges), np.asarray(lengths), side="left")
+    return [np.flatnonzero(group == g).tolist() for g in range(len(edges) + 1) if (group == g).any()]
+
+
+@cache
+def _side_streams(device: torch.device, n: int) -> tuple[torch.cuda.Stream, ...]:
+    return tuple(torch.cuda.Stream(device) for _ in range(n))
+
+
+def plan_grouped(seq: SeqLayout) -> Attend:
+    layouts = [PadLayout.build(seq, ids) for ids in length_groups(seq.lengths)]
+    order = torch.cat([lay.tokens for lay in layouts])  # token index of each row of the concatenated outputs
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+    def one_group(q: Tensor, k: Tensor, v: Tensor, lay: PadLayout, dropout_p: float) -> Tensor:
+        return unpad(masked_sdpa(pad(q, lay), pad(k, lay), pad(v, lay), lay.key_mask, dropout_p), lay)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        if q.is_cuda:
+            outs = _on_side_streams(layouts, lambda lay: one_group(q, k, v, lay, dropout_p), q.device)
+        else:
+            outs = [one_group(q, k, v, lay, dropout_p) for lay in layouts]
+        return torch.cat(outs).index_select(0, inverse)
+
+    return attend
+
+
+def _on_side_streams(layouts: list[PadLayout], run: Callable[[PadLayout], Tensor], device: torch.device) -> list:
+    """Run the groups concurrently, one CUDA stream each, ordered against the main stream by events."""
+    main = torch.cuda.current_stream(device)
+    streams = _side_streams(device, len(GROUP_EDGES) + 1)[: len(layouts)]
+    outs = []
+    for lay, stream in zip(layouts, streams):
+        stream.wait_stream(main)  # an event: q, k, v are written on the main stream
+        with torch.cuda.stream(stream):
+            outs.append(run(lay))
+    for stream in streams:
+        main.wait_stream(stream)  # an event: the next operator starts after every group is done
+    for out in outs:
+        out.record_stream(main)  # allocated on a side stream, consumed on the main one
+    return outs
+
+
+BACKENDS: dict[str, Planner] = {
+    "loop": plan_loop,
+    "grouped": plan_grouped,
+    "varlen": flash_varlen,
+    "padded": plan_padded,
+}
+
+
+def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
+    """The concrete backend for `name`; `auto` looks at `device` (default: CUDA if available)."""
+    if name == "auto":
+        cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        return "varlen" if cuda else "loop"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, seq: SeqLayout, dropout_p: float = 0.0,
+                     backend: str = "auto") -> Tensor:
+    """Attention of (T, H, D) tokens within their own sequences. Plans for one call; the model plans once
+    per batch with `BACKENDS[name](seq)` and reuses the result in every layer."""
+    return BACKENDS[resolve_backend(backend, q.device)](seq)(q, k, v, dropout_p)

@@ -1,0 +1,55 @@
+"""CUDA flash attention directly on the unpadded tokens (the FMHA of NVIDIA's and Baidu's BERT).
+
+`torch.nn.attention.varlen.varlen_attn` (torch >= 2.10) has no dropout argument (it passes 0), but BERT
+trains with attention-probability dropout 0.1. With dropout we therefore call the same aten flash
+kernels it wraps, which do take `dropout_p`, through a small autograd function; the backward replays
+the forward's dropout mask from the philox `rng_state` the forward returns.
+Flash kernels need CUDA and fp16/bf16 inputs (run the model under `torch.autocast`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from bert.batch import SeqLayout
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch < 2.10: the dropout path below serves dropout 0 as well
+    varlen_attn = None
+
+
+class FlashVarlenDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, False, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_seqlen, ctx.max_seqlen, ctx.dropout_p,
+            False, rng_state, unused,
+        )
+        return dq, dk, dv, None, None, None
+
+
+def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
+    if seq.cu_seqlens.device.type != "cuda":
+        raise ValueError("attention backend 'varlen' needs the batch on a CUDA device; use 'loop' on CPU")
+    cu, longest = seq.cu_seqlens, seq.max_seqlen
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        if dropout_p == 0.0 and varlen_attn is not None:
+            return varlen_attn(q, k, v, cu, cu, longest, longest)
+        return FlashVarlenDropout.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest, dropout_p)
+
+    return attend

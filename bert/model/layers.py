@@ -1,0 +1,120 @@
+"""BERT's embedding, encoder and pooler, shape-agnostic over the leading token axes.
+
+Every module maps (..., hidden) to (..., hidden): the unpadded model feeds (T, hidden), the padded
+reference (B, L, hidden). Only attention needs to know which tokens belong together, and it gets
+that as an `Attend` function (see `attention.py`). Module and parameter names follow Google's and
+Hugging Face's BERT (`encoder.layer.N.attention.self.query`, `LayerNorm`), so imported checkpoints
+map one to one and weight decay can skip names containing `bias` or `LayerNorm`.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bert.model.attention import Attend
+from bert.model.config import BertConfig
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, segment_ids: Tensor) -> Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        x = x + self.token_type_embeddings(segment_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.heads, self.dropout_p = cfg.num_attention_heads, cfg.attention_probs_dropout_prob
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        split = lambda t: t.unflatten(-1, (self.heads, -1))  # (..., hidden) -> (..., heads, head_dim)
+        out = attend(split(self.query(x)), split(self.key(x)), split(self.value(x)),
+                     self.dropout_p if self.training else 0.0)
+        return out.flatten(-2)
+
+
+class BertResidualOutput(nn.Module):
+    """dense -> dropout -> + residual -> LayerNorm (post-LN), closing both attention and feed-forward."""
+
+    def __init__(self, cfg: BertConfig, in_features: int):
+        super().__init__()
+        self.dense = nn.Linear(in_features, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(self.dropout(self.dense(h)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(cfg)
+        self.output = BertResidualOutput(cfg, cfg.hidden_size)
+
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        return self.output(self.self(x, attend), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.dense(x))  # exact (erf) GELU, as in Google's BERT
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertResidualOutput(cfg, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        x = self.attention(x, attend)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, x: Tensor, attend: Attend) -> Tensor:
+        for layer in self.layer:
+            x = layer(x, attend)
+        return x
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, cls_rows: Tensor) -> Tensor:
+        return self.dense(cls_rows).tanh()
+
+
+class BertModel(nn.Module):
+    """Container of the shared trunk; `BertForPreTraining` decides how tokens are laid out."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+        self.pooler = BertPooler(cfg)

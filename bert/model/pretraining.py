@@ -1,0 +1,113 @@
+"""BERT for pre-training on unpadded batches: MLM + NSP heads, losses and MLM accuracy.
+
+`forward` never pads: embeddings and encoder run on the (T, hidden) token axis, the pooler takes
+the [CLS] rows at `cu_seqlens[:-1]`, and the MLM head runs only on the masked rows (NVIDIA's
+"dense sequence output"). `forward_padded` runs the same weights on a zero-padded (B, L) batch with
+a key-padding mask: the reference for tests and the baseline for benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bert.batch import Batch
+from bert.model.attention import BACKENDS, masked_sdpa, resolve_backend
+from bert.model.config import BertConfig
+from bert.model.layers import BertModel
+from bert.model.padding import PadLayout, pad
+
+
+@dataclass
+class PretrainOutput:
+    loss: Tensor  # mlm_loss + nsp_loss
+    mlm_loss: Tensor  # mean over masked tokens
+    nsp_loss: Tensor  # mean over sequences
+    mlm_correct: Tensor  # int64 scalar: masked tokens predicted right (a tensor, so it can be all-reduced)
+    mlm_total: Tensor  # int64 scalar: masked tokens
+    mlm_logits: Tensor  # (M, vocab)
+    nsp_logits: Tensor  # (B, 2)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform, then the decoder tied to the word embeddings (passed in, so it is stored once)."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(cfg)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, x: Tensor, word_embeddings: Tensor) -> Tensor:
+        return F.linear(self.transform(x), word_embeddings, self.bias)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(cfg)
+        self.seq_relationship = nn.Linear(cfg.hidden_size, 2)
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, cfg: BertConfig, attention: str = "auto", device: torch.device | str | None = None):
+        """`attention` names a backend of `bert.model.attention`; `auto` is resolved here, for `device`."""
+        super().__init__()
+        self.config = cfg
+        self.attention = resolve_backend(attention, device)
+        self.plan_attention = BACKENDS[self.attention]
+        self.bert = BertModel(cfg)
+        self.cls = BertPreTrainingHeads(cfg)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Google's BERT: truncated-free normal(0, 0.02) weights, zero biases, unit LayerNorm.
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, batch: Batch) -> PretrainOutput:
+        attend = self.plan_attention(batch.seq)  # host-side planning, once for all layers
+        x = self.bert.embeddings(batch.input_ids, batch.position_ids, batch.segment_ids)  # (T, hidden)
+        x = self.bert.encoder(x, attend)
+        cls_rows = x.index_select(0, batch.seq.cu_seqlens[:-1])
+        return self._heads(x.index_select(0, batch.masked_positions), cls_rows, batch)
+
+    def forward_padded(self, batch: Batch, width: int | None = None) -> PretrainOutput:
+        """Same weights on a zero-padded (B, width) batch with a key-padding mask (width: batch max)."""
+        layout = PadLayout.build(batch.seq, width=width)
+        x = self.bert.embeddings(pad(batch.input_ids, layout), pad(batch.position_ids, layout),
+                                 pad(batch.segment_ids, layout))  # (B, L, hidden)
+        x = self.bert.encoder(x, lambda q, k, v, p: masked_sdpa(q, k, v, layout.key_mask, p))
+        masked_rows = x.flatten(0, 1).index_select(0, layout.slots.index_select(0, batch.masked_positions))
+        return self._heads(masked_rows, x[:, 0], batch)
+
+    def _heads(self, masked_rows: Tensor, cls_rows: Tensor, batch: Batch) -> PretrainOutput:
+        mlm_logits = self.cls.predictions(masked_rows, self.bert.embeddings.word_embeddings.weight)
+        nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
+        mlm_loss = F.cross_entropy(_at_least_fp32(mlm_logits), batch.masked_labels)
+        nsp_loss = F.cross_entropy(_at_least_fp32(nsp_logits), batch.nsp_labels)
+        correct = (mlm_logits.argmax(-1) == batch.masked_labels).sum()
+        total = torch.full((), batch.masked_labels.numel(), dtype=torch.int64, device=correct.device)
+        return PretrainOutput(mlm_loss + nsp_loss, mlm_loss, nsp_loss, correct, total, mlm_logits, nsp_logits)
+
+
+def _at_least_fp32(logits: Tensor) -> Tensor:
+    # Softmax over 30k classes in bf16 loses the loss's precision; float64 (tests) stays float64.
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
