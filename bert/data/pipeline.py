@@ -1,0 +1,102 @@
+"""The training input pipeline: plan, read, collate in the background, hand over on the device.
+
+    loader = TrainLoader(input_dir, local_batch_size, world_size, rank, ranks_per_node, strategy="samsung")
+    for batch in loader:  # endless, across epochs; a `bert.batch.Batch` already on `device`
+        ...
+
+Epochs, strata and remainders are defined in `bert.data.epoch`; the plan shared by all
+ranks in `bert.data.plan`. A step's batch is this rank's row of the balanced assignment,
+read from the shards in assignment order and collated on the CPU in a background thread
+(`bert.data.prefetch`), so `SeqLayout.lengths`/`max_seqlen` are host values and the
+training step never waits on the device to learn them. On CUDA the batch is pinned by the
+thread and copied with `non_blocking=True` on the consumer's current stream, which orders
+the copy before the step's kernels with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bert.balance import Strategy
+from bert.batch import Batch, collate
+from bert.data.eval_set import eval_batches
+from bert.data.index import LengthIndex
+from bert.data.plan import TrainPlan
+from bert.data.prefetch import Prefetcher
+from bert.data.reader import SampleReader
+
+__all__ = ["TrainLoader", "eval_batches"]
+
+
+class TrainLoader:
+    def __init__(
+        self,
+        input_dir: str | os.PathLike,
+        local_batch_size: int,
+        world_size: int,
+        rank: int,
+        ranks_per_node: int,
+        strategy: str | Strategy = "none",
+        seed: int = 0,
+        shuffle_buffer: int = 10000,
+        device: torch.device | str = "cpu",
+        prefetch: int = 2,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        self.plan = TrainPlan(
+            LengthIndex.scan(input_dir), world_size, local_batch_size, ranks_per_node, strategy, seed, shuffle_buffer
+        )
+        self.rank, self.device, self.prefetch = rank, torch.device(device), prefetch
+        self.step = 0  # batches handed to the caller so far
+        self._reader = SampleReader(self.plan.index)
+        self._worker: Prefetcher | None = None
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples consumed by all ranks together (MLPerf counts epochs in samples)."""
+        return self.step * self.plan.global_batch_size
+
+    def _batch(self, step: int) -> Batch:
+        return collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
+
+    def __iter__(self) -> TrainLoader:
+        if self._worker is None:
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            self._worker = Prefetcher(self._batch, self.step, self.prefetch, pin)
+        return self
+
+    def __next__(self) -> Batch:
+        batch = iter(self)._worker.next()
+        self.step += 1
+        return batch.to(self.device, non_blocking=True)
+
+    def state_dict(self) -> dict:
+        plan = self.plan
+        return {
+            "step": self.step,
+            "seed": plan.seed,
+            "world_size": plan.world_size,
+            "local_batch_size": plan.local_batch_size,
+            "ranks_per_node": plan.ranks_per_node,
+            "strategy": plan.strategy.name,
+            "shuffle_buffer": plan.shuffle_buffer,
+            "num_samples": plan.index.num_samples,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`: the next batch is the one that followed when it was saved."""
+        mine = self.state_dict()
+        differ = {k: (state.get(k), v) for k, v in mine.items() if k != "step" and state.get(k) != v}
+        if differ:
+            raise ValueError(f"loader state was saved with a different plan (saved, now): {differ}")
+        self.close()
+        self.step = int(state["step"])
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        self._reader.close()
