@@ -1,0 +1,22 @@
+# shellcheck shell=bash
+# 1 node x 8 A100, GBS 448 = 56 x 1 x 8. LAMB at the RCP point GBS 448 (NVIDIA v2.0 config_DGXA100_1x8x56x1.sh).
+# shellcheck source=config_DGXA100_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/config_DGXA100_common.sh"
+export DGXSYSTEM=DGXA100_1x8x56x1
+export DGXNNODES=1
+export BATCHSIZE=56
+export GRADIENT_STEPS=1
+export OPTIMIZER=lamb
+export LR=0.000425
+export OPT_LAMB_BETA_1=0.9
+export OPT_LAMB_BETA_2=0.999
+export EPSILON=1e-6
+export WEIGHT_DECAY_RATE=0.01
+export WARMUP_STEPS=0
+export START_WARMUP_STEP=0
+export MAX_STEPS=6700
+export EVAL_ITER_START_SAMPLES=150000
+export EVAL_ITER_SAMPLES=150000
+export MAX_SAMPLES_TERMINATION=4500000
+export WALLTIME_MINUTES=75  # per experiment
+export WALLTIME=$((${NEXP:-1} * WALLTIME_MINUTES + 5))

@@ -1,0 +1,23 @@
+# shellcheck shell=bash
+# 8 nodes x 8 A100, GBS 3072 = 48 x 1 x 64. LAMB, NVIDIA v2.1 (NGC 22.09) config_DGXA100_8x8x48x1.sh: 2.50 min.
+# shellcheck source=config_DGXA100_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/config_DGXA100_common.sh"
+export DGXSYSTEM=DGXA100_8x8x48x1
+export DGXNNODES=8
+export BATCHSIZE=48
+export GRADIENT_STEPS=1
+export OPTIMIZER=lamb
+export LR=0.0020992
+export OPT_LAMB_BETA_1=0.60466
+export OPT_LAMB_BETA_2=0.85437
+export EPSILON=1e-6
+export WEIGHT_DECAY_RATE=0.1
+export WARMUP_STEPS=0
+export START_WARMUP_STEP=0
+export MAX_STEPS=1059
+export EVAL_ITER_START_SAMPLES=175000
+export EVAL_ITER_SAMPLES=175000
+export MAX_SAMPLES_TERMINATION=4500000
+export INIT_LOSS_SCALE=4096.0
+export WALLTIME_MINUTES=15  # per experiment
+export WALLTIME=$((${NEXP:-1} * WALLTIME_MINUTES + 5))
