@@ -12,7 +12,7 @@ sample data moved between ranks:
   sequences rank r trains on. Every index appears exactly once.
 
 `get_strategy(name)` returns the `Strategy` registered under `name`; `STRATEGIES` lists them:
-none, global (NVIDIA exchange padding), stratified, local, snake, samsung (stratified + local
+none, global (NVIDIA exchange padding), stratified, local, stratified_local, snake, samsung (stratified + local
 presort + snake), lpt and stratified_lpt (world-wide longest-first greedy, `greedy.py`).
 `Strategy.scope` says whose lengths `assign` reads (the rank's, its node's, the world's).
 """

@@ -40,6 +40,7 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("global", False, assign_global, "NVIDIA exchange padding: world-wide sort, round-robin", "world"),
         Strategy("stratified", True, assign_none, "stratified draw (6/3/2/5 of 16), no reassignment"),
         Strategy("local", False, assign_local, "sort inside each node, round-robin", "node"),
+        Strategy("stratified_local", True, assign_local, "stratified draw + node-local sort, round-robin", "node"),
         Strategy("snake", False, assign_snake, "sort inside each node, boustrophedon (paper Fig. 4)", "node"),
         Strategy("samsung", True, assign_snake, "stratified draw + node-local sort + snake (paper 000)", "node"),
         Strategy("lpt", False, assign_greedy, "world-wide longest-first into least-loaded, equal counts", "world"),
