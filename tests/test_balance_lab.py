@@ -1,0 +1,102 @@
+"""The load-balance lab: length distributions, packing and the min/max simulation, against hand-worked cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bert.balance import get_strategy, stratum_of
+from bert.balance.length_pmf import LengthPMF
+from bert.balance.packing import pack_histogram
+from bert.balance.simulate import draw, pack, simulate, simulate_packing, stratum_histogram
+from bert.lengths import WIKI_PHASE2, LengthMix
+
+# P(100) = P(300) = 1/2: small enough to enumerate every outcome by hand.
+COIN = LengthPMF(np.where(np.isin(np.arange(1, 513), [100, 300]), 0.5, 0.0))
+
+
+def test_pmf_from_mix_matches_the_mix_sampler() -> None:
+    pmf = LengthPMF.from_mix(WIKI_PHASE2)
+    drawn = WIKI_PHASE2.sample(400_000, np.random.default_rng(0))
+    empirical = np.bincount(drawn - 1, minlength=512) / drawn.size
+    assert pmf.probs.sum() == pytest.approx(1.0)
+    assert pmf.probs[511] == pytest.approx(0.23)
+    # Per-stratum shares and the spike agree to sampling error; so does every 32-token window.
+    np.testing.assert_allclose(empirical.reshape(16, 32).sum(1), pmf.probs.reshape(16, 32).sum(1), atol=3e-3)
+    assert drawn.mean() == pytest.approx(pmf.mean, rel=3e-3)
+
+
+def test_pmf_from_lengths_and_bad_input() -> None:
+    pmf = LengthPMF.from_lengths([3, 3, 1, 4], max_length=8)
+    np.testing.assert_allclose(pmf.probs, [0.25, 0, 0.5, 0.25, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="above the maximum 8"):
+        LengthPMF.from_lengths([3, 9], max_length=8)
+    with pytest.raises(ValueError, match="no lengths"):
+        LengthPMF.from_lengths([])
+
+
+def test_stratified_draw_has_exact_counts_per_rank() -> None:
+    pmf = LengthPMF.from_mix(WIKI_PHASE2)
+    lengths = draw(pmf, True, (3, 64, 16), np.random.default_rng(1), (128, 256, 384, 512))
+    per_rank = np.stack([np.bincount(stratum_of(row), minlength=4) for row in lengths.reshape(-1, 16)])
+    assert (per_rank == [6, 3, 2, 5]).all()
+    np.testing.assert_allclose(stratum_histogram(pmf), [0.373, 0.197, 0.117, 0.314], atol=1e-3)
+
+
+def test_simulation_tiny_case_by_hand() -> None:
+    # 2 GPUs x 2 sequences from COIN. No balancing: each GPU holds 200/400/600 with p 1/4, 1/2, 1/4,
+    # so E[min] = 200 + 200 P(both >= 400) + 200 P(both 600) = 200 + 200 * 9/16 + 200 * 1/16 = 325,
+    # E[max] = 800 - 325 = 475. Global presort over k = #300s of 4 (p = 1, 4, 6, 4, 1 / 16):
+    # (min, max) = (200, 200), (200, 400), (400, 400), (400, 600), (600, 600) -> 350 and 450.
+    rng = np.random.default_rng(2)
+    none = simulate(get_strategy("none"), COIN, 2, 2, 2, 40_000, rng)
+    glob = simulate(get_strategy("global"), COIN, 2, 2, 2, 40_000, rng)
+    for spread, lo, hi in ((none, 325, 475), (glob, 350, 450)):
+        assert spread.stderr < 1.0
+        assert abs(spread.avg_min - lo) < 4 * spread.stderr and abs(spread.avg_max - hi) < 4 * spread.stderr
+        assert spread.mean == pytest.approx(400, abs=3)
+
+
+def histogram_of(pairs: dict[int, int]) -> np.ndarray:
+    counts = np.zeros(512, dtype=np.int64)
+    for length, n in pairs.items():
+        counts[length - 1] = n
+    return counts
+
+
+@pytest.mark.parametrize(
+    "sequences,expected",
+    [
+        # 300 300 | 200 joins each (room 12 left) | 100 opens a pack
+        ({300: 2, 200: 2, 100: 1}, {500: 2, 100: 1}),
+        # at most 3 per pack even with room to spare
+        ({1: 10}, {3: 3, 1: 1}),
+        # 512s stay alone; 100 100 100 fill one pack (3 max), the 4th 100 takes two 50s, one 50 left
+        ({512: 3, 100: 4, 50: 3}, {512: 3, 300: 1, 200: 1, 50: 1}),
+        # best fit: the 60 goes to the pack with 100 free (412 + 60), not the one with 212
+        ({412: 1, 300: 1, 60: 1}, {472: 1, 300: 1}),
+    ],
+)
+def test_packing_by_hand(sequences: dict[int, int], expected: dict[int, int]) -> None:
+    packs = pack_histogram(histogram_of(sequences))
+    assert {t + 1: int(n) for t, n in enumerate(packs) if n} == expected
+
+
+def test_packing_keeps_every_token() -> None:
+    pmf = LengthPMF.from_mix(WIKI_PHASE2)
+    counts = pmf.counts(50_000)
+    packs = pack_histogram(counts)
+    tokens = np.arange(1, 513)
+    assert (packs * tokens).sum() == (counts * tokens).sum()
+    assert counts.sum() / packs.sum() <= 3  # at most 3 per pack
+    with pytest.raises(ValueError, match="longer than the pack capacity 256"):
+        pack_histogram(counts, capacity=256)
+
+
+def test_packing_simulation_draws_whole_packs() -> None:
+    # A mix whose packs are all exactly full (every 256 pairs with another 256): no spread at all.
+    halves = LengthPMF.from_mix(LengthMix(edges=(256, 512), probs=(1.0, 0.0), at_max=0.0, min_length=256))
+    packed = pack(halves, pool=1000)
+    assert packed.ratio == 2.0
+    spread = simulate_packing(packed, gpus=16, packs_per_gpu=8, trials=10, rng=np.random.default_rng(3))
+    assert spread.avg_min == spread.avg_max == 8 * 512
