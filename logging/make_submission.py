@@ -1,0 +1,170 @@
+"""Assemble an MLPerf Training submission folder for BERT and check it with the official tools (5.0.0).
+
+    python logging/make_submission.py results/DGXA100_1x8x56x1/bert/result_*.txt \\
+        --org MyOrg --system dgxa100_pytorch --out submission [--rcp-bypass]
+
+Builds, under OUT/<org>/ (which must not exist yet):
+
+    systems/<system>.json                         every field the system-description checker requires
+    results/<system>/bert/result_<k>.txt          the given logs, renumbered 0..n-1
+    benchmarks/bert/implementations/<impl>/       this repository's tracked files (`git ls-files`)
+
+then runs `package_checker`, `rcp_checker` and `result_summarizer` on a throw-away copy (they write
+scaling.json into the tree and *_checker.log into the working directory) and prints their verdicts and
+the score: the olympic mean of the runs' times to train, in minutes. `--rcp-bypass` is for data with no
+reference convergence point (synthetic): the RCP verdict is still printed, labelled as bypassed.
+Exits 0 only if the package checker found no errors and a score was produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from result_log import read_events, values
+
+RULESET = "5.0.0"
+ROOT = Path(__file__).resolve().parents[1]
+STATUSES = ("Available on-premise", "Available cloud", "Research, Development, or Internal (RDI)", "Preview")
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _memory() -> str:
+    kib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1024
+    return f"{kib // 2**20} GB"
+
+
+def _os_name() -> str:
+    release = Path("/etc/os-release")
+    pretty = [line for line in release.read_text().splitlines() if line.startswith("PRETTY_NAME=")] \
+        if release.exists() else []
+    return pretty[0].split("=", 1)[1].strip('"') if pretty else platform.platform()
+
+
+def describe_system(args: argparse.Namespace, division: str) -> dict[str, str]:
+    """The 33 fields the 5.0.0 system-description checker requires, filled from this host where it can."""
+    import torch  # only for its version string
+
+    cores = str(os.cpu_count() or "")
+    desc = {field: "" for field in (
+        "host_processor_frequency", "host_processor_caches", "host_processor_interconnect", "host_storage_type",
+        "host_storage_capacity", "host_networking", "host_networking_topology", "host_memory_configuration",
+        "accelerator_host_interconnect", "accelerator_frequency", "accelerator_on-chip_memories",
+        "accelerator_memory_configuration", "accelerator_memory_capacity", "accelerator_interconnect",
+        "accelerator_interconnect_topology", "cooling", "hw_notes", "sw_notes")}
+    desc.update({
+        "submitter": args.org, "division": division, "status": args.status, "system_name": args.system,
+        "number_of_nodes": str(args.nodes), "host_processors_per_node": "1", "host_processor_model_name": _cpu_model(),
+        "host_processor_core_count": cores, "host_processor_vcpu_count": cores, "host_memory_capacity": _memory(),
+        "accelerators_per_node": str(args.accelerators_per_node), "accelerator_model_name": args.accelerator,
+        "framework": f"PyTorch {torch.__version__}", "other_software_stack": f"Python {platform.python_version()}",
+        "operating_system": _os_name(),
+    })
+    return desc
+
+
+def tracked_files(repo: Path) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True)
+    return [Path(p) for p in out.stdout.split("\0") if p and not p.startswith("results/")]
+
+
+def build(args: argparse.Namespace) -> Path:
+    org = args.out / args.org
+    if org.exists():
+        raise SystemExit(f"make_submission: {org} exists; choose another --out")
+    divisions = {v for log in args.logs for v in values(read_events(log), "submission_division")}
+    if len(divisions) != 1:
+        raise SystemExit(f"make_submission: the logs disagree on or lack submission_division: {sorted(divisions)}")
+    (org / "systems").mkdir(parents=True)
+    system = describe_system(args, divisions.pop())
+    if args.system_json:
+        system.update(json.loads(args.system_json.read_text()))
+    (org / "systems" / f"{args.system}.json").write_text(json.dumps(system, indent=2) + "\n")
+    results = org / "results" / args.system / "bert"
+    results.mkdir(parents=True)
+    for k, log in enumerate(args.logs):
+        shutil.copyfile(log, results / f"result_{k}.txt")
+    impl = org / "benchmarks" / "bert" / "implementations" / args.impl
+    for rel in tracked_files(ROOT):
+        (impl / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, impl / rel)
+    return org
+
+
+def _run(argv: list[str], cwd: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
+def check(org: Path, system: str, rcp_bypass: bool) -> bool:
+    """Official checkers on a copy of `org`; prints verdicts and the score; True if the package is good."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / org.name
+        shutil.copytree(org, copy)
+        package = _run(["mlperf_logging.package_checker", str(copy), "training", RULESET,
+                        *(["--rcp-bypass"] if rcp_bypass else []), "--log_output", f"{tmp}/package.log"], Path(tmp))
+        package_ok = "PACKAGE CHECKER FOUND NO ERRORS" in package  # its exit code is 0 either way
+        print(f"package_checker {RULESET}: {'PASS' if package_ok else 'FAIL'}"
+              + (" (RCP check bypassed: --rcp-bypass)" if rcp_bypass else ""))
+        if not package_ok:
+            print(package)
+
+        rcp = _run(["mlperf_logging.rcp_checker", "--rcp_usage", "training", "--rcp_version", RULESET,
+                    "--log_output", f"{tmp}/rcp.log", str(copy / "results" / system / "bert")], Path(tmp))
+        rcp_ok = "RCP test PASSED" in rcp
+        verdict = "PASS" if rcp_ok else "FAIL"
+        print(f"rcp_checker {RULESET}: {verdict}" + ("" if rcp_ok or not rcp_bypass else
+              " -- BYPASSED with --rcp-bypass (no reference convergence point for this data)"))
+
+        _run(["mlperf_logging.result_summarizer", str(copy), "training", RULESET, "--csv", f"{tmp}/summary.csv"],
+             Path(tmp))
+        score = _score(Path(tmp) / "summary.csv")
+        print(f"score (result_summarizer {RULESET}): " + (f"bert {score} minutes" if score else "none"))
+    return package_ok and score is not None
+
+
+def _score(summary_csv: Path) -> str | None:
+    if not summary_csv.exists():
+        return None
+    with open(summary_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("bert") not in (None, ""):
+                return row["bert"]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="+", type=Path, help="result logs (10 for a valid BERT submission)")
+    p.add_argument("--out", type=Path, required=True, help="folder to create <org>/ in")
+    p.add_argument("--org", required=True, help="submitter name (folder and system JSON)")
+    p.add_argument("--system", required=True, help="system name: systems/<system>.json, results/<system>/")
+    p.add_argument("--impl", default="pytorch", help="implementation folder name")
+    p.add_argument("--status", default=STATUSES[0], choices=STATUSES)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--accelerators-per-node", type=int, default=0)
+    p.add_argument("--accelerator", default="", help="accelerator model name")
+    p.add_argument("--system-json", type=Path, help="JSON object whose fields override the generated ones")
+    p.add_argument("--rcp-bypass", action="store_true", help="pass --rcp-bypass to the package checker")
+    args = p.parse_args(argv)
+    org = build(args)
+    print(f"submission folder: {org}")
+    return 0 if check(org, args.system, args.rcp_bypass) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
