@@ -1,0 +1,169 @@
+"""The global plan: shuffle buffer, file dealing, epoch layout, strata, determinism (no files needed)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bert.balance import STRATEGIES
+from bert.data.epoch import lay_out_epoch
+from bert.data.index import LengthIndex
+from bert.data.plan import TrainPlan
+from bert.data.shuffle import buffer_order, shuffle_buffer_order
+from bert.data.streams import rank_streams
+from bert.lengths import WIKI_PHASE2
+
+EDGES = (128, 256, 384, 512)
+
+
+def sequential_buffer(n: int, size: int, slots: np.ndarray, drain: np.ndarray) -> list[int]:
+    """tf.data.shuffle written out element by element."""
+    buffer, out = list(range(size)), []
+    for k, slot in enumerate(slots):
+        out.append(buffer[slot])
+        buffer[slot] = size + k
+    return out + [buffer[j] for j in drain]
+
+
+@pytest.mark.parametrize("n,size", [(200, 7), (50, 1), (30, 30), (1, 1), (500, 64)])
+def test_shuffle_buffer_matches_sequential_reference(n, size):
+    rng = np.random.default_rng(n + size)
+    slots, drain = rng.integers(0, size, n - size), rng.permutation(size)
+    assert buffer_order(slots, drain).tolist() == sequential_buffer(n, size, slots, drain)
+
+
+def test_shuffle_buffer_limits():
+    rng = np.random.default_rng(0)
+    assert shuffle_buffer_order(20, 1, rng).tolist() == list(range(20))  # a buffer of one cannot reorder
+    order = shuffle_buffer_order(1000, 10, rng)
+    assert sorted(order) == list(range(1000))
+    # A sample leaves at most `size` draws... it cannot come out before it went in: position >= id - size.
+    assert (np.arange(1000) >= order - 10).all()
+    assert shuffle_buffer_order(0, 5, rng).size == 0
+    with pytest.raises(ValueError):
+        shuffle_buffer_order(5, 0, rng)
+
+
+def fake_index(sizes: list[int], seed: int = 0, lengths=None) -> LengthIndex:
+    rng = np.random.default_rng(seed)
+    per_shard = [WIKI_PHASE2.sample(n, rng) if lengths is None else np.asarray(lengths[i]) for i, n in enumerate(sizes)]
+    return LengthIndex.from_lengths([Path(f"shard{i}.hdf5") for i in range(len(sizes))], per_shard)
+
+
+def test_files_dealt_like_nvidia():
+    sizes = [10 + i for i in range(12)]
+    index = fake_index(sizes)
+    world, seed, epoch = 4, 3, 1
+    streams = rank_streams(index, world, seed, epoch, shuffle_buffer=1)  # buffer 1: file order kept
+    # NVIDIA: files[(f_id * world_size + rank) % num_files] over the list shuffled by the epoch's seed.
+    files = np.random.default_rng([seed, epoch, 0]).permutation(12)
+    for rank in range(world):
+        mine = [files[(f_id * world + rank) % 12] for f_id in range(12 // world)]
+        expected = np.concatenate([np.arange(index.offsets[f], index.offsets[f + 1]) for f in mine])
+        assert streams[rank].tolist() == expected.tolist()
+    assert rank_streams(index, world, seed, epoch + 1, 1)[0].tolist() != streams[0].tolist()
+
+
+def test_fewer_shards_than_ranks_are_split_so_every_rank_draws():
+    index = fake_index([40, 37])
+    streams = rank_streams(index, 8, 0, 0, shuffle_buffer=16)
+    assert all(len(s) >= 9 for s in streams)
+    assert sorted(np.concatenate(streams)) == list(range(77))
+
+
+def test_epoch_layout_by_hand():
+    a, b = np.array([10, 11, 12, 13, 14]), np.array([20, 21, 22])
+    rng = np.random.default_rng(0)
+    # W=2, L=2, epoch starts 1 position into a step: rank 0 owes 1 id, rank 1 owes 2 (the head).
+    order = lay_out_epoch([a, b], local_batch=2, offset=1, rng=rng)
+    assert order[:3].tolist() == [10, 20, 21]
+    # Body: rank 1 has one id left, not a local batch, so no body; everything else is tail.
+    assert sorted(order[3:].tolist()) == [11, 12, 13, 14, 22]
+    order = lay_out_epoch([a, b[:2]], local_batch=2, offset=0, rng=rng)
+    assert order[:4].tolist() == [10, 11, 20, 21] and sorted(order[4:].tolist()) == [12, 13, 14]
+
+
+def test_stratified_layout_by_hand():
+    # Strata of ids: 0,1,2 -> stratum 0; 3,4,5 -> stratum 1. Counts (1, 1) per local batch of 2.
+    strata = np.array([0, 0, 0, 1, 1, 1])
+    a, b = np.array([0, 1, 3, 4]), np.array([5, 2])
+    order = lay_out_epoch([a, b], 2, 0, np.random.default_rng(0), strata, (1, 1))
+    # Step 0: rank 0 takes its first stratum-0 id (0) and first stratum-1 id (3); rank 1: 2 and 5.
+    assert order[:4].tolist() == [0, 3, 2, 5]
+    assert sorted(order[4:].tolist()) == [1, 4]  # rank 1 ran out of both strata: the rest is tail
+    with pytest.raises(ValueError, match="sum"):
+        lay_out_epoch([a, b], 2, 0, np.random.default_rng(0), strata, (1, 2))
+
+
+def plan_for(strategy: str, seed: int = 0, index: LengthIndex | None = None) -> TrainPlan:
+    index = index or fake_index([70, 55, 90, 64, 81, 47])  # 407 samples: not a multiple of 4 x 8
+    return TrainPlan(index, world_size=4, local_batch_size=8, ranks_per_node=2, strategy=strategy, seed=seed,
+                     shuffle_buffer=32)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_every_sample_exactly_once_per_epoch(strategy):
+    plan = plan_for(strategy)
+    n, gbs = plan.index.num_samples, plan.global_batch_size
+    steps = 3 * n // gbs + 1
+    drawn = np.concatenate([plan.draw(t).ravel() for t in range(steps)])
+    for e in range(3):
+        assert np.sort(drawn[e * n : (e + 1) * n]).tolist() == list(range(n)), f"epoch {e}"
+    for t in range(steps):
+        trained = plan.assignment(t)
+        assert trained.shape == (4, 8)
+        assert np.sort(trained.ravel()).tolist() == np.sort(plan.draw(t).ravel()).tolist()
+        if STRATEGIES[strategy].scope != "world":  # node-local balancing never crosses a node
+            for node in range(2):
+                rows = slice(2 * node, 2 * node + 2)
+                assert set(trained[rows].ravel()) == set(plan.draw(t)[rows].ravel())
+
+
+def row_strata(lengths: np.ndarray) -> list[int]:
+    return [int(((lengths > lo) & (lengths <= hi)).sum()) for lo, hi in zip((0,) + EDGES[:-1], EDGES)]
+
+
+def test_stratified_steps_have_exact_counts_until_a_stratum_runs_out():
+    index = fake_index([300, 280, 320, 260, 310, 290, 305, 275])
+    plan = TrainPlan(index, 4, 16, 2, "samsung", seed=1, shuffle_buffer=100)
+    shares = np.array(row_strata(index.lengths)) / index.num_samples
+    assert sum(plan.counts) == 16 and np.abs(np.array(plan.counts) - 16 * shares).max() < 1  # rounded histogram
+    # Independently: rank r's body can last as long as its scarcest stratum, relative to the count.
+    streams = rank_streams(index, 4, 1, 0, 100)
+    body = min(
+        have // want
+        for s in streams
+        for have, want in zip(row_strata(index.lengths[s]), plan.counts)
+        if want
+    )
+    assert body > 20
+    for t in range(body):
+        draw = plan.draw(t)
+        for rank in range(4):
+            assert row_strata(index.lengths[draw[rank]]) == list(plan.counts), (t, rank)
+            assert set(draw[rank]) <= set(streams[rank])  # a rank draws from its own shards
+    tail_steps = range(body, index.num_samples // 64)
+    assert any(row_strata(index.lengths[plan.draw(t)[r]]) != list(plan.counts) for t in tail_steps for r in range(4))
+    # The next epoch's first whole step is stratified again.
+    first = -(-index.num_samples // 64)
+    assert all(row_strata(index.lengths[plan.draw(first)[r]]) == list(plan.counts) for r in range(4))
+
+
+def test_same_seed_same_plan_other_seed_other_plan():
+    a, b, c = plan_for("samsung", 5), plan_for("samsung", 5), plan_for("samsung", 6)
+    steps = range(0, 30, 3)
+    assert all((a.assignment(t) == b.assignment(t)).all() for t in steps)
+    assert any((a.draw(t) != c.draw(t)).any() for t in steps)
+    # Jumping straight to a late step gives what stepping there gives (resume relies on it).
+    assert (plan_for("samsung", 5).draw(29) == a.draw(29)).all()
+
+
+def test_plan_rejects_bad_settings():
+    index = fake_index([20])
+    with pytest.raises(ValueError, match="multiple"):
+        TrainPlan(index, 6, 4, 4)
+    with pytest.raises(ValueError, match="unknown balance strategy"):
+        TrainPlan(index, 4, 4, 2, "fastest")
+    long = fake_index([3], lengths=[[100, 600, 50]])
+    with pytest.raises(ValueError, match=r"shard0.hdf5: sample 1 has 600 tokens"):
+        TrainPlan(long, 1, 1, 1, "stratified")
