@@ -1,0 +1,17 @@
+# MLPerf BERT harness on NVIDIA's PyTorch container (CUDA, NCCL and a CUDA build of torch included).
+#   docker build -t mlperf-bert .
+#   docker run --gpus all --ipc=host --ulimit memlock=-1 -v <data>:/workspace/data_phase2 ... mlperf-bert \
+#     bash -c 'source config_DGXA100_1x8x56x1.sh && ./run_and_time.sh'
+# run.sub uses the same image through pyxis: CONT=mlperf-bert (or a registry path) sbatch ... run.sub
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
+FROM ${BASE_IMAGE}
+
+WORKDIR /workspace/bert
+# Everything but torch: requirements.txt pins the CPU wheel, the image's own CUDA build must stay.
+COPY requirements.txt .
+RUN grep -v '^torch==' requirements.txt >/tmp/requirements-image.txt \
+ && pip install --no-cache-dir -r /tmp/requirements-image.txt \
+ && rm /tmp/requirements-image.txt
+
+COPY . .
+RUN pip install --no-cache-dir --no-deps --no-build-isolation -e .
