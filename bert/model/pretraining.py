@@ -82,10 +82,14 @@ class BertForPreTraining(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def forward(self, batch: Batch) -> PretrainOutput:
+    def encode(self, batch: Batch) -> Tensor:
+        """The encoder's output for every token, (T, hidden)."""
         attend = self.plan_attention(batch.seq)  # host-side planning, once for all layers
-        x = self.bert.embeddings(batch.input_ids, batch.position_ids, batch.segment_ids)  # (T, hidden)
-        x = self.bert.encoder(x, attend)
+        x = self.bert.embeddings(batch.input_ids, batch.position_ids, batch.segment_ids)
+        return self.bert.encoder(x, attend)
+
+    def forward(self, batch: Batch) -> PretrainOutput:
+        x = self.encode(batch)
         cls_rows = x.index_select(0, batch.seq.cu_seqlens[:-1])
         return self._heads(x.index_select(0, batch.masked_positions), cls_rows, batch)
 
@@ -101,10 +105,12 @@ class BertForPreTraining(nn.Module):
     def _heads(self, masked_rows: Tensor, cls_rows: Tensor, batch: Batch) -> PretrainOutput:
         mlm_logits = self.cls.predictions(masked_rows, self.bert.embeddings.word_embeddings.weight)
         nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
-        mlm_loss = F.cross_entropy(_at_least_fp32(mlm_logits), batch.masked_labels)
+        masked = batch.masked_labels.numel()  # a shape: no device sync
+        # A sum over max(M, 1), so a batch without masked tokens has MLM loss 0, not the NaN of an empty mean.
+        mlm_loss = F.cross_entropy(_at_least_fp32(mlm_logits), batch.masked_labels, reduction="sum") / max(masked, 1)
         nsp_loss = F.cross_entropy(_at_least_fp32(nsp_logits), batch.nsp_labels)
         correct = (mlm_logits.argmax(-1) == batch.masked_labels).sum()
-        total = torch.full((), batch.masked_labels.numel(), dtype=torch.int64, device=correct.device)
+        total = torch.full((), masked, dtype=torch.int64, device=correct.device)
         return PretrainOutput(mlm_loss + nsp_loss, mlm_loss, nsp_loss, correct, total, mlm_logits, nsp_logits)
 
 

@@ -1,0 +1,105 @@
+"""Weights in and out: our safetensors files, Hugging Face BERT checkpoints, converted TF checkpoints.
+
+Our parameter names are Hugging Face's `BertForPreTraining` names, so importing is a near-identity
+mapping: a bare `BertModel` gets the `bert.` prefix, old `LayerNorm.gamma/beta` become `weight/bias`,
+and the decoder (tied to the word embeddings) is dropped. A checkpoint with the unpadded vocabulary
+(30522) is zero-padded to the model's (30528), as MLPerf's converter does. Anything else that does
+not fit raises `ValueError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from bert.model.config import pad_vocab
+
+VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")  # first dim is the vocabulary
+TIED = {"cls.predictions.decoder.weight": VOCAB_ROWS[0], "cls.predictions.decoder.bias": VOCAB_ROWS[1]}
+IGNORED = ("bert.embeddings.position_ids",)  # a buffer older HF versions saved
+HEADS_PREFIX = "cls."
+
+
+def save_weights(model: nn.Module, path: str | Path) -> None:
+    tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    metadata = {"format": "bert-mlperf"}
+    if hasattr(model, "config"):
+        metadata["config"] = json.dumps(model.config.to_dict())
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_weights(model: nn.Module, path: str | Path) -> list[str]:
+    """Our own checkpoint: every tensor present, every shape exact."""
+    return load_state(model, load_file(str(path)), pad_vocab_rows=False)
+
+
+def load_pretrained(model: nn.Module, path: str | Path, strict_heads: bool = True) -> list[str]:
+    """Ours, HF `BertForPreTraining`/`BertModel` (.safetensors or .bin, or their directory), or a
+    converted TF checkpoint. `strict_heads=False` allows a checkpoint without the MLM/NSP heads
+    (they keep their initialisation). Returns the names of the tensors loaded."""
+    return load_state(model, read_state_dict(path), strict_heads=strict_heads)
+
+
+def read_state_dict(path: str | Path) -> dict[str, Tensor]:
+    path = Path(path)
+    if path.is_dir():
+        found = [path / n for n in ("model.safetensors", "pytorch_model.bin") if (path / n).is_file()]
+        if not found:
+            raise ValueError(f"{path}: no model.safetensors or pytorch_model.bin inside")
+        path = found[0]
+    if not path.is_file():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state.get("model", state)  # NVIDIA's converted checkpoints wrap the state dict as {"model": ...}
+
+
+def to_our_name(name: str) -> str:
+    name = name.removeprefix("module.")
+    if name.startswith(("embeddings.", "encoder.", "pooler.")):
+        name = "bert." + name
+    if name.endswith("LayerNorm.gamma"):
+        name = name.removesuffix("gamma") + "weight"
+    if name.endswith("LayerNorm.beta"):
+        name = name.removesuffix("beta") + "bias"
+    return name
+
+
+def load_state(model: nn.Module, state: Mapping[str, Tensor], strict_heads: bool = True,
+               pad_vocab_rows: bool = True) -> list[str]:
+    """Check `state` (any of the supported namings) against `model` and copy it in."""
+    renamed = {to_our_name(k): v for k, v in state.items()}
+    for tied, kept in TIED.items():  # keep one copy of a tied tensor, whichever the file stored
+        if tied in renamed:
+            renamed.setdefault(kept, renamed[tied])
+            del renamed[tied]
+    for name in IGNORED:
+        renamed.pop(name, None)
+
+    expected = model.state_dict()
+    missing = [n for n in expected if n not in renamed and (strict_heads or not n.startswith(HEADS_PREFIX))]
+    unexpected = [n for n in renamed if n not in expected]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}")
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) the model does not: {', '.join(unexpected[:5])}")
+    fitted = {n: _fit(n, t, expected[n], pad_vocab_rows) for n, t in renamed.items()}
+    model.load_state_dict(fitted, strict=False)
+    return sorted(fitted)
+
+
+def _fit(name: str, tensor: Tensor, target: Tensor, pad_vocab_rows: bool) -> Tensor:
+    if tensor.shape == target.shape:
+        return tensor
+    if name in VOCAB_ROWS and tensor.shape[1:] == target.shape[1:]:
+        rows, want = tensor.shape[0], target.shape[0]
+        if pad_vocab_rows and pad_vocab(rows) == want:
+            return torch.cat([tensor, tensor.new_zeros(want - rows, *tensor.shape[1:])])
+        raise ValueError(f"{name}: checkpoint vocabulary of {rows} tokens does not match the model's {want}")
+    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")

@@ -1,0 +1,136 @@
+"""The unpadded model against its padded reference path on the same weights (float64), and its contract."""
+
+import json
+
+import pytest
+import torch
+
+from bert.model import BertConfig, BertForPreTraining
+from bert.synthetic import random_batch
+
+BATCHES = {"one_token": (1,), "full_512": (512,), "mixed": (3, 512, 1, 77, 260, 130, 400)}
+
+
+def tiny_model(attention="loop", dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return BertForPreTraining(BertConfig.load("tiny").with_dropout(dropout), attention=attention).double()
+
+
+def grads_of(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lengths", BATCHES.values(), ids=BATCHES.keys())
+def test_unpadded_equals_padded_logits_losses_and_every_gradient(lengths):
+    model = tiny_model()
+    batch = random_batch(lengths, seed=len(lengths))
+    ref = model.forward_padded(batch)
+    ref_grads = grads_of(model, ref.loss)
+    out = model(batch)
+    out_grads = grads_of(model, out.loss)
+
+    for field in ("mlm_logits", "nsp_logits", "loss", "mlm_loss", "nsp_loss"):
+        torch.testing.assert_close(getattr(out, field), getattr(ref, field), rtol=0, atol=1e-12, msg=field)
+    assert out.mlm_correct.item() == ref.mlm_correct.item()
+    assert ref_grads.keys() == {n for n, _ in model.named_parameters()}  # every parameter gets a gradient
+    assert out_grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(out_grads[name], g, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("backend", ("grouped", "padded"))
+def test_every_backend_gives_the_padded_reference(backend):
+    model = tiny_model(attention=backend)
+    batch = random_batch(BATCHES["mixed"], seed=3)
+    torch.testing.assert_close(model(batch).mlm_logits, model.forward_padded(batch).mlm_logits, rtol=0, atol=1e-12)
+
+
+def test_padding_to_512_does_not_change_the_padded_reference():
+    model = tiny_model()
+    batch = random_batch((5, 70), seed=2)
+    torch.testing.assert_close(model.forward_padded(batch, width=512).loss, model.forward_padded(batch).loss,
+                               rtol=0, atol=1e-12)
+
+
+def test_losses_and_accuracy_follow_their_definitions():
+    model = tiny_model()
+    batch = random_batch(BATCHES["mixed"], seed=4)
+    out = model(batch)
+    mlm = torch.nn.functional.log_softmax(out.mlm_logits, -1)[torch.arange(len(batch.masked_labels)),
+                                                               batch.masked_labels]
+    torch.testing.assert_close(out.mlm_loss, -mlm.mean())
+    nsp = torch.nn.functional.log_softmax(out.nsp_logits, -1)[torch.arange(batch.num_sequences), batch.nsp_labels]
+    torch.testing.assert_close(out.nsp_loss, -nsp.mean())
+    torch.testing.assert_close(out.loss, out.mlm_loss + out.nsp_loss)
+    assert out.mlm_total.dtype == out.mlm_correct.dtype == torch.int64 and out.mlm_total.dim() == 0
+    assert out.mlm_total.item() == len(batch.masked_labels) and out.mlm_logits.shape == (out.mlm_total.item(), 30528)
+    assert out.mlm_correct.item() == int((out.mlm_logits.argmax(-1) == batch.masked_labels).sum())
+    # Forcing the prediction to token 2000: every masked token right, or every one wrong.
+    model.cls.predictions.bias.data[2000] = 1e6
+    batch.masked_labels.fill_(2000)
+    assert model(batch).mlm_correct.item() == len(batch.masked_labels)
+    batch.masked_labels.fill_(2001)
+    assert model(batch).mlm_correct.item() == 0
+
+
+def test_no_padded_tensor_in_the_unpadded_trunk_and_the_head_sees_only_masked_rows():
+    model = tiny_model()
+    batch = random_batch(BATCHES["mixed"], seed=6)
+    shapes = []
+    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((type(m).__name__, tuple(o.shape))))
+             for m in [*model.bert.embeddings.children(), *model.bert.encoder.modules(), model.bert.pooler,
+                       model.cls.predictions.transform]]
+    model(batch)
+    for h in hooks:
+        h.remove()
+    T, M, B = batch.num_tokens, len(batch.masked_labels), batch.num_sequences
+    for name, shape in shapes:
+        if name == "BertPooler":
+            assert shape == (B, 128)
+        elif name == "BertPredictionHeadTransform":
+            assert shape == (M, 128)
+        else:
+            assert shape[0] == T and len(shape) == 2, (name, shape)
+
+
+def test_dropout_is_active_in_train_mode_only():
+    model = tiny_model(dropout=0.1)
+    batch = random_batch((50, 20), seed=7)
+    model.train()
+    a, b = model(batch).mlm_logits, model(batch).mlm_logits
+    assert (a - b).abs().max() > 1e-3
+    model.eval()
+    torch.testing.assert_close(model(batch).mlm_logits, model(batch).mlm_logits, rtol=0, atol=0)
+    no_dropout = tiny_model(dropout=0.0).train()
+    torch.testing.assert_close(no_dropout(batch).mlm_logits, no_dropout.eval()(batch).mlm_logits, rtol=0, atol=0)
+
+
+def test_bf16_autocast_is_close_to_fp32():
+    model = tiny_model().float()
+    batch = random_batch(BATCHES["mixed"], seed=8)
+    ref = model(batch).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(batch)
+    assert out.mlm_logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, ref, rtol=2e-2, atol=0)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_config_from_google_json_pads_the_vocabulary(tmp_path):
+    google = {"attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+              "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 4096,
+              "max_position_embeddings": 512, "num_attention_heads": 16, "num_hidden_layers": 24,
+              "type_vocab_size": 2, "vocab_size": 30522}  # MLPerf phase-1 bert_config.json
+    path = tmp_path / "bert_config.json"
+    path.write_text(json.dumps(google))
+    cfg = BertConfig.load(path)
+    assert cfg.vocab_size == 30528 and cfg.head_dim == 64
+    assert cfg == BertConfig.load("large")
+    with pytest.raises(ValueError, match="huge"):
+        BertConfig.load("huge")
+    path.write_text(json.dumps({**google, "hidden_act": "relu"}))
+    with pytest.raises(ValueError, match="relu"):
+        BertConfig.load(path)
