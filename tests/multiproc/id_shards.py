@@ -17,8 +17,8 @@ ID_BASE = 1000
 
 
 def id_sample(g: int, length: int) -> Sample:
-    if length < 2 or ID_BASE + g > np.iinfo(np.int16).max:
-        raise ValueError("id samples need >= 2 tokens and an id that fits int16")
+    if length < 3 or ID_BASE + g > np.iinfo(np.int16).max:
+        raise ValueError("id samples need >= 3 tokens and an id that fits int16")
     ids = np.full(length, ID_BASE + g, dtype=np.int64)
     ids[0], ids[-1] = 101, 102
     segments = (np.arange(length) >= length // 2).astype(np.int64)

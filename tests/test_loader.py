@@ -1,0 +1,145 @@
+"""TrainLoader and eval_batches on real varlength shards written in tmp_path."""
+
+import numpy as np
+import pytest
+import torch
+from multiproc.id_shards import batch_ids, id_sample, write_id_shards
+
+from bert.batch import collate
+from bert.data.format import ShardError
+from bert.data.pipeline import TrainLoader, eval_batches
+from bert.lengths import WIKI_PHASE2
+
+# Paper 000 Figure 4: one node of 4 GPUs drawing 4 sequences each (lengths are ours, the
+# figure's numbers are not in the text). All 16 are gathered, sorted descending into rows
+#   [512 512 510 450] [400 350 300 256] [200 180 128 100] [80 60 40 20]
+# and GPU i takes column i (raster) or column i of the rows with every second row reversed (snake).
+FIG4 = [[512, 100, 300, 60], [128, 450, 40, 200], [512, 80, 256, 350], [20, 400, 180, 510]]
+RASTER = [512 + 400 + 200 + 80, 512 + 350 + 180 + 60, 510 + 300 + 128 + 40, 450 + 256 + 100 + 20]
+SNAKE = [512 + 256 + 200 + 20, 512 + 300 + 180 + 40, 510 + 350 + 128 + 60, 450 + 400 + 100 + 80]
+
+
+def loaders(directory, world=4, local=4, per_node=4, **kw):
+    return [TrainLoader(directory, local, world, r, per_node, **kw) for r in range(world)]
+
+
+def take(loader, steps):
+    return [next(loader) for _ in range(steps)]
+
+
+@pytest.fixture
+def wiki_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    sizes = [41, 37, 52, 45, 30]  # 205 samples: epochs do not end on a step boundary
+    write_id_shards(tmp_path, [np.maximum(WIKI_PHASE2.sample(n, rng), 3) for n in sizes])
+    return tmp_path
+
+
+@pytest.mark.parametrize("strategy,expected", [("local", RASTER), ("snake", SNAKE)])
+def test_figure4_through_the_pipeline(tmp_path, strategy, expected):
+    write_id_shards(tmp_path, FIG4)  # one shard per GPU: each draws one row of the figure
+    tokens = [iter(ld).__next__().num_tokens for ld in loaders(tmp_path, strategy=strategy)]
+    assert tokens == expected
+    assert max(SNAKE) - min(SNAKE) < max(RASTER) - min(RASTER)
+    unbalanced = [iter(ld).__next__().num_tokens for ld in loaders(tmp_path, strategy="none")]
+    assert sorted(unbalanced) == sorted(sum(row) for row in FIG4)
+
+
+def test_batches_hold_the_planned_samples_and_their_data(wiki_dir):
+    lds = loaders(wiki_dir, world=2, local=8, per_node=1, strategy="global", shuffle_buffer=16)
+    lengths = lds[0].plan.index.lengths
+    for step in range(30):  # crosses an epoch boundary (205 samples, 16 per step)
+        for rank, ld in enumerate(lds):
+            batch = next(iter(ld))
+            ids = batch_ids(batch)
+            assert ids == ld.plan.rank_ids(step, rank).tolist()
+            expected = collate([id_sample(g, int(lengths[g])) for g in ids])
+            for field in ("input_ids", "segment_ids", "position_ids", "masked_positions", "masked_labels",
+                          "nsp_labels"):
+                assert torch.equal(getattr(batch, field), getattr(expected, field)), field
+            assert batch.seq.lengths == tuple(int(lengths[g]) for g in ids)
+            assert torch.equal(batch.seq.cu_seqlens, expected.seq.cu_seqlens)
+    assert lds[0].samples_seen == 30 * 16
+    for ld in lds:
+        ld.close()
+
+
+def test_ranks_together_see_every_sample_once_per_epoch(wiki_dir):
+    lds = loaders(wiki_dir, world=4, local=4, per_node=2, strategy="samsung", shuffle_buffer=8)
+    seen = [[g for ld in lds for g in batch_ids(next(ld))] for _ in range(2 * 205 // 16 + 1)]
+    drawn = [g for step in range(len(seen)) for g in lds[0].plan.draw(step).ravel()]
+    assert all(sorted(s) == sorted(drawn[16 * t : 16 * t + 16]) for t, s in enumerate(seen))
+    assert sorted(drawn[:205]) == list(range(205)) and sorted(drawn[205:410]) == list(range(205))
+
+
+def test_seed_decides_the_order(wiki_dir):
+    def first_ids(seed):
+        ld = TrainLoader(wiki_dir, 8, 2, 0, 2, strategy="snake", seed=seed)
+        return [batch_ids(b) for b in take(ld, 5)]
+
+    assert first_ids(1) == first_ids(1)
+    assert first_ids(1) != first_ids(2)
+
+
+def test_resume_continues_with_the_identical_batches(wiki_dir):
+    ld = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10, prefetch=3)
+    take(ld, 11)
+    state = ld.state_dict()
+    after = [batch_ids(b) for b in take(ld, 6)]  # steps 11..16 cross the epoch boundary (205 / 16)
+    fresh = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    fresh.load_state_dict(state)
+    assert [batch_ids(b) for b in take(fresh, 6)] == after
+    assert fresh.samples_seen == 17 * 16
+    ld.load_state_dict(state)  # rewinding a running loader works too
+    assert batch_ids(next(ld)) == after[0]
+    other = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="snake", seed=3, shuffle_buffer=10)
+    with pytest.raises(ValueError, match="strategy"):
+        other.load_state_dict(state)
+    for x in (ld, fresh, other):
+        x.close()
+
+
+def test_eval_slices_partition_the_eval_set(wiki_dir):
+    slices = [eval_batches(wiki_dir, 6, 3, rank, 100) for rank in range(3)]
+    ids = [[g for b in batches for g in batch_ids(b)] for batches in slices]
+    assert sorted(g for part in ids for g in part) == list(range(100))
+    assert [len(part) for part in ids] == [34, 33, 33]
+    assert all(b.num_sequences <= 6 for batches in slices for b in batches)
+    with pytest.raises(ValueError, match=f"{wiki_dir}.*holds 205"):
+        eval_batches(wiki_dir, 6, 3, 0, 206)
+
+
+def test_bad_inputs_name_the_culprit(tmp_path, wiki_dir):
+    with pytest.raises(FileNotFoundError, match="missing"):
+        TrainLoader(tmp_path / "missing", 4, 1, 0, 1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no shards"):
+        TrainLoader(tmp_path / "empty", 4, 1, 0, 1)
+    with pytest.raises(ValueError, match="rank 2"):
+        TrainLoader(wiki_dir, 4, 2, 2, 1)
+    shard = sorted(wiki_dir.glob("*.hdf5"))[2]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ShardError, match=shard.name):
+        TrainLoader(wiki_dir, 4, 1, 0, 1)
+    shard.write_bytes(b"not hdf5" * 100)
+    with pytest.raises(ShardError, match=shard.name):
+        eval_batches(wiki_dir, 4, 1, 0, 10)
+
+
+def test_read_errors_in_the_background_reach_the_caller(wiki_dir):
+    ld = TrainLoader(wiki_dir, 16, 1, 0, 1, shuffle_buffer=1)
+    for shard in wiki_dir.glob("*.hdf5"):
+        shard.write_bytes(b"gone")  # damaged after the index was built
+    with pytest.raises(ShardError, match="part_"):
+        next(iter(ld))
+    ld.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_arrive_on_the_device_with_host_lengths(wiki_dir):
+    ld = TrainLoader(wiki_dir, 8, 1, 0, 1, device="cuda")
+    batch = next(iter(ld))
+    assert batch.input_ids.is_cuda and batch.seq.cu_seqlens.is_cuda
+    assert isinstance(batch.seq.max_seqlen, int) and sum(batch.seq.lengths) == batch.input_ids.numel()
+    ld.close()
