@@ -1,0 +1,36 @@
+# shellcheck shell=bash
+# The embedded default: a tiny BERT on the embedded Wikipedia corpus (prepared by data/prepare.py --embedded),
+# 2 CPU processes over gloo, open division (a demo target, not the benchmark's 0.720 on the real eval set).
+# Paths may be set before sourcing; BERT_DATA is where `data/prepare.py --embedded --out` wrote the corpus.
+export BERT_DATA=${BERT_DATA:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/work/embedded}
+export DATADIR_PHASE2=${DATADIR_PHASE2:-${BERT_DATA}/train}
+export EVALDIR=${EVALDIR:-${BERT_DATA}/eval}
+export BERT_CONFIG=tiny
+export INIT_CHECKPOINT=""
+export DGXSYSTEM=CPU_1x2
+export DGXNNODES=1
+export DGXNGPU=2
+export MLPERF_DIVISION=open
+export PRECISION=fp32
+export ATTENTION=auto  # per-sequence SDPA on the CPU
+export BALANCE=global
+export GRAD_CLIP=after
+export BATCHSIZE=32
+export GRADIENT_STEPS=1
+export OPTIMIZER=lamb
+export LR=0.002
+export OPT_LAMB_BETA_1=0.9
+export OPT_LAMB_BETA_2=0.999
+export EPSILON=1e-6
+export WEIGHT_DECAY_RATE=0.01
+export WARMUP_STEPS=50
+export START_WARMUP_STEP=0
+export MAX_STEPS=3000
+export EVAL_ITER_START_SAMPLES=6400
+export EVAL_ITER_SAMPLES=6400
+export MAX_SAMPLES_TERMINATION=192000
+export NUM_EVAL_EXAMPLES=1000
+export TARGET_MLM_ACCURACY=0.35
+export EXTRA_PARAMS=""
+export WALLTIME_MINUTES=20  # per experiment
+export WALLTIME=$((${NEXP:-1} * WALLTIME_MINUTES + 5))
