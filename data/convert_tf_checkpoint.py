@@ -48,7 +48,7 @@ def convert(variables: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         if name is None:
             continue
         tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        state[name] = tensor.T.contiguous() if tf_name.endswith("/kernel") else tensor
+        state[name] = tensor.t().contiguous() if tf_name.endswith("/kernel") else tensor
     return state
 
 

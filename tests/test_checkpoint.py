@@ -1,0 +1,171 @@
+"""Checkpoint save/load, bad checkpoints, and the TF name mapping (without TensorFlow)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.checkpoint import load_pretrained, load_state, load_weights, save_weights
+from bert.synthetic import random_batch
+
+spec = importlib.util.spec_from_file_location("convert_tf_checkpoint",
+                                              Path(__file__).parents[1] / "data" / "convert_tf_checkpoint.py")
+convert_tf = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert_tf)
+
+WORDS = "bert.embeddings.word_embeddings.weight"
+
+
+def tiny(seed):
+    torch.manual_seed(seed)
+    return BertForPreTraining(BertConfig.load("tiny").with_dropout(0.0), attention="loop").eval()
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        torch.testing.assert_close(sa[name], sb[name], rtol=0, atol=0, msg=name)
+
+
+def test_save_and_load_roundtrip(tmp_path):
+    src, dst = tiny(0), tiny(1)
+    save_weights(src, tmp_path / "w.safetensors")
+    loaded = load_weights(dst, tmp_path / "w.safetensors")
+    assert len(loaded) == len(src.state_dict())
+    assert_same_weights(src, dst)
+    batch = random_batch((30, 9), seed=0)
+    torch.testing.assert_close(dst(batch).loss, src(batch).loss, rtol=0, atol=0)
+
+
+def test_nvidia_style_pt_with_module_prefix_loads(tmp_path):
+    src, dst = tiny(0), tiny(1)
+    torch.save({"model": {"module." + k: v for k, v in src.state_dict().items()}}, tmp_path / "ckpt.pt")
+    load_pretrained(dst, tmp_path / "ckpt.pt")
+    assert_same_weights(src, dst)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_weights(tiny(0), path)
+    return path, load_file(str(path))
+
+
+def rewrite(path, state):
+    save_file(state, str(path))
+    return path
+
+
+def test_missing_tensor_is_named(saved):
+    path, state = saved
+    del state["bert.encoder.layer.1.attention.self.key.bias"]
+    with pytest.raises(ValueError, match=r"layer\.1\.attention\.self\.key\.bias"):
+        load_pretrained(tiny(1), rewrite(path, state))
+
+
+def test_misshaped_tensor_is_named(saved):
+    path, state = saved
+    state["bert.encoder.layer.0.intermediate.dense.weight"] = state["bert.encoder.layer.0.intermediate.dense.weight"][:500]
+    with pytest.raises(ValueError, match=r"layer\.0\.intermediate\.dense\.weight.*\(500, 128\)"):
+        load_pretrained(tiny(1), rewrite(path, state))
+
+
+def test_wrong_vocab_size_is_named(saved):
+    path, state = saved
+    state[WORDS] = state[WORDS][:30000].clone()
+    with pytest.raises(ValueError, match="word_embeddings.*30000"):
+        load_pretrained(tiny(1), rewrite(path, state))
+
+
+def test_unexpected_tensor_is_named(saved):
+    path, state = saved
+    state["bert.encoder.layer.7.output.dense.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"layer\.7"):
+        load_pretrained(tiny(1), rewrite(path, state))
+
+
+def test_unpadded_vocab_is_zero_padded_but_not_in_our_own_format(saved):
+    path, state = saved
+    state[WORDS] = state[WORDS][:30522].clone()
+    state["cls.predictions.bias"] = state["cls.predictions.bias"][:30522].clone()
+    model = tiny(1)
+    load_pretrained(model, rewrite(path, state))
+    words = model.bert.embeddings.word_embeddings.weight
+    assert torch.equal(words[:30522], state[WORDS]) and not words[30522:].any()
+    assert not model.cls.predictions.bias[30522:].any()
+    with pytest.raises(ValueError, match="word_embeddings"):
+        load_weights(tiny(1), path)
+
+
+# Google BERT's TF variable names (as in model.ckpt-28252) and the HF names they correspond to.
+TF_LAYER = {
+    "attention/self/query/kernel": "attention.self.query.weight", "attention/self/query/bias": "attention.self.query.bias",
+    "attention/self/key/kernel": "attention.self.key.weight", "attention/self/key/bias": "attention.self.key.bias",
+    "attention/self/value/kernel": "attention.self.value.weight", "attention/self/value/bias": "attention.self.value.bias",
+    "attention/output/dense/kernel": "attention.output.dense.weight",
+    "attention/output/dense/bias": "attention.output.dense.bias",
+    "attention/output/LayerNorm/gamma": "attention.output.LayerNorm.weight",
+    "attention/output/LayerNorm/beta": "attention.output.LayerNorm.bias",
+    "intermediate/dense/kernel": "intermediate.dense.weight", "intermediate/dense/bias": "intermediate.dense.bias",
+    "output/dense/kernel": "output.dense.weight", "output/dense/bias": "output.dense.bias",
+    "output/LayerNorm/gamma": "output.LayerNorm.weight", "output/LayerNorm/beta": "output.LayerNorm.bias",
+}
+TF_OTHER = {
+    "bert/embeddings/word_embeddings": WORDS,
+    "bert/embeddings/position_embeddings": "bert.embeddings.position_embeddings.weight",
+    "bert/embeddings/token_type_embeddings": "bert.embeddings.token_type_embeddings.weight",
+    "bert/embeddings/LayerNorm/gamma": "bert.embeddings.LayerNorm.weight",
+    "bert/embeddings/LayerNorm/beta": "bert.embeddings.LayerNorm.bias",
+    "bert/pooler/dense/kernel": "bert.pooler.dense.weight", "bert/pooler/dense/bias": "bert.pooler.dense.bias",
+    "cls/predictions/transform/dense/kernel": "cls.predictions.transform.dense.weight",
+    "cls/predictions/transform/dense/bias": "cls.predictions.transform.dense.bias",
+    "cls/predictions/transform/LayerNorm/gamma": "cls.predictions.transform.LayerNorm.weight",
+    "cls/predictions/transform/LayerNorm/beta": "cls.predictions.transform.LayerNorm.bias",
+    "cls/predictions/output_bias": "cls.predictions.bias",
+    "cls/seq_relationship/output_weights": "cls.seq_relationship.weight",  # stored (2, hidden): no transpose
+    "cls/seq_relationship/output_bias": "cls.seq_relationship.bias",
+}
+
+
+def fake_tf_variables(model):
+    """The TF checkpoint `model` would come from: Google's names, kernels stored (in, out), vocab 30522."""
+    ours = model.state_dict()
+    names = dict(TF_OTHER)
+    for i in range(model.config.num_hidden_layers):
+        names.update({f"bert/encoder/layer_{i}/{tf}": f"bert.encoder.layer.{i}.{hf}" for tf, hf in TF_LAYER.items()})
+    assert len(names) == len(ours)
+    variables = {tf: (ours[hf].T if tf.endswith("kernel") else ours[hf]).numpy() for tf, hf in names.items()}
+    variables["bert/embeddings/word_embeddings"] = variables["bert/embeddings/word_embeddings"][:30522]
+    variables["cls/predictions/output_bias"] = variables["cls/predictions/output_bias"][:30522]
+    for slot in ("adam_m", "adam_v"):
+        variables[f"bert/pooler/dense/kernel/{slot}"] = variables["bert/pooler/dense/kernel"]
+    variables["global_step"] = 28252
+    return variables
+
+
+def test_tf_variables_convert_to_the_same_model():
+    src = tiny(0)
+    with torch.no_grad():  # the real checkpoint's vocabulary has 30522 rows: nothing beyond survives
+        src.bert.embeddings.word_embeddings.weight[30522:] = 0
+        src.cls.predictions.bias[30522:] = 1.0  # nonzero, so a wrong mapping of this tensor would show
+    variables = fake_tf_variables(src)
+    assert variables["bert/encoder/layer_1/intermediate/dense/kernel"].shape == (128, 512)
+    dst = tiny(1)
+    load_state(dst, convert_tf.convert(variables))
+    with torch.no_grad():
+        src.cls.predictions.bias[30522:] = 0
+    assert_same_weights(src, dst)
+
+
+def test_tf_names_map_like_nvidia_and_unknown_names_fail():
+    assert convert_tf.torch_name("bert/encoder/layer_23/attention/output/LayerNorm/gamma") == \
+        "bert.encoder.layer.23.attention.output.LayerNorm.weight"
+    assert convert_tf.torch_name("cls/predictions/output_bias") == "cls.predictions.bias"
+    assert convert_tf.torch_name("bert/encoder/layer_0/output/dense/kernel/LAMB") is None
+    assert convert_tf.torch_name("bert/pooler/dense/bias/adam_v") is None
+    with pytest.raises(ValueError, match="bert/pooler/dense/frobnicator"):
+        convert_tf.torch_name("bert/pooler/dense/frobnicator")
