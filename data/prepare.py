@@ -1,0 +1,209 @@
+"""Offline data preparation: Wikipedia text -> MLPerf varlength training shards + eval set.
+
+    python data/prepare.py --embedded --out work/data                  # the embedded corpus, no network
+    python data/prepare.py --wiki-dump enwiki-...-pages-articles.xml.bz2 --out /data/bert
+    python data/verify.py work/data                                     # checksums + shard contents
+
+Stages, each resumable (outputs are written under a temporary name and renamed when complete,
+so a rerun skips what exists and redoes what was cut short):
+
+    extracted/<dump>/             wikiextractor --json output of each dump
+    text/part-NNNNN.txt, eval.txt cleaned, one sentence per line, blank line between documents
+    fixed/part-NNNNN.hdf5         WordPiece + create_pretraining_data, MLPerf fixed-length layout
+    train_varlength/part_KKKKK_of_NNNNN.hdf5, eval_varlength/part_eval_M.hdf5
+    checksums.md5, manifest.json  written last: manifest.json exists only for a complete dataset
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from corpus_sources import (
+    GENSIM_WIKI_DUMP,
+    OVOS_SUMMARIES,
+    CorpusError,
+    extracted_documents,
+    package_file,
+    source_bytes,
+    summaries_documents,
+    text_dir_documents,
+)
+from fixed_parts import PartJob, make_fixed_part
+from md5_list import write_md5_list
+from parallel_map import parallel_imap
+from pretraining_instances import PretrainingConfig
+from shard_split import default_num_shards, plan_shards, write_eval_set, write_shard
+from text_parts import EVAL_TEXT, write_text_parts
+from wiki_extract import extract_dump
+from wordpiece import VocabError, default_vocab_path, load_vocab
+
+from bert.data.format import ShardError, atomic_output
+
+MAX_EVAL_FRACTION = 0.05  # a small corpus keeps most of its text for training
+BYTES_PER_WORD, TOKENS_PER_WORD = 6.0, 1.3  # English Wikipedia, for sizing the held-out text
+TEXT_PART_BYTES, MIN_TEXT_PARTS = 32 << 20, 8  # text parts are the unit of parallel work
+
+
+class ParamsMismatch(ValueError):
+    pass
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("input (any combination)")
+    src.add_argument("--embedded", action="store_true", help="gensim's shortened enwiki dump + ovos summaries")
+    src.add_argument("--wiki-dump", type=Path, action="append", default=[], help="pages-articles XML (.bz2)")
+    src.add_argument("--text-dir", type=Path, action="append", default=[], help="*.txt, blank line between docs")
+    src.add_argument("--max-documents", type=int, help="use only the first N documents of each source")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab", type=Path, help="vocab.txt (default: the MLPerf vocab, md5-checked)")
+    d = PretrainingConfig()
+    p.add_argument("--max-seq-length", type=int, default=d.max_seq_length)
+    p.add_argument("--max-predictions-per-seq", type=int, default=d.max_predictions_per_seq)
+    p.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob)
+    p.add_argument("--dupe-factor", type=int, default=d.dupe_factor)
+    p.add_argument("--short-seq-prob", type=float, default=d.short_seq_prob)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-shards", type=int, help="default: 4320, fewer for a small corpus (>= 1024 samples each)")
+    p.add_argument("--eval-samples", type=int, default=10_000)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args(argv)
+    if not (args.embedded or args.wiki_dump or args.text_dir):
+        p.error("give --embedded, --wiki-dump or --text-dir")
+    return args
+
+
+def _documents(args: argparse.Namespace, out: Path) -> tuple[Iterator[tuple[str, int]], list[Path]]:
+    """(document, min words per paragraph) from every source, and the input paths (for sizing)."""
+    dumps = list(args.wiki_dump)
+    sources, inputs = [], []
+    if args.embedded:
+        dumps.insert(0, package_file(*GENSIM_WIKI_DUMP))
+        summaries = package_file(*OVOS_SUMMARIES)
+        sources.append((summaries_documents(summaries), 4))
+        inputs.append(summaries)
+    for dump in dumps:
+        extracted = out / "extracted" / dump.name.split(".")[0]
+        print(extract_dump(dump, extracted, args.workers))
+        sources.insert(0, (extracted_documents(extracted), 4))
+        inputs.append(extracted)
+    for directory in args.text_dir:
+        if not directory.is_dir():
+            raise CorpusError(f"{directory}: no such text directory")
+        sources.append((text_dir_documents(directory), 1))  # already one sentence per line: keep short lines
+        inputs.append(directory)
+    limited = (itertools.islice(docs, args.max_documents) for docs, _ in sources)
+    return itertools.chain.from_iterable(
+        ((doc, words) for doc in docs) for docs, (_, words) in zip(limited, sources)
+    ), inputs
+
+
+def _check_params(out: Path, params: dict) -> None:
+    """Refuse to resume into a directory prepared with other inputs, parameters or vocab."""
+    path = out / "params.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != params:
+            diff = {k: (old.get(k), v) for k, v in params.items() if old.get(k) != v}
+            raise ParamsMismatch(f"{path}: {out} was prepared with other settings {diff}; use a new --out")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(params, indent=1))
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    out = args.out
+    vocab = load_vocab(args.vocab or default_vocab_path())
+    cfg = PretrainingConfig(
+        args.max_seq_length,
+        args.max_predictions_per_seq,
+        args.masked_lm_prob,
+        args.dupe_factor,
+        args.short_seq_prob,
+        args.seed,
+    )
+    sources = {
+        "embedded": args.embedded,
+        "wiki_dumps": [str(p.resolve()) for p in args.wiki_dump],
+        "text_dirs": [str(p.resolve()) for p in args.text_dir],
+        "max_documents": args.max_documents,
+    }
+    _check_params(out, {**sources, **asdict(cfg), "vocab_md5": vocab.md5, "eval_samples": args.eval_samples})
+    started = time.perf_counter()
+
+    text = out / "text"
+    if not text.is_dir():
+        documents, inputs = _documents(args, out)
+        size = source_bytes(inputs)
+        # Enough held-out text for eval_samples full-length sequences (with 50 % to spare), capped.
+        eval_words = 1.5 * args.eval_samples * cfg.max_seq_length / (cfg.dupe_factor * TOKENS_PER_WORD)
+        fraction = min(MAX_EVAL_FRACTION, eval_words / max(1.0, size / BYTES_PER_WORD))
+        num_parts = max(MIN_TEXT_PARTS, math.ceil(size / TEXT_PART_BYTES))
+        counts = write_text_parts(documents, text, num_parts, fraction, args.workers)
+        print(f"text: {counts['documents']} documents ({counts['eval_documents']} held out for eval)")
+
+    fixed = out / "fixed"
+    fixed.mkdir(exist_ok=True)
+    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
+    jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab.path, cfg) for t in texts]
+    stats = list(parallel_imap(make_fixed_part, jobs, args.workers, "tokenize+create_pretraining_data"))
+    tokens = sum(s.tokens for s in stats)
+    busy = sum(s.seconds for s in stats)
+    if tokens:
+        print(f"create_pretraining_data: {tokens:,} WordPiece tokens, {tokens / busy:,.0f} tokens/s per process")
+
+    train_parts, train_counts = [j.fixed for j in jobs[:-1]], [s.samples for s in stats[:-1]]
+    num_shards = args.num_shards or default_num_shards(sum(train_counts))
+    shard_jobs = plan_shards(train_parts, train_counts, num_shards, out / "train_varlength")
+    (out / "train_varlength").mkdir(exist_ok=True)
+    shard_sizes = list(parallel_imap(write_shard, shard_jobs, args.workers, "chop+convert to varlength"))
+    (out / "eval_varlength").mkdir(exist_ok=True)
+    eval_file = write_eval_set(jobs[-1].fixed, out / "eval_varlength", args.eval_samples, cfg.seed)
+
+    outputs = [j.dst for j in shard_jobs] + [eval_file]
+    write_md5_list(out / "checksums.md5", outputs)
+    manifest = {
+        "train_dir": "train_varlength",
+        "train_files": [p.name for p in outputs[:-1]],
+        "train_samples": sum(shard_sizes),
+        "eval_file": str(eval_file.relative_to(out)),
+        "eval_samples": int(eval_file.stem.rsplit("_", 1)[1]),
+        "eval_samples_requested": args.eval_samples,
+        "vocab": {"path": str(vocab.path), "md5": vocab.md5, "size": vocab.size},
+        "pretraining": asdict(cfg),
+        "wordpiece_tokens": tokens or None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    with atomic_output(out / "manifest.json") as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one tokenizer per worker process instead
+    try:
+        m = prepare(args)
+    except (CorpusError, VocabError, ShardError, ParamsMismatch) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = args.out
+    print(f"train: {m['train_samples']:,} samples in {len(m['train_files'])} shards under {out / m['train_dir']}")
+    small = "" if m["eval_samples"] == m["eval_samples_requested"] else " (small corpus: fewer than requested)"
+    print(f"eval:  {m['eval_samples']:,} samples in {out / m['eval_file']}{small}")
+    print(f"check: {out / 'checksums.md5'} (python data/verify.py {out}); manifest: {out / 'manifest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
