@@ -69,7 +69,8 @@ def test_missing_tensor_is_named(saved):
 
 def test_misshaped_tensor_is_named(saved):
     path, state = saved
-    state["bert.encoder.layer.0.intermediate.dense.weight"] = state["bert.encoder.layer.0.intermediate.dense.weight"][:500]
+    name = "bert.encoder.layer.0.intermediate.dense.weight"
+    state[name] = state[name][:500].clone()
     with pytest.raises(ValueError, match=r"layer\.0\.intermediate\.dense\.weight.*\(500, 128\)"):
         load_pretrained(tiny(1), rewrite(path, state))
 
@@ -103,9 +104,12 @@ def test_unpadded_vocab_is_zero_padded_but_not_in_our_own_format(saved):
 
 # Google BERT's TF variable names (as in model.ckpt-28252) and the HF names they correspond to.
 TF_LAYER = {
-    "attention/self/query/kernel": "attention.self.query.weight", "attention/self/query/bias": "attention.self.query.bias",
-    "attention/self/key/kernel": "attention.self.key.weight", "attention/self/key/bias": "attention.self.key.bias",
-    "attention/self/value/kernel": "attention.self.value.weight", "attention/self/value/bias": "attention.self.value.bias",
+    "attention/self/query/kernel": "attention.self.query.weight",
+    "attention/self/query/bias": "attention.self.query.bias",
+    "attention/self/key/kernel": "attention.self.key.weight",
+    "attention/self/key/bias": "attention.self.key.bias",
+    "attention/self/value/kernel": "attention.self.value.weight",
+    "attention/self/value/bias": "attention.self.value.bias",
     "attention/output/dense/kernel": "attention.output.dense.weight",
     "attention/output/dense/bias": "attention.output.dense.bias",
     "attention/output/LayerNorm/gamma": "attention.output.LayerNorm.weight",
