@@ -2,9 +2,9 @@
 # The embedded default: a tiny BERT on the embedded Wikipedia corpus (prepared by data/prepare.py --embedded),
 # 2 CPU processes over gloo, open division (a demo target, not the benchmark's 0.720 on the real eval set).
 # Paths may be set before sourcing; BERT_DATA is where `data/prepare.py --embedded --out` wrote the corpus.
-export BERT_DATA=${BERT_DATA:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/work/embedded}
-export DATADIR_PHASE2=${DATADIR_PHASE2:-${BERT_DATA}/train}
-export EVALDIR=${EVALDIR:-${BERT_DATA}/eval}
+export BERT_DATA=${BERT_DATA:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/work/data}
+export DATADIR_PHASE2=${DATADIR_PHASE2:-${BERT_DATA}/train_varlength}
+export EVALDIR=${EVALDIR:-${BERT_DATA}/eval_varlength}
 export BERT_CONFIG=tiny
 export INIT_CHECKPOINT=""
 export DGXSYSTEM=CPU_1x2

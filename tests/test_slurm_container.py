@@ -1,0 +1,64 @@
+"""run.sub's pyxis path, with a recording `srun` on PATH (there is no pyxis/enroot on this machine).
+
+Reference: NVIDIA's run.sub (mlperf_bert_submissions.md section 1.4): the container is created once per node
+with --container-image, every step runs with --container-name/--container-mounts/--container-workdir, and the
+mounts are the training data, the eval set, the phase-1 checkpoint and the results folder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Records its arguments and the variables the step would see, one JSON line per call, and succeeds.
+FAKE_SRUN = """#!/usr/bin/env python3
+import json, os, sys
+keys = ("DATADIR_PHASE2", "EVALDIR", "INIT_CHECKPOINT", "BERT_CONFIG", "MLPERF_LOG", "OUTPUT_DIR", "SEED")
+with open(os.environ["SRUN_RECORD"], "a") as f:
+    f.write(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}) + "\\n")
+"""
+
+
+def test_container_flags_and_paths(tmp_path):
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    host = {"DATADIR_PHASE2": "/lustre/bert/train", "EVALDIR": "/lustre/bert/eval",
+            "CHECKPOINTDIR_PHASE1": "/lustre/bert/phase1"}
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl"),
+           "CONT": "registry/mlperf-bert:1", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "77",
+           "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
+           "INIT_CHECKPOINT": "/lustre/bert/phase1/model.ckpt-28252.pt", **host}
+    script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && exec bash "{ROOT}/run.sub"'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+    create = calls[0]["argv"]
+    assert "--container-image=registry/mlperf-bert:1" in create and "--ntasks=1" in create  # one per node
+    mounts = {f"{host['DATADIR_PHASE2']}:/workspace/data_phase2", f"{host['EVALDIR']}:/workspace/evaldata",
+              f"{host['CHECKPOINTDIR_PHASE1']}:/workspace/phase1", f"{tmp_path / 'logs'}:/results"}
+    for call in calls:  # every step, the container creation included, runs in the same container
+        flags = dict(a.split("=", 1) for a in call["argv"] if a.startswith("--container-"))
+        assert flags["--container-name"] == "mlperf-bert-77"
+        assert flags["--container-workdir"] == "/workspace/bert"
+        assert set(flags["--container-mounts"].split(",")) == mounts
+
+    runs = [c for c in calls if c["argv"][-1] == "/workspace/bert/run_and_time.sh"]
+    assert [r["argv"][r["argv"].index("--ntasks=8") + 1] for r in runs] == ["--ntasks-per-node=8"] * 2
+    assert [r["env"]["MLPERF_LOG"] for r in runs] == [f"/results/DGXA100_1x8x56x1/bert/result_{i}.txt"
+                                                     for i in range(2)]
+    assert runs[0]["env"]["DATADIR_PHASE2"] == "/workspace/data_phase2"
+    assert runs[0]["env"]["EVALDIR"] == "/workspace/evaldata"
+    assert runs[0]["env"]["INIT_CHECKPOINT"] == "/workspace/phase1/model.ckpt-28252.pt"
+    assert runs[0]["env"]["BERT_CONFIG"] == "/workspace/phase1/bert_config.json"
+    assert runs[0]["env"]["SEED"] != runs[1]["env"]["SEED"]
+    checks = [c["argv"] for c in calls if "mlperf_logging.compliance_checker" in c["argv"]]
+    assert len(checks) == 2 and all(["--ruleset", "5.0.0"] == c[c.index("--ruleset"):][:2] for c in checks)
+    # the host folders exist and the result files were claimed on the host side
+    assert sorted(p.name for p in (tmp_path / "logs" / "DGXA100_1x8x56x1" / "bert").glob("result_*.txt")) == \
+        ["result_0.txt", "result_1.txt"]
