@@ -32,7 +32,7 @@ def test_container_flags_and_paths(tmp_path):
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl"),
            "CONT": "registry/mlperf-bert:1", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "77",
            "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
-           "INIT_CHECKPOINT": "/lustre/bert/phase1/model.ckpt-28252.pt", **host}
+           "INIT_CHECKPOINT": "/lustre/bert/phase1/model.ckpt-28252.safetensors", **host}
     script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && exec bash "{ROOT}/run.sub"'
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -54,7 +54,7 @@ def test_container_flags_and_paths(tmp_path):
                                                      for i in range(2)]
     assert runs[0]["env"]["DATADIR_PHASE2"] == "/workspace/data_phase2"
     assert runs[0]["env"]["EVALDIR"] == "/workspace/evaldata"
-    assert runs[0]["env"]["INIT_CHECKPOINT"] == "/workspace/phase1/model.ckpt-28252.pt"
+    assert runs[0]["env"]["INIT_CHECKPOINT"] == "/workspace/phase1/model.ckpt-28252.safetensors"
     assert runs[0]["env"]["BERT_CONFIG"] == "/workspace/phase1/bert_config.json"
     assert runs[0]["env"]["SEED"] != runs[1]["env"]["SEED"]
     checks = [c["argv"] for c in calls if "mlperf_logging.compliance_checker" in c["argv"]]
