@@ -18,7 +18,7 @@ that starts `offset` positions into a step is laid out as
 So with stratification every body step has the exact per-stratum counts; only the tail
 (a few percent of an epoch when the counts round the histogram, see `strata_counts`) and
 the straddling steps do not. If the streams cannot even fill the head (tiny data), the
-whole epoch is tail.
+whole epoch is tail; if N < W*L, one step spans several epochs and so repeats samples.
 """
 
 from __future__ import annotations

@@ -62,14 +62,18 @@ class TrainLoader:
     def _batch(self, step: int) -> Batch:
         return collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
 
-    def __iter__(self) -> TrainLoader:
+    def _started(self) -> Prefetcher:
         if self._worker is None:
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             self._worker = Prefetcher(self._batch, self.step, self.prefetch, pin)
+        return self._worker
+
+    def __iter__(self) -> TrainLoader:
+        self._started()
         return self
 
     def __next__(self) -> Batch:
-        batch = iter(self)._worker.next()
+        batch = self._started().next()
         self.step += 1
         return batch.to(self.device, non_blocking=True)
 
