@@ -1,0 +1,76 @@
+"""`sbatch --wait run.sub` on the real local Slurm (scripts/slurm_local.sh start; CI's .ci/run does it).
+
+config_CPU_1x2.sh with NEXP=2 and the short synthetic-data recipe: two result files that the official
+compliance checker (5.0.0) and our verifier accept, one RESULT line per run in the job output, and a
+third run that takes the next free index instead of overwriting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, make_synthetic
+
+PY = sys.executable
+
+
+def slurm_up() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    return "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout
+
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(
+    not slurm_up(), reason="no idle local Slurm node (bash scripts/slurm_local.sh install && ... start)"), NEEDS_DRIVER]
+
+
+def sbatch(env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", "--wait", "-o", str(out), "-N1", f"--ntasks-per-node={env['DGXNGPU']}",
+                           "--time=15", "run.sub"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slurm")
+    env = config_env("config_CPU_1x2.sh", **SHORT_RUN, **make_synthetic(tmp / "data"), NEXP="2",
+                     LOGDIR=str(tmp / "results"))
+    submitted = sbatch(env, tmp / "job.out")
+    return submitted, env, tmp
+
+
+def results_dir(tmp: Path) -> Path:
+    return tmp / "results" / "CPU_1x2" / "bert"
+
+
+def test_two_runs_pass_the_checkers(job):
+    submitted, _, tmp = job
+    output = (tmp / "job.out").read_text()
+    assert submitted.returncode == 0, submitted.stderr + output[-4000:]
+    logs = sorted(results_dir(tmp).glob("result_*.txt"))
+    assert [p.name for p in logs] == ["result_0.txt", "result_1.txt"]
+    for log in logs:
+        cc = subprocess.run([PY, "-m", "mlperf_logging.compliance_checker", "--usage", "training", "--ruleset",
+                             "5.0.0", "--log_output", str(tmp / "cc.log"), str(log)], capture_output=True, text=True,
+                            cwd=tmp)
+        assert cc.returncode == 0, cc.stderr
+    verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *map(str, logs),
+                             "--eval-samples", SHORT_RUN["NUM_EVAL_EXAMPLES"]], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout
+    seeds = [line.split(",")[2] for line in output.splitlines() if "RESULT,bert," in line]
+    assert len(seeds) == 2 and seeds[0] != seeds[1], output[-4000:]
+
+
+def test_third_run_does_not_overwrite(job):
+    submitted, env, tmp = job
+    assert submitted.returncode == 0
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in results_dir(tmp).glob("result_*.txt")}
+    again = sbatch({**env, "NEXP": "1"}, tmp / "job2.out")
+    assert again.returncode == 0, (tmp / "job2.out").read_text()[-4000:]
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in results_dir(tmp).glob("result_*.txt")}
+    assert sorted(after) == ["result_0.txt", "result_1.txt", "result_2.txt"]
+    assert {k: after[k] for k in digest} == digest
