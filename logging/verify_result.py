@@ -132,13 +132,21 @@ def verify(path: str | Path, expect: Expect) -> list[str]:
             + check_cadence(events, gbs, expect.eval_start, expect.eval_every))
 
 
+def _count(text: str) -> int:
+    """A sample count as the shell configs write it: 150000 or 1.5e5."""
+    value = float(text)
+    if value != int(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole sample count")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", type=Path)
     p.add_argument("--target", type=float, default=Expect.target, help="MLM accuracy target (default 0.720)")
-    p.add_argument("--eval-samples", type=int, default=Expect.eval_samples, help="eval-set size (default 10000)")
-    p.add_argument("--eval-start", type=int, help="samples at the first eval (default: logged, else the formula)")
-    p.add_argument("--eval-every", type=int, help="samples between evals (default: logged, else the formula)")
+    p.add_argument("--eval-samples", type=_count, default=Expect.eval_samples, help="eval-set size (default 10000)")
+    p.add_argument("--eval-start", type=_count, help="samples at the first eval (default: logged, else the formula)")
+    p.add_argument("--eval-every", type=_count, help="samples between evals (default: logged, else the formula)")
     args = p.parse_args(argv)
     expect = Expect(args.target, args.eval_samples, args.eval_start, args.eval_every)
     failed = 0

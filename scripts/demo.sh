@@ -23,7 +23,8 @@ python logging/log_cache_clear.py "$MLPERF_LOG" --cleared false  # no root here:
 
 python -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0 \
   --log_output "$results/compliance_$i.log" "$MLPERF_LOG"
-python logging/verify_result.py "$MLPERF_LOG" --target "$TARGET_MLM_ACCURACY" --eval-samples "$NUM_EVAL_EXAMPLES"
+python logging/verify_result.py "$MLPERF_LOG" --target "$TARGET_MLM_ACCURACY" --eval-samples "$NUM_EVAL_EXAMPLES" \
+  --eval-start "$EVAL_ITER_START_SAMPLES" --eval-every "$EVAL_ITER_SAMPLES"
 python logging/plot_run.py "$MLPERF_LOG" --metrics "$OUTPUT_DIR/metrics.jsonl" --target "$TARGET_MLM_ACCURACY" \
   --out "${MLPERF_LOG%.txt}.png"
 echo "result log: $MLPERF_LOG (passes the compliance checker 5.0.0 and verify_result.py)"
