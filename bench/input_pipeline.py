@@ -9,6 +9,8 @@
 * load + collate: one rank of 8 reading its 16 assigned sequences from real varlength shards
   (written to a temporary directory) and concatenating them into a `Batch`.
 * loader: steps/s a consumer gets from `TrainLoader` (plan + load + collate in its thread).
+* strat: for stratified strategies, the share of an epoch's steps with the exact per-stratum
+  counts on every rank (the rest is the epoch's tail, see `bert.data.epoch`).
 
 Strategies are timed interleaved, repeat by repeat, and the median is reported, because
 other processes share the machine. Writes results/bench/input_pipeline.json.
@@ -53,6 +55,14 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def stratified_share(plan: TrainPlan) -> float:
+    """Share of epoch 0's whole steps in which every rank has exactly the stratum counts."""
+    steps = plan.index.num_samples // plan.global_batch_size
+    draws = plan.epoch(0)[: steps * plan.global_batch_size].reshape(steps, plan.world_size, -1)
+    per_row = np.stack([(plan.strata[draws] == k).sum(axis=2) for k in range(len(plan.counts))], axis=2)
+    return float((per_row == np.array(plan.counts)).all(axis=(1, 2)).mean())
+
+
 def bench_plan(world: int, num_samples: int, steps: int, repeats: int) -> dict[str, dict[str, float]]:
     index = fake_index(num_samples, num_shards=max(64, world))
     plans = {name: TrainPlan(index, world, LOCAL_BATCH, min(RANKS_PER_NODE, world), name, seed=1)
@@ -65,11 +75,12 @@ def bench_plan(world: int, num_samples: int, steps: int, repeats: int) -> dict[s
             per_step[name].append(timed(lambda p=plan, f=first: [p.assignment(t) for t in range(f, f + steps)]) / steps)
     return {
         name: {
+            "stratified_step_share": stratified_share(plan) if plan.counts else None,
             "step_ms": 1e3 * statistics.median(per_step[name]),
             "epoch_layout_s": epoch_s[name],
             "epoch_layout_us_per_sample": 1e6 * epoch_s[name] / num_samples,
         }
-        for name in plans
+        for name, plan in plans.items()
     }
 
 
@@ -130,12 +141,15 @@ def main() -> None:
 
     header = f"{'strategy':<16}" + "".join(f"{'plan ' + str(w) + 'r ms':>14}" for w in worlds)
     header += f"{'epoch 1024r us/smp':>20}{'load ms':>10}{'collate ms':>12}{'loader steps/s':>16}"
+    header += "".join(f"{'strat ' + str(w) + 'r':>12}" for w in worlds)
     print(f"local batch {LOCAL_BATCH}, {RANKS_PER_NODE} ranks per node; medians of {repeats} interleaved repeats")
     print(header)
     for name in STRATEGIES:
         row = f"{name:<16}" + "".join(f"{plan[w][name]['step_ms']:>14.3f}" for w in worlds)
         row += f"{plan[1024][name]['epoch_layout_us_per_sample']:>20.3f}"
         row += f"{load[name]['load_ms']:>10.3f}{load[name]['collate_ms']:>12.3f}{loader[name]:>16.1f}"
+        share = [plan[w][name]["stratified_step_share"] for w in worlds]
+        row += "".join(f"{'-' if x is None else f'{x:.3f}':>12}" for x in share)
         print(row)
 
     result = {

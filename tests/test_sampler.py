@@ -77,20 +77,21 @@ def test_epoch_layout_by_hand():
     # W=2, L=2, epoch starts 1 position into a step: rank 0 owes 1 id, rank 1 owes 2 (the head).
     order = lay_out_epoch([a, b], local_batch=2, offset=1, rng=rng)
     assert order[:3].tolist() == [10, 20, 21]
-    # Body: rank 1 has one id left, not a local batch, so no body; everything else is tail.
-    assert sorted(order[3:].tolist()) == [11, 12, 13, 14, 22]
+    # Body: chunks of 2 by (chunk, rank): [11 12] [22] [13 14] -> one whole step [11 12 | 22 13].
+    assert order[3:7].tolist() == [11, 12, 22, 13] and order[7:].tolist() == [14]
     order = lay_out_epoch([a, b[:2]], local_batch=2, offset=0, rng=rng)
     assert order[:4].tolist() == [10, 11, 20, 21] and sorted(order[4:].tolist()) == [12, 13, 14]
 
 
 def test_stratified_layout_by_hand():
-    # Strata of ids: 0,1,2 -> stratum 0; 3,4,5 -> stratum 1. Counts (1, 1) per local batch of 2.
-    strata = np.array([0, 0, 0, 1, 1, 1])
-    a, b = np.array([0, 1, 3, 4]), np.array([5, 2])
+    # Ids 0..5 are stratum 0, 6..11 stratum 1; a local batch of 2 takes one of each.
+    strata = np.repeat([0, 1], 6)
+    a, b = np.array([0, 1, 2, 3, 6, 7, 8, 9]), np.array([4, 10])
     order = lay_out_epoch([a, b], 2, 0, np.random.default_rng(0), strata, (1, 1))
-    # Step 0: rank 0 takes its first stratum-0 id (0) and first stratum-1 id (3); rank 1: 2 and 5.
-    assert order[:4].tolist() == [0, 3, 2, 5]
-    assert sorted(order[4:].tolist()) == [1, 4]  # rank 1 ran out of both strata: the rest is tail
+    # Step 0: each rank its first id of each stratum. Rank 1 is then empty, so in step 1 rank 0's
+    # next chunks move up into row 1: stratum 0 runs [0 4 1 2 3], stratum 1 [6 10 7 8 9].
+    assert order[:8].tolist() == [0, 6, 4, 10, 1, 7, 2, 8]
+    assert sorted(order[8:].tolist()) == [3, 9]  # one id per stratum left: less than a step, tail
     with pytest.raises(ValueError, match="sum"):
         lay_out_epoch([a, b], 2, 0, np.random.default_rng(0), strata, (1, 2))
 
@@ -126,27 +127,41 @@ def row_strata(lengths: np.ndarray) -> list[int]:
 def test_stratified_steps_have_exact_counts_until_a_stratum_runs_out():
     index = fake_index([300, 280, 320, 260, 310, 290, 305, 275])
     plan = TrainPlan(index, 4, 16, 2, "samsung", seed=1, shuffle_buffer=100)
-    shares = np.array(row_strata(index.lengths)) / index.num_samples
-    assert sum(plan.counts) == 16 and np.abs(np.array(plan.counts) - 16 * shares).max() < 1  # rounded histogram
-    # Independently: rank r's body can last as long as its scarcest stratum, relative to the count.
+    have = np.array(row_strata(index.lengths))
+    assert sum(plan.counts) == 16 and np.abs(np.array(plan.counts) - 16 * have / index.num_samples).max() < 1
+    # Independently: the stratified steps last until the scarcest stratum (relative to its
+    # count) is used up world-wide, and ranks draw from their own shards until one rank's
+    # scarcest stratum is used up.
+    body = min(h // (4 * c) for h, c in zip(have, plan.counts) if c)
     streams = rank_streams(index, 4, 1, 0, 100)
-    body = min(
-        have // want
-        for s in streams
-        for have, want in zip(row_strata(index.lengths[s]), plan.counts)
-        if want
-    )
-    assert body > 20
+    own = min(h // c for s in streams for h, c in zip(row_strata(index.lengths[s]), plan.counts) if c)
+    assert 0 < own < body < index.num_samples // 64
     for t in range(body):
         draw = plan.draw(t)
         for rank in range(4):
             assert row_strata(index.lengths[draw[rank]]) == list(plan.counts), (t, rank)
-            assert set(draw[rank]) <= set(streams[rank])  # a rank draws from its own shards
+            assert t >= own or set(draw[rank]) <= set(streams[rank])
     tail_steps = range(body, index.num_samples // 64)
     assert any(row_strata(index.lengths[plan.draw(t)[r]]) != list(plan.counts) for t in tail_steps for r in range(4))
     # The next epoch's first whole step is stratified again.
     first = -(-index.num_samples // 64)
     assert all(row_strata(index.lengths[plan.draw(first)[r]]) == list(plan.counts) for r in range(4))
+
+
+def test_uneven_shards_cost_no_steps():
+    # Ranks get 300 + 20 samples vs 30 + 25: the short ranks' rows are filled from the long ranks'
+    # chunks, so only the last partial step's worth (< 4 x 8) is left for the tail.
+    plan = TrainPlan(fake_index([300, 30, 20, 25]), 4, 8, 2, "none", seed=0, shuffle_buffer=1)
+    streams = rank_streams(plan.index, 4, 0, 0, 1)
+    assert sorted(len(s) for s in streams) == [20, 25, 30, 300]
+    steps = 375 // 32
+    drawn = np.concatenate([plan.draw(t).ravel() for t in range(steps)])
+    assert len(set(drawn)) == steps * 32
+    longest = int(np.argmax([len(s) for s in streams]))
+    assert plan.draw(0)[longest].tolist() == streams[longest][:8].tolist()  # step 0: own stream
+    # From chunk 4 on only the long rank has ids; its last 375 - 11 * 32 = 23 are the tail.
+    assert plan.draw(steps - 1).ravel().tolist() == streams[longest][-55:-23].tolist()
+    assert sorted(plan.epoch(0)[steps * 32 :]) == sorted(streams[longest][-23:])
 
 
 def test_same_seed_same_plan_other_seed_other_plan():

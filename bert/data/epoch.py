@@ -8,17 +8,19 @@ straddles an epoch boundary holds the end of one epoch and the start of the next
 that starts `offset` positions into a step is laid out as
 
 * head: the rest of that straddling step, rank rows filled from each rank's own stream;
-* body: whole steps; row r takes the next L ids of rank r's stream, or, when stratified,
-  exactly `counts[k]` ids of stratum k from rank r's stream (its stratum-k ids, in stream
-  order). The body ends at the first step some rank cannot fill: in the stratified case,
-  as soon as any one stratum of any one rank runs out;
-* tail: every id left over (the other ranks' and strata's surplus) in a seeded random
-  order, dealt as ordinary unstratified steps.
+* body: whole steps. Row r takes the next chunk of L ids of rank r's stream; once a rank's
+  stream is used up, the chunks of the ranks that still have ids move up to fill the rows
+  (chunks are ordered by (chunk number, rank)), so uneven shard sizes cost no steps.
+  Stratified, the same is done per stratum with chunks of `counts[k]` ids of rank r's
+  stratum-k ids, and every body step has exactly `counts[k]` ids of stratum k in every row;
+  the body ends when the first stratum has fewer than `world * counts[k]` ids left;
+* tail: the ids left over in a seeded random order: fewer than a step's worth unstratified;
+  stratified, the other strata's surplus once the scarcest one (relative to its count) is
+  used up, a few percent of an epoch when the counts round the histogram (`strata_counts`).
+  Tail steps are ordinary unstratified steps; the last one straddles into the next epoch.
 
-So with stratification every body step has the exact per-stratum counts; only the tail
-(a few percent of an epoch when the counts round the histogram, see `strata_counts`) and
-the straddling steps do not. If the streams cannot even fill the head (tiny data), the
-whole epoch is tail; if N < W*L, one step spans several epochs and so repeats samples.
+If the streams cannot even fill the head (tiny data), the whole epoch is tail; if N < W*L,
+one step spans several epochs and so repeats samples.
 """
 
 from __future__ import annotations
@@ -36,24 +38,36 @@ def head_sizes(world: int, local_batch: int, offset: int) -> np.ndarray:
     return np.clip(starts + local_batch - np.maximum(starts, offset), 0, local_batch)
 
 
-def _body_plain(streams: list[np.ndarray], local_batch: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    steps = min(len(s) for s in streams) // local_batch
-    body = np.stack([s[: steps * local_batch].reshape(steps, local_batch) for s in streams], axis=1)
-    return body, [s[steps * local_batch :] for s in streams]
+def interleave(streams: Sequence[np.ndarray], chunk: int) -> np.ndarray:
+    """Chunks of `chunk` ids ordered by (chunk number, rank): rank 0's first, rank 1's first, ...
+
+    While every stream has chunks left, chunk j of rank r lands at position (j*W + r)*chunk,
+    i.e. in rank r's row; exhausted streams drop out and the others close up.
+    """
+    world = len(streams)
+    keys = [np.arange(len(s)) // chunk * world + r for r, s in enumerate(streams)]
+    return np.concatenate(streams)[np.argsort(np.concatenate(keys), kind="stable")]
+
+
+def _body_plain(streams: list[np.ndarray], local_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    order = interleave(streams, local_batch)
+    used = len(order) // (len(streams) * local_batch) * len(streams) * local_batch
+    return order[:used], order[used:]
 
 
 def _body_stratified(
     streams: list[np.ndarray], strata: np.ndarray, counts: Sequence[int]
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    split = [[s[strata[s] == k] for k in range(len(counts))] for s in streams]
+) -> tuple[np.ndarray, np.ndarray]:
+    world = len(streams)
     used = [k for k, c in enumerate(counts) if c > 0]
-    steps = min(len(by_stratum[k]) // counts[k] for by_stratum in split for k in used)
-    rows = [
-        np.concatenate([by_stratum[k][: steps * counts[k]].reshape(steps, counts[k]) for k in used], axis=1)
-        for by_stratum in split
-    ]
-    left = [np.concatenate([by_stratum[k][steps * counts[k] :] for k in range(len(counts))]) for by_stratum in split]
-    return np.stack(rows, axis=1), left
+    per_stratum = {k: interleave([s[strata[s] == k] for s in streams], counts[k]) for k in range(len(counts))}
+    steps = min(len(per_stratum[k]) // (world * counts[k]) for k in used)
+    # (steps, world, counts[k]) blocks side by side: each row holds counts[k] ids of stratum k.
+    body = np.concatenate(
+        [per_stratum[k][: steps * world * counts[k]].reshape(steps, world, counts[k]) for k in used], axis=2
+    )
+    left = [per_stratum[k][steps * world * counts[k] :] for k in range(len(counts))]
+    return body.ravel(), np.concatenate(left)
 
 
 def lay_out_epoch(
@@ -80,5 +94,4 @@ def lay_out_epoch(
     head = [s[:n] for s, n in zip(streams, take)]
     rest = [s[n:] for s, n in zip(streams, take)]
     body, left = _body_plain(rest, local_batch) if counts is None else _body_stratified(rest, strata, counts)
-    tail = rng.permutation(np.concatenate(left))
-    return np.concatenate([*head, body.ravel(), tail])
+    return np.concatenate([*head, body, rng.permutation(left)])
