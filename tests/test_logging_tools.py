@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,59 @@ def test_unreadable_line_names_file_and_line(tmp_path):
     log.write_text(log.read_text() + ':::MLLOG {"key": "broken"\n')
     out = verify(log)
     assert out.returncode == 1 and f"{log}:" in out.stdout
+
+
+def olympic_mean_minutes(logs: list[Path]) -> float:
+    """Time to train by the rules: (run_stop - run_start) per run, drop the fastest and slowest, average."""
+    minutes = []
+    for log in logs:
+        times = {r["key"]: r["time_ms"] for r in (json.loads(line.split(":::MLLOG ", 1)[1])
+                                                  for line in log.read_text().splitlines())}
+        minutes.append((times["run_stop"] - times["run_start"]) / 60_000)
+    return sum(sorted(minutes)[1:-1]) / (len(minutes) - 2)
+
+
+def ten_logs(tmp: Path, evals: int) -> list[Path]:
+    """Ten closed runs at GBS 448 converging at the evals-th eval, with different seeds and speeds."""
+    accuracies = [0.4 + 0.3 * k / (evals - 1) for k in range(evals - 1)] + [0.7207]
+    return [write_log(tmp / f"run{k}.txt", accuracies, seed=7 + k, step_s=30 + 3 * k) for k in range(10)]
+
+
+def make_submission(logs: list[Path], out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, str(ROOT / "logging" / "make_submission.py"), *map(str, logs), "--org", "TestOrg",
+                           "--system", "test_box", "--out", str(out), *flags], capture_output=True, text=True)
+
+
+def score(stdout: str) -> float:
+    return float(re.search(r"score \(result_summarizer 5\.0\.0\): bert ([\d.]+) minutes", stdout).group(1))
+
+
+def test_submission_at_the_reference_convergence_point(tmp_path):
+    logs = ten_logs(tmp_path, evals=17)  # 17 evals of 150080 samples: 2.55M, above the GBS-448 RCP mean 2.41M
+    out = make_submission(logs, tmp_path / "sub")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "package_checker 5.0.0: PASS\n" in out.stdout and "rcp_checker 5.0.0: PASS" in out.stdout
+    assert score(out.stdout) == pytest.approx(olympic_mean_minutes(logs), rel=1e-9)
+    org = tmp_path / "sub" / "TestOrg"
+    system = json.loads((org / "systems" / "test_box.json").read_text())
+    assert system["division"] == "closed" and system["submitter"] == "TestOrg"
+    assert not list(org.rglob("scaling.json"))  # the checkers ran on a copy
+
+
+def test_submission_converging_too_fast_needs_the_labelled_bypass(tmp_path):
+    logs = ten_logs(tmp_path, evals=3)  # 450k samples: far below any reference convergence point
+    strict = make_submission(logs, tmp_path / "strict")
+    assert strict.returncode == 1
+    assert "package_checker 5.0.0: FAIL" in strict.stdout and "rcp_checker 5.0.0: FAIL\n" in strict.stdout
+    bypassed = make_submission(logs, tmp_path / "bypassed", "--rcp-bypass")
+    assert bypassed.returncode == 0, bypassed.stdout
+    assert "package_checker 5.0.0: PASS (RCP check bypassed: --rcp-bypass)" in bypassed.stdout
+    assert "rcp_checker 5.0.0: FAIL -- BYPASSED with --rcp-bypass" in bypassed.stdout
+    assert score(bypassed.stdout) == pytest.approx(olympic_mean_minutes(logs), rel=1e-9)
+
+
+def test_submission_refuses_an_existing_folder(tmp_path):
+    logs = ten_logs(tmp_path, evals=3)
+    (tmp_path / "sub" / "TestOrg").mkdir(parents=True)
+    out = make_submission(logs, tmp_path / "sub")
+    assert out.returncode != 0 and "exists" in out.stderr
