@@ -1,8 +1,9 @@
 """Load-balance lab: average fewest/most tokens per GPU for every strategy, 8 to 1024 GPUs.
 
 Samsung's simulation (paper 000 §5.2, Figure 6, Table 5) run on the project's own balancing
-code (`bert.balance`, what the input pipeline calls), plus packing (simulation only) and the
-world-wide greedy balancer (`lpt`). The length distribution is either the lengths of real
+code (`bert.balance`, what the input pipeline calls), plus two simulation-only rows: packing,
+and `node_ideal`, the floor of any node-local balancer (each node's tokens split evenly). The
+length distribution is either the lengths of real
 varlength shards (--shards) or parametric (--edges/--probs/--at-max; default: the Wikipedia
 phase-2 mix). Prints a table, writes results/bench/balance.json and a Figure-6-style PNG.
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from bert.balance import STRATEGIES, get_strategy
 from bert.balance.length_pmf import LengthPMF
-from bert.balance.simulate import Spread, pack, simulate, simulate_packing, stratum_histogram
+from bert.balance.simulate import Spread, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
 from bert.lengths import WIKI_PHASE2, LengthMix
 
 # Paper 000 appendix C, Table 5: 1024 GPUs, 8 per node, local batch 16 (average min, max tokens).
@@ -35,8 +36,10 @@ TABLE5 = (
 )
 PAPER_SETUP = {"gpus": 1024, "gpus_per_node": 8, "local_batch": 16}
 # Table 5's steps first, then packing (Figure 6), then everything else registered.
+# Simulation only: packing, and the best any node-local balancer could do (tokens split evenly in each node).
+SIMULATED = ("packing", "node_ideal")
 ORDER = [name for _, name, _, _ in TABLE5] + ["packing"]
-DEFAULT_STRATEGIES = ORDER + [name for name in STRATEGIES if name not in ORDER]
+DEFAULT_STRATEGIES = ORDER + [name for name in STRATEGIES if name not in ORDER] + ["node_ideal"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--local-batch", type=int, default=16)
     p.add_argument("--trials", type=int, default=0, help="trials per point (0: ~2M sampled sequences, >= 200)")
-    p.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, help="registered names, packing")
+    p.add_argument("--strategies", nargs="+", default=DEFAULT_STRATEGIES, help="registered names, packing, node_ideal")
     p.add_argument("--max-per-pack", type=int, default=3, help="packing: sequences per pack at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=Path("results/bench/balance.json"))
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     pmf, source = length_distribution(args)
     names = list(dict.fromkeys(args.strategies))
     for name in names:
-        if name != "packing":
+        if name not in SIMULATED:
             get_strategy(name)  # fail on a typo before the long run
     packed = pack(pmf, args.max_per_pack) if "packing" in names else None
     # Same sequences per GPU as the others (the paper assumes 2 per pack: 8 packs of 16).
@@ -87,10 +90,12 @@ def run(args: argparse.Namespace) -> dict:
     for gpus in args.gpus:
         trials = args.trials or max(200, 2_000_000 // (gpus * args.local_batch))
         for name in names:
+            node = min(args.gpus_per_node, gpus)
             if name == "packing":
                 results.append(simulate_packing(packed, gpus, packs_per_gpu, trials, rng))
+            elif name == "node_ideal":
+                results.append(simulate_node_ideal(pmf, gpus, node, args.local_batch, trials, rng, args.edges))
             else:
-                node = min(args.gpus_per_node, gpus)
                 results.append(simulate(get_strategy(name), pmf, gpus, node, args.local_batch, trials, rng, args.edges))
     return {
         "setup": {"gpus_per_node": args.gpus_per_node, "local_batch": args.local_batch, "seed": args.seed},
@@ -158,15 +163,15 @@ def plot(report: dict, path: Path) -> None:
     gpus = sorted({r["gpus"] for r in results})
     names = list(dict.fromkeys(r["strategy"] for r in results))
     width = 0.8 / len(names)
-    colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(14, 6.5))
+    colors = [*plt.get_cmap("tab10").colors, "black", "gold"]
+    fig, ax = plt.subplots(figsize=(17, 6.5))
     for j, name in enumerate(names):
         rows = [r for g in gpus for r in results if r["strategy"] == name and r["gpus"] == g]
         xs = [gpus.index(r["gpus"]) - 0.4 + (j + 0.5) * width for r in rows]
         lo = np.array([r["avg_min"] for r in rows])
         hi = np.array([r["avg_max"] for r in rows])
         # Keep near-perfect balancers visible: at least 15 tokens tall.
-        ax.bar(xs, np.maximum(hi - lo, 15), bottom=lo, width=width * 0.9, color=colors(j % 10), label=name)
+        ax.bar(xs, np.maximum(hi - lo, 15), bottom=lo, width=width * 0.9, color=colors[j % len(colors)], label=name)
         for x, top, r in zip(xs, hi, rows):
             label = f"{100 * r['range_over_mean']:.1f}%"
             ax.text(x, top + 60, label, rotation=90, ha="center", va="bottom", fontsize=6)

@@ -8,7 +8,7 @@ import pytest
 from bert.balance import get_strategy, stratum_of
 from bert.balance.length_pmf import LengthPMF
 from bert.balance.packing import pack_histogram
-from bert.balance.simulate import draw, pack, simulate, simulate_packing, stratum_histogram
+from bert.balance.simulate import draw, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
 from bert.lengths import WIKI_PHASE2, LengthMix
 
 # P(100) = P(300) = 1/2: small enough to enumerate every outcome by hand.
@@ -100,3 +100,13 @@ def test_packing_simulation_draws_whole_packs() -> None:
     assert packed.ratio == 2.0
     spread = simulate_packing(packed, gpus=16, packs_per_gpu=8, trials=10, rng=np.random.default_rng(3))
     assert spread.avg_min == spread.avg_max == 8 * 512
+
+
+def test_node_ideal_is_the_floor_of_node_local_balancing() -> None:
+    pmf, rng = LengthPMF.from_mix(WIKI_PHASE2), np.random.default_rng(4)
+    one_node = simulate_node_ideal(pmf, gpus=8, gpus_per_node=8, local_batch=16, trials=20, rng=rng)
+    assert one_node.avg_min == one_node.avg_max == pytest.approx(one_node.mean)
+    assert one_node.gpus == 8
+    ideal = simulate_node_ideal(pmf, gpus=256, gpus_per_node=8, local_batch=16, trials=50, rng=rng)
+    samsung = simulate(get_strategy("samsung"), pmf, 256, 8, 16, 50, rng)
+    assert 0.03 < ideal.range_over_mean < samsung.range_over_mean  # nodes' totals differ; snake adds to that

@@ -74,6 +74,21 @@ def simulate(
     return _spread(strategy.name, tokens)
 
 
+def simulate_node_ideal(
+    pmf: LengthPMF,
+    gpus: int,
+    gpus_per_node: int,
+    local_batch: int,
+    trials: int,
+    rng: np.random.Generator,
+    edges: Sequence[int] = EDGES,
+) -> Spread:
+    """The floor of any node-local balancer: stratified draw, then each node's tokens split evenly."""
+    lengths = draw(pmf, True, (trials, gpus, local_batch), rng, edges)
+    per_node = lengths.reshape(trials, gpus // gpus_per_node, -1).sum(axis=2) / gpus_per_node
+    return _spread("node_ideal", np.repeat(per_node, gpus_per_node, axis=1))
+
+
 @dataclass(frozen=True)
 class PackedData:
     packs: LengthPMF  # distribution of tokens per pack
