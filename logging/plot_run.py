@@ -33,7 +33,7 @@ def read_metrics(path: Path, x_key: str, y_key: str) -> tuple[list[float], list[
     return xs, ys
 
 
-def plot(log: Path, out: Path, metrics: Path | None, x_key: str, y_key: str, target: float) -> None:
+def plot(log: Path, metrics: Path | None, x_key: str, y_key: str, target: float) -> plt.Figure:
     events = read_events(log)
     evals = [e for e in events if e.key == "eval_accuracy"]
     if not evals:
@@ -54,7 +54,7 @@ def plot(log: Path, out: Path, metrics: Path | None, x_key: str, y_key: str, tar
         axes[1][0].set_ylabel(f"training {y_key}")
     axes[-1][0].set_xlabel("training samples")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.720)
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     args = p.parse_args(argv)
-    plot(args.log, args.out, args.metrics, args.x_key, args.y_key, args.target)
+    plot(args.log, args.metrics, args.x_key, args.y_key, args.target).savefig(args.out, dpi=100)
     print(f"plot: {args.out}")
     return 0
 

@@ -185,3 +185,24 @@ def test_submission_refuses_an_existing_folder(tmp_path):
     (tmp_path / "sub" / "TestOrg").mkdir(parents=True)
     out = make_submission(logs, tmp_path / "sub")
     assert out.returncode != 0 and "exists" in out.stderr
+
+
+def test_plot_shows_the_logged_evals_and_the_metrics(tmp_path):
+    sys.path.insert(0, str(ROOT / "logging"))
+    import plot_run
+
+    log = write_log(tmp_path / "r.txt", accuracies=(0.3, 0.6, 0.73))
+    metrics = tmp_path / "metrics.jsonl"
+    steps = range(0, 1006, 4)
+    metrics.write_text("".join(json.dumps({"samples": 448 * s, "loss": 9.0 - s / 100}) + "\n" for s in steps))
+    fig = plot_run.plot(log, metrics, "samples", "loss", 0.72)
+    evals, target = fig.axes[0].lines
+    assert list(evals.get_xdata()) == [150080, 300160, 450240] and list(evals.get_ydata()) == [0.3, 0.6, 0.73]
+    assert list(target.get_ydata()) == [0.72, 0.72] and "success" in fig.axes[0].get_title()
+    assert fig.axes[1].lines[0].get_xdata()[-1] == 448 * 1004
+    out = subprocess.run([PY, str(ROOT / "logging" / "plot_run.py"), str(log), "--metrics", str(metrics),
+                          "--out", str(tmp_path / "run.png")], capture_output=True, text=True)
+    assert out.returncode == 0 and (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wrong_key = subprocess.run([PY, str(ROOT / "logging" / "plot_run.py"), str(log), "--metrics", str(metrics),
+                                "--x-key", "step", "--out", str(tmp_path / "x.png")], capture_output=True, text=True)
+    assert wrong_key.returncode != 0 and "'step'" in wrong_key.stderr
