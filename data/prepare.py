@@ -153,21 +153,25 @@ def prepare(args: argparse.Namespace) -> dict:
         print(f"text: {counts['documents']} documents ({counts['eval_documents']} held out for eval)")
 
     fixed = out / "fixed"
-    fixed.mkdir(exist_ok=True)
+    for directory in (fixed, out / "train_varlength", out / "eval_varlength"):
+        directory.mkdir(exist_ok=True)
+        for stale in directory.glob(".*.tmp-*"):  # left by an interrupted run; its output is redone below
+            stale.unlink()
     texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
     jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab.path, cfg) for t in texts]
+    stage_start = time.perf_counter()
     stats = list(parallel_imap(make_fixed_part, jobs, args.workers, "tokenize+create_pretraining_data"))
     tokens = sum(s.tokens for s in stats)
-    busy = sum(s.seconds for s in stats)
     if tokens:
-        print(f"create_pretraining_data: {tokens:,} WordPiece tokens, {tokens / busy:,.0f} tokens/s per process")
-
+        rate = tokens / (time.perf_counter() - stage_start)
+        print(f"create_pretraining_data: {tokens:,} WordPiece tokens in, {rate:,.0f} tokens/s ({args.workers} workers)")
+    skipped = sum(s.skipped for s in stats)
+    if skipped:
+        print(f"fixed: {skipped} of {len(stats)} parts were complete already and were skipped")
     train_parts, train_counts = [j.fixed for j in jobs[:-1]], [s.samples for s in stats[:-1]]
     num_shards = args.num_shards or default_num_shards(sum(train_counts))
     shard_jobs = plan_shards(train_parts, train_counts, num_shards, out / "train_varlength")
-    (out / "train_varlength").mkdir(exist_ok=True)
     shard_sizes = list(parallel_imap(write_shard, shard_jobs, args.workers, "chop+convert to varlength"))
-    (out / "eval_varlength").mkdir(exist_ok=True)
     eval_file = write_eval_set(jobs[-1].fixed, out / "eval_varlength", args.eval_samples, cfg.seed)
 
     outputs = [j.dst for j in shard_jobs] + [eval_file]

