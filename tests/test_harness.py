@@ -124,3 +124,16 @@ def test_driver_failure_is_the_exit_status(tmp_path):
     assert "STARTING TIMING RUN" in out.stdout  # the configuration was valid: the driver itself failed
     assert out.returncode != 0
     assert RESULT.search(out.stdout)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"DGXNNODES": "2"}, "more than one node needs Slurm"),
+    # inside a Slurm step with one task per process, each task would draw its own $RANDOM seed
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "$SEED must be set"),
+], ids=["two-nodes-without-slurm", "slurm-step-without-seed"])
+def test_launch_mode_preconditions(overrides, message, tmp_path):
+    env = config_env("config_CPU_1x2.sh", **overrides)
+    env.pop("SEED", None)
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "STARTING TIMING RUN" not in out.stdout
