@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"balance lab: {e}", file=sys.stderr)
         return 2
     print_table(report)
+    if report["packing"]:
+        pk = report["packing"]
+        print(
+            f"packing: best-fit decreasing, <= {pk['max_per_pack']} per pack, {pk['ratio']} sequences per pack "
+            f"(NVIDIA's packed phase-2 data: 1.999), {pk['packs_per_gpu']} packs per GPU"
+        )
     report["table5"] = compare_table5(report, args)
     report["seconds"] = round(time.perf_counter() - start, 1)
     args.json.parent.mkdir(parents=True, exist_ok=True)

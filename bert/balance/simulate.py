@@ -39,7 +39,7 @@ class Spread:
 def _spread(name: str, tokens: np.ndarray) -> Spread:
     """`tokens`: (trials, gpus) per-GPU token counts."""
     lo, hi = tokens.min(axis=1), tokens.max(axis=1)
-    stderr = max(lo.std(), hi.std()) / np.sqrt(len(tokens))
+    stderr = float(max(lo.std(), hi.std()) / np.sqrt(len(tokens)))
     return Spread(name, tokens.shape[1], len(tokens), float(lo.mean()), float(hi.mean()), float(tokens.mean()), stderr)
 
 

@@ -13,8 +13,8 @@ from bert.balance.presort import assign_global, assign_local, assign_snake
 
 Assign = Callable[[np.ndarray, int], np.ndarray]
 # Whose lengths `assign` needs: the rank's own, its node's, or the whole world's. With a shared
-# seed and a length index every rank can know them without a collective; the cost model
-# (bench/balance_cost.py) prices what moving them would cost instead.
+# seed and a length index every rank knows them without a collective; `bert.balance.cost`
+# prices the exchange the papers run instead.
 Scope = Literal["rank", "node", "world"]
 
 
