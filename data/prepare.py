@@ -41,12 +41,13 @@ from fixed_parts import PartJob, make_fixed_part
 from md5_list import write_md5_list
 from parallel_map import parallel_imap
 from pretraining_instances import PretrainingConfig
+from sentence_split import MIN_PARAGRAPH_WORDS
 from shard_split import default_num_shards, plan_shards, write_eval_set, write_shard
 from text_parts import EVAL_TEXT, write_text_parts
 from wiki_extract import extract_dump
 from wordpiece import VocabError, default_vocab_path, load_vocab
 
-from bert.data.format import ShardError, atomic_output
+from bert.data.format import ShardError, VarlenShard, atomic_output
 
 MAX_EVAL_FRACTION = 0.05  # a small corpus keeps most of its text for training
 BYTES_PER_WORD, TOKENS_PER_WORD = 6.0, 1.3  # English Wikipedia, for sizing the held-out text
@@ -54,7 +55,7 @@ TEXT_PART_BYTES, MIN_TEXT_PARTS = 32 << 20, 8  # text parts are the unit of para
 
 
 class ParamsMismatch(ValueError):
-    pass
+    """The output directory holds data prepared from other inputs, parameters or vocab."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,32 +80,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.embedded or args.wiki_dump or args.text_dir):
         p.error("give --embedded, --wiki-dump or --text-dir")
+    if args.dupe_factor < 1 or not 5 <= args.max_seq_length <= 32767 or args.eval_samples < 1:
+        p.error("need --dupe-factor >= 1, 5 <= --max-seq-length <= 32767 (int16 shards) and --eval-samples >= 1")
     return args
 
 
-def _documents(args: argparse.Namespace, out: Path) -> tuple[Iterator[tuple[str, int]], list[Path]]:
-    """(document, min words per paragraph) from every source, and the input paths (for sizing)."""
-    dumps = list(args.wiki_dump)
-    sources, inputs = [], []
-    if args.embedded:
-        dumps.insert(0, package_file(*GENSIM_WIKI_DUMP))
-        summaries = package_file(*OVOS_SUMMARIES)
-        sources.append((summaries_documents(summaries), 4))
-        inputs.append(summaries)
+def _sources(args: argparse.Namespace, out: Path) -> list[tuple[Iterator[str], int, Path]]:
+    """(documents, min words per paragraph, input path) of each source; dumps are extracted first."""
+    dumps = ([package_file(*GENSIM_WIKI_DUMP)] if args.embedded else []) + args.wiki_dump
+    sources = []
     for dump in dumps:
         extracted = out / "extracted" / dump.name.split(".")[0]
         print(extract_dump(dump, extracted, args.workers))
-        sources.insert(0, (extracted_documents(extracted), 4))
-        inputs.append(extracted)
+        sources.append((extracted_documents(extracted), MIN_PARAGRAPH_WORDS, extracted))
+    if args.embedded:
+        summaries = package_file(*OVOS_SUMMARIES)
+        sources.append((summaries_documents(summaries), MIN_PARAGRAPH_WORDS, summaries))
     for directory in args.text_dir:
         if not directory.is_dir():
             raise CorpusError(f"{directory}: no such text directory")
-        sources.append((text_dir_documents(directory), 1))  # already one sentence per line: keep short lines
-        inputs.append(directory)
-    limited = (itertools.islice(docs, args.max_documents) for docs, _ in sources)
-    return itertools.chain.from_iterable(
-        ((doc, words) for doc in docs) for docs, (_, words) in zip(limited, sources)
-    ), inputs
+        sources.append((text_dir_documents(directory), 1, directory))  # one sentence per line: keep short ones
+    return sources
+
+
+def _documents(sources: list[tuple[Iterator[str], int, Path]], limit: int | None) -> Iterator[tuple[str, int]]:
+    for documents, min_paragraph_words, _ in sources:
+        for document in itertools.islice(documents, limit):
+            yield document, min_paragraph_words
 
 
 def _check_params(out: Path, params: dict) -> None:
@@ -132,65 +134,87 @@ def prepare(args: argparse.Namespace) -> dict:
         args.short_seq_prob,
         args.seed,
     )
-    sources = {
+    inputs = {
         "embedded": args.embedded,
         "wiki_dumps": [str(p.resolve()) for p in args.wiki_dump],
         "text_dirs": [str(p.resolve()) for p in args.text_dir],
         "max_documents": args.max_documents,
     }
-    _check_params(out, {**sources, **asdict(cfg), "vocab_md5": vocab.md5, "eval_samples": args.eval_samples})
+    outputs = {"vocab_md5": vocab.md5, "eval_samples": args.eval_samples, "num_shards": args.num_shards}
+    _check_params(out, {**inputs, **asdict(cfg), **outputs})
     started = time.perf_counter()
+    text = _text_stage(args, cfg, out)
+    *train_parts, (eval_part, _) = _fixed_stage(args, cfg, vocab.path, text, out)
+    shards, train_samples = _shard_stage(args, train_parts, out)
+    eval_file = write_eval_set(eval_part, _output_dir(out / "eval_varlength"), args.eval_samples, cfg.seed)
+    with VarlenShard(eval_file) as eval_set:
+        eval_samples = len(eval_set)
 
-    text = out / "text"
-    if not text.is_dir():
-        documents, inputs = _documents(args, out)
-        size = source_bytes(inputs)
-        # Enough held-out text for eval_samples full-length sequences (with 50 % to spare), capped.
-        eval_words = 1.5 * args.eval_samples * cfg.max_seq_length / (cfg.dupe_factor * TOKENS_PER_WORD)
-        fraction = min(MAX_EVAL_FRACTION, eval_words / max(1.0, size / BYTES_PER_WORD))
-        num_parts = max(MIN_TEXT_PARTS, math.ceil(size / TEXT_PART_BYTES))
-        counts = write_text_parts(documents, text, num_parts, fraction, args.workers)
-        print(f"text: {counts['documents']} documents ({counts['eval_documents']} held out for eval)")
-
-    fixed = out / "fixed"
-    for directory in (fixed, out / "train_varlength", out / "eval_varlength"):
-        directory.mkdir(exist_ok=True)
-        for stale in directory.glob(".*.tmp-*"):  # left by an interrupted run; its output is redone below
-            stale.unlink()
-    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
-    jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab.path, cfg) for t in texts]
-    stage_start = time.perf_counter()
-    stats = list(parallel_imap(make_fixed_part, jobs, args.workers, "tokenize+create_pretraining_data"))
-    tokens = sum(s.tokens for s in stats)
-    if tokens:
-        rate = tokens / (time.perf_counter() - stage_start)
-        print(f"create_pretraining_data: {tokens:,} WordPiece tokens in, {rate:,.0f} tokens/s ({args.workers} workers)")
-    skipped = sum(s.skipped for s in stats)
-    if skipped:
-        print(f"fixed: {skipped} of {len(stats)} parts were complete already and were skipped")
-    train_parts, train_counts = [j.fixed for j in jobs[:-1]], [s.samples for s in stats[:-1]]
-    num_shards = args.num_shards or default_num_shards(sum(train_counts))
-    shard_jobs = plan_shards(train_parts, train_counts, num_shards, out / "train_varlength")
-    shard_sizes = list(parallel_imap(write_shard, shard_jobs, args.workers, "chop+convert to varlength"))
-    eval_file = write_eval_set(jobs[-1].fixed, out / "eval_varlength", args.eval_samples, cfg.seed)
-
-    outputs = [j.dst for j in shard_jobs] + [eval_file]
-    write_md5_list(out / "checksums.md5", outputs)
+    write_md5_list(out / "checksums.md5", [*shards, eval_file])
     manifest = {
         "train_dir": "train_varlength",
-        "train_files": [p.name for p in outputs[:-1]],
-        "train_samples": sum(shard_sizes),
+        "train_files": [p.name for p in shards],
+        "train_samples": train_samples,
         "eval_file": str(eval_file.relative_to(out)),
-        "eval_samples": int(eval_file.stem.rsplit("_", 1)[1]),
+        "eval_samples": eval_samples,
         "eval_samples_requested": args.eval_samples,
         "vocab": {"path": str(vocab.path), "md5": vocab.md5, "size": vocab.size},
         "pretraining": asdict(cfg),
-        "wordpiece_tokens": tokens or None,
         "seconds": round(time.perf_counter() - started, 1),
     }
     with atomic_output(out / "manifest.json") as tmp:
         tmp.write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _text_stage(args: argparse.Namespace, cfg: PretrainingConfig, out: Path) -> Path:
+    text = out / "text"
+    if text.is_dir():
+        return text
+    sources = _sources(args, out)
+    size = source_bytes([path for _, _, path in sources])
+    # Enough held-out text for eval_samples full-length sequences (with 50 % to spare), capped.
+    eval_words = 1.5 * args.eval_samples * cfg.max_seq_length / (cfg.dupe_factor * TOKENS_PER_WORD)
+    fraction = min(MAX_EVAL_FRACTION, eval_words / max(1.0, size / BYTES_PER_WORD))
+    num_parts = max(MIN_TEXT_PARTS, math.ceil(size / TEXT_PART_BYTES))
+    counts = write_text_parts(_documents(sources, args.max_documents), text, num_parts, fraction, args.workers)
+    print(f"text: {counts['documents']} documents ({counts['eval_documents']} held out for eval) under {text}")
+    return text
+
+
+def _output_dir(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    for stale in path.glob(".*.tmp-*"):  # left by an interrupted run; that output is redone
+        stale.unlink()
+    return path
+
+
+def _fixed_stage(
+    args: argparse.Namespace, cfg: PretrainingConfig, vocab: Path, text: Path, out: Path
+) -> list[tuple[Path, int]]:
+    """Tokenize and create the samples of every text part: (fixed part, samples), the eval part last."""
+    fixed = _output_dir(out / "fixed")
+    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
+    jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab, cfg) for t in texts]
+    start = time.perf_counter()
+    stats = list(parallel_imap(make_fixed_part, jobs, args.workers, "tokenize+create_pretraining_data"))
+    tokens = sum(s.tokens for s in stats)
+    if tokens:
+        rate = tokens / (time.perf_counter() - start)
+        print(f"create_pretraining_data: {tokens:,} WordPiece tokens in, {rate:,.0f} tokens/s ({args.workers} workers)")
+    skipped = sum(s.skipped for s in stats)
+    if skipped:
+        print(f"fixed: {skipped} of {len(stats)} parts were complete already and were skipped")
+    return [(job.fixed, s.samples) for job, s in zip(jobs, stats)]
+
+
+def _shard_stage(args: argparse.Namespace, parts: list[tuple[Path, int]], out: Path) -> tuple[list[Path], int]:
+    """Chop the fixed parts into varlength shards: (shard paths, samples)."""
+    counts = [n for _, n in parts]
+    num_shards = args.num_shards or default_num_shards(sum(counts))
+    jobs = plan_shards([p for p, _ in parts], counts, num_shards, _output_dir(out / "train_varlength"))
+    sizes = list(parallel_imap(write_shard, jobs, args.workers, "chop+convert to varlength"))
+    return [job.dst for job in jobs], sum(sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
