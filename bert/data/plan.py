@@ -62,7 +62,7 @@ class TrainPlan:
                 f"{index.paths[shard[0]]}: sample {row[0]} has {index.lengths[too_long[0]]} tokens, "
                 f"above the last stratum edge {EDGES[-1]}"
             )
-        return stratum_of(index.lengths)
+        return stratum_of(index.lengths).astype(np.int8)  # one byte per sample: the index can be 10^8 long
 
     @property
     def global_batch_size(self) -> int:
