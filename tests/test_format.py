@@ -142,3 +142,16 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="outside int16"):
         write_varlength_shard(tmp_path / "v.hdf5", _samples(3) + [bad])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_equal_length_rows_and_empty_masks_survive(tmp_path):
+    # equal lengths must not collapse into a 2-d array; a lone [CLS] has nothing masked
+    samples = [
+        Sample(np.array([101, 7, 102]), np.array([0, 0, 1]), np.array([1]), np.array([7]), i % 2) for i in range(4)
+    ]
+    samples.append(Sample(np.array([101]), np.array([0]), np.zeros(0, np.int64), np.zeros(0, np.int64), 0))
+    write_varlength_shard(tmp_path / "v.hdf5", samples)
+    write_fixed_shard(tmp_path / "f.hdf5", samples)
+    with VarlenShard(tmp_path / "v.hdf5") as varlen, FixedShard(tmp_path / "f.hdf5") as fixed:
+        _assert_same(list(varlen), samples)
+        _assert_same(list(fixed), samples)

@@ -68,14 +68,14 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def _vlen_column(rows: Sequence[np.ndarray], dtype: np.dtype, key: str) -> np.ndarray:
+    flat = np.concatenate([np.asarray(row).ravel() for row in rows]) if rows else np.zeros(0, np.int64)
     info = np.iinfo(dtype)
+    if flat.size and (flat.min() < info.min or flat.max() > info.max):
+        # Token ids above 32767 mean a vocab that is not the 30522-entry MLPerf one.
+        raise ValueError(f"{key} has values outside {dtype} ({flat.min()}..{flat.max()})")
     column = np.empty(len(rows), dtype=object)
-    for i, row in enumerate(rows):
-        row = np.asarray(row)
-        if row.size and (row.min() < info.min or row.max() > info.max):
-            # Token ids above 32767 mean a vocab that is not the 30522-entry MLPerf one.
-            raise ValueError(f"{key} of sample {i} has values outside {dtype} ({row.min()}..{row.max()})")
-        column[i] = row.astype(dtype)
+    for i, row in enumerate(np.split(flat.astype(dtype), np.cumsum([len(row) for row in rows])[:-1])):
+        column[i] = row  # one by one: a list of equal-length rows would broadcast into a 2-d array
     return column
 
 
@@ -286,21 +286,20 @@ class FixedShard:
             cols = {key: ds[start:stop] for key, ds in self._ds.items()}
         except OSError as e:
             raise ShardError(f"{self.path}: read failed (corrupt shard?): {e}") from e
-        samples = []
-        for i in range(len(cols[NSP_KEY])):
-            length = int(cols["input_mask"][i].sum())
-            # Position 0 is [CLS], which is never masked, so a zero position is padding.
-            n_pred = int(np.count_nonzero(cols["masked_lm_positions"][i]))
-            samples.append(
-                Sample(
-                    input_ids=cols["input_ids"][i, :length].astype(np.int64),
-                    segment_ids=cols["segment_ids"][i, :length].astype(np.int64),
-                    masked_positions=cols["masked_lm_positions"][i, :n_pred].astype(np.int64),
-                    masked_labels=cols["masked_lm_ids"][i, :n_pred].astype(np.int64),
-                    nsp_label=int(cols[NSP_KEY][i]),
-                )
+        lengths = cols["input_mask"].sum(axis=1)
+        # Position 0 is [CLS], which is never masked, so a zero position is padding.
+        n_preds = np.count_nonzero(cols["masked_lm_positions"], axis=1)
+        cols = {key: col.astype(np.int64) for key, col in cols.items()}
+        return [
+            Sample(
+                input_ids=cols["input_ids"][i, :length],
+                segment_ids=cols["segment_ids"][i, :length],
+                masked_positions=cols["masked_lm_positions"][i, :n_pred],
+                masked_labels=cols["masked_lm_ids"][i, :n_pred],
+                nsp_label=int(cols[NSP_KEY][i]),
             )
-        return samples
+            for i, (length, n_pred) in enumerate(zip(lengths, n_preds))
+        ]
 
     def __iter__(self) -> Iterator[Sample]:
         for start in range(0, self._len, 1024):
