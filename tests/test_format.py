@@ -155,3 +155,6 @@ def test_equal_length_rows_and_empty_masks_survive(tmp_path):
     with VarlenShard(tmp_path / "v.hdf5") as varlen, FixedShard(tmp_path / "f.hdf5") as fixed:
         _assert_same(list(varlen), samples)
         _assert_same(list(fixed), samples)
+    assert write_varlength_shard(tmp_path / "empty.hdf5", []) == 0
+    with VarlenShard(tmp_path / "empty.hdf5") as empty:
+        assert len(empty) == 0 and empty.lengths().shape == (0,) and empty.read([]) == []

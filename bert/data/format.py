@@ -68,14 +68,16 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def _vlen_column(rows: Sequence[np.ndarray], dtype: np.dtype, key: str) -> np.ndarray:
-    flat = np.concatenate([np.asarray(row).ravel() for row in rows]) if rows else np.zeros(0, np.int64)
+    column = np.empty(len(rows), dtype=object)
+    if not rows:
+        return column
+    flat = np.concatenate([np.asarray(row).ravel() for row in rows])
     info = np.iinfo(dtype)
     if flat.size and (flat.min() < info.min or flat.max() > info.max):
         # Token ids above 32767 mean a vocab that is not the 30522-entry MLPerf one.
         raise ValueError(f"{key} has values outside {dtype} ({flat.min()}..{flat.max()})")
-    column = np.empty(len(rows), dtype=object)
     for i, row in enumerate(np.split(flat.astype(dtype), np.cumsum([len(row) for row in rows])[:-1])):
-        column[i] = row  # one by one: a list of equal-length rows would broadcast into a 2-d array
+        column[i] = row  # element-wise, so numpy never reads equal-length rows as one 2-d array
     return column
 
 
