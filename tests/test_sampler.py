@@ -94,6 +94,9 @@ def test_stratified_layout_by_hand():
     assert sorted(order[8:].tolist()) == [3, 9]  # one id per stratum left: less than a step, tail
     with pytest.raises(ValueError, match="sum"):
         lay_out_epoch([a, b], 2, 0, np.random.default_rng(0), strata, (1, 2))
+    # A stratum too rare for a count of its own (counts 2/0) is all tail.
+    order = lay_out_epoch([np.array([0, 1, 6, 7]), np.array([2, 3, 8])], 2, 0, np.random.default_rng(0), strata, (2, 0))
+    assert order[:4].tolist() == [0, 1, 2, 3] and sorted(order[4:].tolist()) == [6, 7, 8]
 
 
 def plan_for(strategy: str, seed: int = 0, index: LengthIndex | None = None) -> TrainPlan:

@@ -60,7 +60,8 @@ def _body_stratified(
 ) -> tuple[np.ndarray, np.ndarray]:
     world = len(streams)
     used = [k for k, c in enumerate(counts) if c > 0]
-    per_stratum = {k: interleave([s[strata[s] == k] for s in streams], counts[k]) for k in range(len(counts))}
+    # A stratum with a zero count is never drawn in the body: all of it goes to the tail.
+    per_stratum = {k: interleave([s[strata[s] == k] for s in streams], max(counts[k], 1)) for k in range(len(counts))}
     steps = min(len(per_stratum[k]) // (world * counts[k]) for k in used)
     # (steps, world, counts[k]) blocks side by side: each row holds counts[k] ids of stratum k.
     body = np.concatenate(
