@@ -172,3 +172,26 @@ def test_damaged_fixed_part_is_reported_on_resume(copy):
     part.write_bytes(part.read_bytes()[:5000])
     result = _run("prepare.py", *SLICE, "--out", copy)
     assert result.returncode == 2 and f"{part}: not a readable hdf5 file" in result.stderr
+
+
+def test_fixed_to_varlength_cli_against_raw_hdf5(prepared, tmp_path):
+    src = tmp_path / "fixed"
+    shutil.copytree(prepared / "fixed", src)
+    result = _run("convert_fixed2varlength.py", src, tmp_path / "varlength", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    for part in sorted(src.glob("*.hdf5")):
+        with h5py.File(part, "r") as f, VarlenShard(tmp_path / "varlength" / part.name) as converted:
+            raw = {key: f[key][()] for key in f}
+            assert len(converted) == len(raw["input_ids"])
+            for i, s in enumerate(converted):  # the reference: padding stripped by hand from the raw arrays
+                n, m = raw["input_mask"][i].sum(), np.count_nonzero(raw["masked_lm_positions"][i])
+                assert np.array_equal(s.input_ids, raw["input_ids"][i, :n])
+                assert np.array_equal(s.segment_ids, raw["segment_ids"][i, :n])
+                assert np.array_equal(s.masked_labels, raw["masked_lm_ids"][i, :m])
+                assert s.nsp_label == raw["next_sentence_labels"][i]
+    bad = src / "part-00000.hdf5"
+    with h5py.File(bad, "a") as f:
+        del f["input_mask"]
+    (tmp_path / "varlength" / bad.name).unlink()
+    result = _run("convert_fixed2varlength.py", src, tmp_path / "varlength")
+    assert result.returncode == 2 and f"{bad}: missing key 'input_mask'" in result.stderr
