@@ -76,6 +76,14 @@ def test_ranks_together_see_every_sample_once_per_epoch(wiki_dir):
     assert sorted(drawn[:205]) == list(range(205)) and sorted(drawn[205:410]) == list(range(205))
 
 
+def test_empty_shards_are_skipped(tmp_path):
+    write_id_shards(tmp_path, [[5, 6], [], [7, 8, 9], []])  # ids 0 1 | - | 2 3 4 | -
+    ld = TrainLoader(tmp_path, 5, 1, 0, 1)
+    assert sorted(batch_ids(next(ld))) == [0, 1, 2, 3, 4]
+    assert sorted(ld.plan.index.lengths[[0, 1, 2, 3, 4]]) == [5, 6, 7, 8, 9]
+    ld.close()
+
+
 def test_seed_decides_the_order(wiki_dir):
     def first_ids(seed):
         ld = TrainLoader(wiki_dir, 8, 2, 0, 2, strategy="snake", seed=seed)
@@ -119,6 +127,9 @@ def test_bad_inputs_name_the_culprit(tmp_path, wiki_dir):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty: no shards"):
         TrainLoader(tmp_path / "empty", 4, 1, 0, 1)
+    write_id_shards(tmp_path / "hollow", [[]])
+    with pytest.raises(ShardError, match="hollow: all 1 shards are empty"):
+        TrainLoader(tmp_path / "hollow", 4, 1, 0, 1)
     with pytest.raises(ValueError, match="rank 2"):
         TrainLoader(wiki_dir, 4, 2, 2, 1)
     shard = sorted(wiki_dir.glob("*.hdf5"))[2]

@@ -44,11 +44,11 @@ class LengthIndex:
         for path in paths:
             with VarlenShard(path) as shard:
                 lengths = shard.lengths()
-            if len(lengths) == 0:
-                raise ShardError(f"{path}: shard holds no samples")
-            if lengths.min() < 1:
+            if len(lengths) and lengths.min() < 1:
                 raise ShardError(f"{path}: a sample has {lengths.min()} tokens")
             per_shard.append(lengths)
+        if not sum(map(len, per_shard)):
+            raise ShardError(f"{directory}: all {len(paths)} shards are empty")
         return cls.from_lengths(paths, per_shard)
 
     @classmethod
