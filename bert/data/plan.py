@@ -70,13 +70,15 @@ class TrainPlan:
 
     def epoch(self, e: int) -> np.ndarray:
         """All sample ids in the order epoch `e` draws them (computed once, the last two kept)."""
-        if e not in self._epochs:
+        order = self._epochs.get(e)
+        if order is None:
             streams = rank_streams(self.index, self.world_size, self.seed, e, self.shuffle_buffer)
             offset = e * self.index.num_samples % self.global_batch_size
             rng = epoch_rng(self.seed, e, TAIL)
-            self._epochs[e] = lay_out_epoch(streams, self.local_batch_size, offset, rng, self.strata, self.counts)
-            self._epochs = {k: v for k, v in self._epochs.items() if k >= e - 1}
-        return self._epochs[e]
+            order = lay_out_epoch(streams, self.local_batch_size, offset, rng, self.strata, self.counts)
+            # Swapped in whole, so a caller on another thread never sees a half-updated cache.
+            self._epochs = {k: v for k, v in self._epochs.items() if k >= e - 1} | {e: order}
+        return order
 
     def draw(self, step: int) -> np.ndarray:
         """(world, local_batch) ids drawn at `step`; row r is rank r's draw."""
