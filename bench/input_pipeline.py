@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -155,7 +156,8 @@ def main() -> None:
         print(row)
 
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, 1 torch thread",
+        "load_average_1min_at_end": os.getloadavg()[0],  # other work on a shared machine inflates times
         "quick": args.quick,
         "local_batch": LOCAL_BATCH,
         "ranks_per_node": RANKS_PER_NODE,
