@@ -38,7 +38,11 @@ def test_torchrun_ranks_match_single_process(tmp_path):
         )
         for node in (0, 1)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in launchers]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in launchers]
+    finally:  # a launcher left waiting for its peer must not outlive the test
+        for p in launchers:
+            p.kill()
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(logs)
 
     records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
