@@ -1,6 +1,8 @@
 """torchrun, 2 "nodes" x 2 ranks over gloo on localhost: every rank's batches equal a single-process plan."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,15 +36,16 @@ def test_torchrun_ranks_match_single_process(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
              "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
              str(SCRIPT), str(data), str(out), str(STEPS), STRATEGY, str(LOCAL_BATCH)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         for node in (0, 1)
     ]
     try:
         logs = [p.communicate(timeout=240)[0] for p in launchers]
-    finally:  # a launcher left waiting for its peer must not outlive the test
+    finally:  # a launcher left waiting for its peer must not outlive the test, nor its workers
         for p in launchers:
-            p.kill()
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(logs)
 
     records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
