@@ -1,0 +1,1 @@
+"""Process-group setup, DDP wrapping and the gradient-clipping communication hooks."""

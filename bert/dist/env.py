@@ -1,0 +1,94 @@
+"""Who am I in the job: rank, world size and node-local rank from torchrun or Slurm.
+
+torchrun exports RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT; `srun`
+exports only SLURM_* variables, so those are translated here instead of in a wrapper script.
+A job that is neither is a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list: 'gpu[03-05,7],cpu1' -> 'gpu03'."""
+    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not head:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = head.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ValueError(f"${name}={environ[name]!r} is not an integer") from None
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Rank layout from torchrun's variables, else Slurm's, else a single process."""
+    environ = os.environ if environ is None else environ
+    port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world = _int(environ, "WORLD_SIZE")
+        local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world
+        return DistEnv(_int(environ, "RANK"), world, _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+                       local_world, environ.get("MASTER_ADDR", "localhost"), port)
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        # SLURM_STEP_TASKS_PER_NODE looks like '4(x2)' or '4,3'; this node's count is what matters.
+        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE") or ""
+        local_world = int(per_node.split("(")[0].split(",")[0]) if per_node else _int(environ, "SLURM_NTASKS")
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        addr = environ.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "localhost")
+        return DistEnv(_int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS"),
+                       _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+                       local_world, addr, port)
+    return DistEnv(0, 1, 0, 1, "localhost", port)
+
+
+def compute_device(env: DistEnv) -> torch.device:
+    """One GPU per local rank when there are GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> None:
+    """Join the process group. The timeout bounds how long survivors wait for a dead rank."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # A single process still gets a (trivial) group so that DDP and its clipping hooks run unchanged.
+    where = {"init_method": f"tcp://{env.master_addr}:{env.master_port}"} if env.distributed else {
+        "store": dist.HashStore()}
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None, **where)
