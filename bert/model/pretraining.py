@@ -73,9 +73,10 @@ class BertForPreTraining(nn.Module):
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
-        # Google's BERT: truncated-free normal(0, 0.02) weights, zero biases, unit LayerNorm.
+        # Google's BERT: normal(0, 0.02) truncated at two standard deviations, zero biases, unit LayerNorm.
         if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, std=self.config.initializer_range)
+            std = self.config.initializer_range
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):

@@ -1,0 +1,218 @@
+"""Training-step throughput: padded vs unpadded BERT (each attention backend) vs HF BertForPreTraining.
+
+One training step is forward + backward + AdamW step on one batch whose lengths are drawn from the
+Wikipedia phase-2 mix (`bert.lengths.WIKI_PHASE2`). All variants get the same config, the same batch
+and dropout 0.1 (attention dropout included, as BERT trains). Repeats are interleaved round-robin
+(this VM is noisy) and the median is reported, next to a matmul FLOP/s measured in the same rounds.
+
+    padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
+    unpadded/<name>   our model on the concatenated tokens with attention backend <name>
+    hf                transformers BertForPreTraining (SDPA), padded, MLM head on every token
+
+CPU default: BERT-base width (768, 12 heads, 3072) with 2 layers, fp32, batch 16. CUDA default:
+BERT-large, bf16 autocast, batch 56.
+
+    .venv/bin/python bench/model.py                      # writes results/bench/model_cpu.json
+    python bench/model.py --device cuda                  # writes results/bench/model_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bert.batch import Batch
+from bert.lengths import WIKI_PHASE2
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.attention import length_groups
+from bert.model.padding import PadLayout, pad
+from bert.synthetic import random_batch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--config", help="named config or bert_config.json (default: base on CPU, large on CUDA)")
+    p.add_argument("--layers", type=int, help="override num_hidden_layers (default: 2 on CPU)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: 16 on CPU, 56 on CUDA)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (each variant once per round)")
+    p.add_argument("--variants", nargs="+", help="subset of variant names")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="default: results/bench/model_<device>.json")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.config = args.config or ("large" if cuda else "base")
+    args.layers = args.layers or (None if cuda else 2)
+    args.batch_size = args.batch_size or (56 if cuda else 16)
+    args.json = args.json or Path(f"results/bench/model_{args.device}.json")
+    return args
+
+
+def train_flops(cfg: BertConfig, tokens: int, attention_pairs: int, head_rows: int) -> int:
+    """Matmul FLOPs of one step (backward = 2x forward): encoder linears over `tokens`, attention
+    scores and context over `attention_pairs` (query, key) pairs, MLM head over `head_rows`."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    layer = 2 * tokens * (4 * h * h + 2 * h * i) + 4 * h * attention_pairs
+    head = 2 * head_rows * (h * h + h * v)
+    return 3 * (cfg.num_hidden_layers * layer + head)
+
+
+def hf_step_inputs(batch: Batch) -> dict:
+    layout = PadLayout.build(batch.seq)
+    labels = torch.full((layout.rows * layout.width,), -100, device=batch.input_ids.device)
+    labels = labels.index_copy(0, layout.slots[batch.masked_positions], batch.masked_labels)
+    return {"input_ids": pad(batch.input_ids, layout), "token_type_ids": pad(batch.segment_ids, layout),
+            "attention_mask": layout.key_mask.long(), "labels": labels.view(layout.rows, layout.width),
+            "next_sentence_label": batch.nsp_labels}
+
+
+def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None) -> dict:
+    """name -> (model, step loss function, executed matmul FLOPs per step)."""
+    lengths, M = batch.seq.lengths, len(batch.masked_labels)
+    T, B, L = sum(lengths), len(lengths), max(lengths)
+    grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
+    backends = ["loop", "grouped", "padded"] + (["varlen"] if device == "cuda" else [])
+    specs = {"padded": ("loop", lambda m: m.forward_padded(batch).loss, B * L, B * L * L, M)}
+    for name in backends:
+        pairs = {"grouped": grouped_pairs, "padded": B * L * L}.get(name, sum(n * n for n in lengths))
+        specs[f"unpadded/{name}"] = (name, lambda m: m(batch).loss, T, pairs, M)
+    specs["hf"] = (None, None, B * L, B * L * L, B * L)
+    variants = {}
+    for name, (backend, loss_fn, tokens, pairs, head_rows) in specs.items():
+        if names and name not in names:
+            continue
+        torch.manual_seed(0)
+        if backend is None:
+            model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
+        else:
+            model = BertForPreTraining(cfg, attention=backend, device=device)
+        variants[name] = (model.to(device).train(), loss_fn, train_flops(cfg, tokens, pairs, head_rows))
+    return variants
+
+
+def hf_model(cfg: BertConfig) -> torch.nn.Module:
+    import transformers  # benchmark-only dependency
+
+    return transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
+        hidden_dropout_prob=cfg.hidden_dropout_prob, attention_probs_dropout_prob=cfg.attention_probs_dropout_prob,
+        attn_implementation="sdpa"))
+
+
+def _hf_loss(inputs: dict):
+    return lambda m: m(**inputs).loss
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def make_step(model, loss_fn, device: str):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = loss_fn(model)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def make_matmul(device: str):
+    """A large GEMM in the step's compute dtype; returns (fn, FLOPs per call)."""
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (2048, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    reps = 20 if device == "cuda" else 2
+    return (lambda: [a @ b for _ in range(reps)]), 2 * n**3 * reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/model.py: --device cuda but CUDA is not available", file=sys.stderr)
+        return 1
+    cfg = BertConfig.load(args.config)
+    if args.layers:
+        cfg = replace(cfg, num_hidden_layers=args.layers)
+    lengths = WIKI_PHASE2.sample(args.batch_size, np.random.default_rng(args.seed))
+    batch = random_batch(lengths, seed=args.seed).to(args.device)
+    variants = build_variants(cfg, batch, args.device, args.variants)
+    steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
+    matmul, matmul_flops = make_matmul(args.device)
+    steps["matmul"] = matmul
+
+    for step in steps.values():  # warm-up: allocator, AdamW state, kernel selection
+        step()
+    times = {name: [] for name in steps}
+    for r in range(args.repeats):
+        for name, step in steps.items():
+            times[name].append(timed(step, args.device))
+        print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
+              file=sys.stderr)
+
+    matmul_rate = matmul_flops / statistics.median(times.pop("matmul"))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = []
+    for name, (_, _, flops) in variants.items():
+        achieved = flops / med[name]
+        rows.append({
+            "variant": name, "median_s": med[name], "samples_per_s": len(lengths) / med[name],
+            "tokens_per_s": int(sum(lengths)) / med[name],
+            "vs_padded": med["padded"] / med[name] if "padded" in med else None,
+            "vs_hf": med["hf"] / med[name] if "hf" in med else None,
+            "flops_per_step": flops, "achieved_flops": achieved, "fraction_of_matmul": achieved / matmul_rate,
+            "times_s": times[name],
+        })
+    report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "torch": torch.__version__, "config": cfg.to_dict(), "precision": "bf16" if args.device == "cuda" else "fp32",
+        "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "max_len": int(max(lengths)),
+        "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "matmul_flops_per_s": matmul_rate,
+        "results": rows,
+    }
+    print_table(report)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    print(f"{report['device']}, torch {report['torch']}, {report['precision']}: hidden {cfg['hidden_size']}, "
+          f"{cfg['num_hidden_layers']} layers; batch {len(report['batch_lengths'])} seqs, {report['tokens']} tokens "
+          f"(fill {report['tokens'] / (len(report['batch_lengths']) * report['max_len']):.1%}); "
+          f"median of {report['repeats']}; matmul {report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
+    ratio = lambda x: "-" if x is None else f"{x:.2f}x"
+    print(f"{'variant':<18}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
+          f"{'GFLOP/s':>9}{'/matmul':>9}")
+    for r in report["results"]:
+        print(f"{r['variant']:<18}{r['median_s']:>8.3f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
+              f"{ratio(r['vs_padded']):>11}{ratio(r['vs_hf']):>8}{r['achieved_flops'] / 1e9:>9.1f}"
+              f"{r['fraction_of_matmul']:>9.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
