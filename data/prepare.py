@@ -51,7 +51,8 @@ from bert.data.format import ShardError, VarlenShard, atomic_output
 
 MAX_EVAL_FRACTION = 0.05  # a small corpus keeps most of its text for training
 BYTES_PER_WORD, TOKENS_PER_WORD = 6.0, 1.3  # English Wikipedia, for sizing the held-out text
-TEXT_PART_BYTES, MIN_TEXT_PARTS = 32 << 20, 8  # text parts are the unit of parallel work
+# Text parts are the unit of parallel work; 8 MiB of text needs ~1 GB in create_pretraining_data at dupe 10.
+TEXT_PART_BYTES, MIN_TEXT_PARTS = 8 << 20, 8
 
 
 class ParamsMismatch(ValueError):

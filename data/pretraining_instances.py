@@ -127,10 +127,10 @@ def _masked_sample(
             output[position] = ids.mask
         elif rng.random() >= 0.5:  # else: keep the original token
             output[position] = rng.randint(0, ids.vocab_size - 1)
-    return Sample(
-        input_ids=np.array(output, dtype=np.int64),
-        segment_ids=np.array(segments, dtype=np.int64),
-        masked_positions=np.array(positions, dtype=np.int64),
-        masked_labels=np.array([tokens[p] for p in positions], dtype=np.int64),
+    return Sample(  # int32: a corpus' worth of samples is held in memory until written
+        input_ids=np.array(output, dtype=np.int32),
+        segment_ids=np.array(segments, dtype=np.int32),
+        masked_positions=np.array(positions, dtype=np.int32),
+        masked_labels=np.array([tokens[p] for p in positions], dtype=np.int32),
         nsp_label=int(is_random_next),
     )

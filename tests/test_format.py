@@ -68,7 +68,8 @@ def test_varlength_round_trip_and_exact_nvidia_dtypes(tmp_path):
             shard[300]
 
 
-def test_fixed_round_trip_padding_and_conversion(tmp_path):
+def test_fixed_round_trip_padding_and_conversion(tmp_path, monkeypatch):
+    monkeypatch.setattr("bert.data.format.FIXED_BLOCK", 64)  # several padded blocks, the last one partial
     samples = _samples(200, seed=1)
     fixed, varlen = tmp_path / "f.hdf5", tmp_path / "v.hdf5"
     write_fixed_shard(fixed, samples)

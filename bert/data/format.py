@@ -49,6 +49,7 @@ FIXED_PRED_KEYS: tuple[str, ...] = ("masked_lm_positions", "masked_lm_ids")
 FIXED_KEYS: tuple[str, ...] = (*FIXED_SEQ_KEYS, *FIXED_PRED_KEYS, NSP_KEY)
 FIXED_DTYPE = np.dtype(np.int32)
 MAX_SEQ_LENGTH, MAX_PREDICTIONS = 512, 76
+FIXED_BLOCK = 4096  # samples padded at a time by the fixed-length writer
 
 
 class ShardError(ValueError):
@@ -106,6 +107,28 @@ def write_varlength_shard(path: str | os.PathLike, samples: Iterable[Sample]) ->
     return len(samples)
 
 
+def _padded_block(
+    samples: Sequence[Sample], first: int, max_seq_length: int, max_predictions: int
+) -> dict[str, np.ndarray]:
+    n = len(samples)
+    block = {key: np.zeros((n, max_seq_length), FIXED_DTYPE) for key in FIXED_SEQ_KEYS}
+    block |= {key: np.zeros((n, max_predictions), FIXED_DTYPE) for key in FIXED_PRED_KEYS}
+    block[NSP_KEY] = np.zeros(n, FIXED_DTYPE)
+    for i, s in enumerate(samples):
+        length, n_pred = len(s.input_ids), len(s.masked_positions)
+        if length > max_seq_length or n_pred > max_predictions:
+            raise ValueError(
+                f"sample {first + i} ({length} tokens, {n_pred} masked) exceeds {max_seq_length}/{max_predictions}"
+            )
+        block["input_ids"][i, :length] = s.input_ids
+        block["input_mask"][i, :length] = 1
+        block["segment_ids"][i, :length] = s.segment_ids
+        block["masked_lm_positions"][i, :n_pred] = s.masked_positions
+        block["masked_lm_ids"][i, :n_pred] = s.masked_labels
+        block[NSP_KEY][i] = s.nsp_label
+    return block
+
+
 def write_fixed_shard(
     path: str | os.PathLike,
     samples: Iterable[Sample],
@@ -115,26 +138,21 @@ def write_fixed_shard(
     """Write `samples` zero-padded in the MLPerf fixed-length layout (atomically); return the count."""
     samples = list(samples)
     n = len(samples)
-    arrays = {key: np.zeros((n, max_seq_length), FIXED_DTYPE) for key in FIXED_SEQ_KEYS}
-    arrays |= {key: np.zeros((n, max_predictions), FIXED_DTYPE) for key in FIXED_PRED_KEYS}
-    arrays[NSP_KEY] = np.zeros(n, FIXED_DTYPE)
-    for i, s in enumerate(samples):
-        length, n_pred = len(s.input_ids), len(s.masked_positions)
-        if length > max_seq_length or n_pred > max_predictions:
-            raise ValueError(
-                f"sample {i} ({length} tokens, {n_pred} masked) exceeds {max_seq_length}/{max_predictions}"
-            )
-        arrays["input_ids"][i, :length] = s.input_ids
-        arrays["input_mask"][i, :length] = 1
-        arrays["segment_ids"][i, :length] = s.segment_ids
-        arrays["masked_lm_positions"][i, :n_pred] = s.masked_positions
-        arrays["masked_lm_ids"][i, :n_pred] = s.masked_labels
-        arrays[NSP_KEY][i] = s.nsp_label
+    widths = dict.fromkeys(FIXED_SEQ_KEYS, (max_seq_length,)) | dict.fromkeys(FIXED_PRED_KEYS, (max_predictions,))
     with atomic_output(path) as tmp, h5py.File(tmp, "w") as f:
-        for key, data in arrays.items():
+        datasets = {}
+        for key in FIXED_KEYS:
+            shape = (n, *widths.get(key, ()))
             # Padding compresses well; chunk by rows so a slice of samples reads few chunks.
-            chunks = (min(max(n, 1), 256), *data.shape[1:])
-            f.create_dataset(key, data=data, compression="gzip", compression_opts=1, chunks=chunks, track_times=False)
+            chunks = (min(max(n, 1), 256), *shape[1:])
+            datasets[key] = f.create_dataset(
+                key, shape, FIXED_DTYPE, compression="gzip", compression_opts=1, chunks=chunks, track_times=False
+            )
+        # Padded blocks, not one padded array: a part's worth of padding would need gigabytes.
+        for first in range(0, n, FIXED_BLOCK):
+            block = _padded_block(samples[first : first + FIXED_BLOCK], first, max_seq_length, max_predictions)
+            for key, data in block.items():
+                datasets[key][first : first + len(data)] = data
     return n
 
 
