@@ -1,0 +1,28 @@
+"""Optimizers (LAMB, Samsung's AdamW) and the learning-rate schedule, built from a TrainConfig."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bert.optim.lamb import Lamb
+from bert.optim.param_groups import decay_groups
+from bert.optim.schedule import WarmupPolyDecay
+from bert.train.config import TrainConfig
+
+__all__ = ["Lamb", "WarmupPolyDecay", "build_optimizer", "build_schedule", "decay_groups"]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule."""
+    groups = decay_groups(model, cfg.weight_decay_rate)
+    betas = (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2)
+    lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
+    if cfg.optimizer == "adam":  # Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.opt_epsilon, fused=True)
+    return Lamb(groups, lr=lr, betas=betas, eps=cfg.opt_epsilon)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> WarmupPolyDecay:
+    return WarmupPolyDecay(optimizer, cfg.learning_rate, cfg.warmup_steps, cfg.start_warmup_step,
+                           cfg.lr_max_steps or cfg.max_steps, cfg.end_learning_rate, cfg.lr_poly_power)
