@@ -51,6 +51,7 @@ def _timed(fn) -> float:
 
 def main() -> None:
     args = parse_args()
+    load = round(os.getloadavg()[0], 2)  # the machine is shared: record how busy it was
     texts = list(summaries_documents(package_file(*OVOS_SUMMARIES)))[: args.documents]
     vocab = load_vocab(default_vocab_path())
     tokenizer = make_tokenizer(vocab)
@@ -99,6 +100,7 @@ def main() -> None:
         rows.append({"stage": name, "amount": amount, "seconds": median, "rate": amount / median, "unit": unit})
     result = {
         "machine": f"{os.cpu_count()}-core CPU, 1 process",
+        "load_average_1min_at_start": load,
         "documents": len(texts),
         "samples": len(samples),
         "repeats": args.repeats,
