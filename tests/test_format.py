@@ -159,3 +159,11 @@ def test_equal_length_rows_and_empty_masks_survive(tmp_path):
     assert write_varlength_shard(tmp_path / "empty.hdf5", []) == 0
     with VarlenShard(tmp_path / "empty.hdf5") as empty:
         assert len(empty) == 0 and empty.lengths().shape == (0,) and empty.read([]) == []
+
+
+def test_conversion_names_the_source_of_ids_beyond_int16(tmp_path):
+    bad = Sample(np.array([101, 40000, 102]), np.zeros(3), np.array([1]), np.array([40000]), 0)
+    write_fixed_shard(tmp_path / "f.hdf5", [bad])
+    with pytest.raises(ShardError, match=f"{tmp_path / 'f.hdf5'}: cannot convert.*outside int16"):
+        fixed_to_varlength(tmp_path / "f.hdf5", tmp_path / "v.hdf5")
+    assert not (tmp_path / "v.hdf5").exists()

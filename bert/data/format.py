@@ -338,4 +338,8 @@ class FixedShard:
 def fixed_to_varlength(src: str | os.PathLike, dst: str | os.PathLike) -> int:
     """Convert one fixed-length shard to a varlength shard; return the number of samples."""
     with FixedShard(src) as shard:
-        return write_varlength_shard(dst, iter(shard))
+        samples = list(shard)
+    try:
+        return write_varlength_shard(dst, samples)
+    except ValueError as e:  # e.g. token ids beyond int16: data made with a vocab far larger than MLPerf's
+        raise ShardError(f"{src}: cannot convert to varlength: {e}") from e
