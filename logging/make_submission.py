@@ -78,7 +78,9 @@ def describe_system(args: argparse.Namespace, division: str) -> dict[str, str]:
 
 
 def tracked_files(repo: Path) -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True)
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"make_submission: the implementation is copied from a git checkout; {repo}: {out.stderr}")
     return [Path(p) for p in out.stdout.split("\0") if p and not p.startswith("results/")]
 
 
