@@ -51,7 +51,6 @@ def config_env(config: str, **overrides: str) -> dict[str, str]:
 
 
 def timed_run(env: dict[str, str], log: Path) -> tuple[subprocess.CompletedProcess, float, float]:
-    subprocess.run([PY, str(ROOT / "logging" / "log_cache_clear.py"), str(log), "--cleared", "false"], check=True)
     before = time.time()
     out = subprocess.run([str(ROOT / "run_and_time.sh")], env={**env, "MLPERF_LOG": str(log)}, capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
