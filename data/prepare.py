@@ -113,12 +113,11 @@ def _documents(sources: list[tuple[Iterator[str], int, Path]], limit: int | None
 def _check_params(out: Path, params: dict) -> None:
     """Refuse to resume into a directory prepared with other inputs, parameters or vocab."""
     path = out / "params.json"
-    if path.exists():
+    if path.exists() and (out / "text").is_dir():  # before the text stage, nothing depends on them yet
         old = json.loads(path.read_text())
         if old != params:
             diff = {k: (old.get(k), v) for k, v in params.items() if old.get(k) != v}
             raise ParamsMismatch(f"{path}: {out} was prepared with other settings {diff}; use a new --out")
-        return
     out.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
         tmp.write_text(json.dumps(params, indent=1))
