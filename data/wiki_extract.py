@@ -5,9 +5,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-from corpus_sources import CorpusError
+from corpus_sources import CorpusError, source_bytes
+from tqdm import tqdm
 
 
 def extract_dump(dump: Path, out_dir: Path, processes: int) -> str:
@@ -23,12 +26,17 @@ def extract_dump(dump: Path, out_dir: Path, processes: int) -> str:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [sys.executable, "-m", "wikiextractor.WikiExtractor", str(dump), "-o", str(tmp), "--json"]
-    result = subprocess.run([*cmd, "--processes", str(processes)], capture_output=True, text=True)
-    if result.returncode != 0:
+    # wikiextractor logs no per-article progress, so the bar follows the text it has written.
+    with tempfile.TemporaryFile("w+") as log, tqdm(desc="wikiextractor", unit="B", unit_scale=True) as bar:
+        proc = subprocess.Popen([*cmd, "--processes", str(processes)], stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            bar.update((source_bytes([tmp]) if tmp.exists() else 0) - bar.n)
+        log.seek(0)
+        lines = log.read().strip().splitlines() or ["no message"]
+    if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = result.stderr.strip().splitlines()[-1:] or ["no message"]
-        raise CorpusError(f"{dump}: wikiextractor failed (truncated or not a pages-articles dump?): {tail[0]}")
+        raise CorpusError(f"{dump}: wikiextractor failed (truncated or not a pages-articles dump?): {lines[-1]}")
     tmp.mkdir(parents=True, exist_ok=True)  # a dump without articles writes no directory at all
     tmp.rename(out_dir)
-    lines = result.stderr.strip().splitlines()
-    return lines[-1] if lines else f"{dump}: extracted"
+    return lines[-1]

@@ -10,7 +10,14 @@ from tokenizers import BertWordPieceTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 
-from corpus_sources import GENSIM_WIKI_DUMP, OVOS_SUMMARIES, CorpusError, package_file, summaries_documents  # noqa: E402
+from corpus_sources import (  # noqa: E402
+    GENSIM_WIKI_DUMP,
+    OVOS_SUMMARIES,
+    CorpusError,
+    package_file,
+    summaries_documents,
+    text_dir_documents,
+)
 from fixed_parts import PartJob, make_fixed_part  # noqa: E402
 from pretraining_instances import PretrainingConfig  # noqa: E402
 from sentence_split import document_sentences, format_documents, parse_documents  # noqa: E402
@@ -91,3 +98,12 @@ def test_written_samples_hold_the_tokenizers_wordpiece_ids(tmp_path):
         for side in (ids[1:sep], ids[sep + 1 : -1]):
             run = "," + ",".join(map(str, side)) + ","
             assert any(run in stream for stream in streams)
+
+
+def test_text_dir_in_mlperf_format_reads_back_document_by_document(tmp_path):
+    docs = [["First sentence.", "Second one, short."], ["Ok."], ["A third document.", "It ends.", "Really."]]
+    (tmp_path / "part-00000-of-00002.txt").write_text(format_documents(docs[:2]))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "part-00001-of-00002.txt").write_text(format_documents(docs[2:]))
+    read = [document_sentences(block, min_paragraph_words=1) for block in text_dir_documents(tmp_path)]
+    assert read == docs
