@@ -11,8 +11,8 @@ from bert.train.config import TrainConfig
 
 def apply_ddp(model: torch.nn.Module, cfg: TrainConfig, loss_scale: LossScale = lambda: 1.0) -> DDP:
     """DDP with `cfg.bucket_cap_mb` buckets; `before`/`bucket` clipping runs inside its communication hook."""
-    device = next(model.parameters()).device
-    ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=cfg.bucket_cap_mb,
+    # device_ids=None: batches arrive on the device already, and DDP must not re-build the Batch dataclass.
+    ddp = DDP(model, device_ids=None, bucket_cap_mb=cfg.bucket_cap_mb,
               gradient_as_bucket_view=True)  # no second copy of the gradients; Samsung did the same
     register_clip_hook(ddp, cfg.grad_clip, cfg.max_grad_norm, loss_scale)
     return ddp

@@ -1,0 +1,90 @@
+"""Checkpoints that resume exactly: weights, optimizer, LR schedule, loss scaler, sampler, RNG.
+
+    <output_dir>/checkpoints/step_00001200/model.safetensors   rank 0: the weights
+                                          /train_state.pt      rank 0: optimizer, schedule, scaler, counters
+                                          /rank_00003.pt       every rank: its sampler position and RNG
+    <output_dir>/checkpoints/latest                            the name of the newest complete checkpoint
+
+`latest` is written by rank 0 after a barrier, so a job killed mid-save leaves the previous
+checkpoint as the one to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bert.model.checkpoint import load_weights, save_weights
+
+LATEST = "latest"
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: dict[str, Any], rank: int,
+                    rank_parts: dict[str, Any]) -> Path:
+    """`parts` (objects with state_dict, or plain values) are shared by all ranks; `rank_parts` are per rank."""
+    root = Path(output_dir) / "checkpoints"
+    where = root / f"step_{step:08d}"
+    if rank == 0:
+        where.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rank_parts.items()}
+    torch.save({**states, "rng": _rng_state()}, where / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        save_weights(model, where / "model.safetensors")
+        torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()},
+                   where / "train_state.pt")
+    _barrier()
+    if rank == 0:
+        tmp = root / f".{LATEST}.tmp"
+        tmp.write_text(where.name)
+        os.replace(tmp, root / LATEST)
+    return where
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    pointer = Path(output_dir) / "checkpoints" / LATEST
+    return pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+
+
+def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: int,
+                    rank_parts: dict[str, Any]) -> dict[str, Any]:
+    """Restore every stateful part in place; returns the plain (non-stateful) shared values."""
+    mine = where / f"rank_{rank:05d}.pt"
+    if not mine.is_file():
+        raise FileNotFoundError(f"{mine} is missing: was the checkpoint written by a job with fewer ranks?")
+    load_weights(model, where / "model.safetensors")
+    shared = torch.load(where / "train_state.pt", weights_only=False)
+    values = {}
+    for key, state in shared.items():
+        if hasattr(parts.get(key), "load_state_dict"):
+            parts[key].load_state_dict(state)
+        else:
+            values[key] = state
+    own = torch.load(mine, weights_only=False)
+    for key, part in rank_parts.items():
+        part.load_state_dict(own[key])
+    _set_rng_state(own["rng"])
+    return values

@@ -1,0 +1,142 @@
+"""The training loop: `train()` runs steps until the target, a limit, or a stop; `train_step` is one update.
+
+Host-device synchronisation happens only every `log_freq` steps (loss, finiteness) and at
+evaluations (the accuracy decides whether to stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bert.batch import Batch
+from bert.dist.clip import clip_after_allreduce
+from bert.dist.env import DistEnv
+from bert.optim import WarmupPolyDecay
+from bert.train.checkpoint import save_checkpoint
+from bert.train.config import TrainConfig
+from bert.train.evaluate import EvalSchedule, evaluate
+from bert.train.faults import StopAgreement, check_finite
+from bert.train.mlperf_log import MLPerfLog
+from bert.train.progress import Progress
+
+SUCCESS, ABORTED, PREEMPTED = "success", "aborted", "preempted"
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    samples: int = 0
+    last_accuracy: float | None = None
+    evals: EvalSchedule | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__init__(**{**state, "evals": EvalSchedule(**state["evals"])})
+
+
+@dataclass
+class Run:
+    """Everything one training run touches, built by `bert.train.build`."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    ddp: DDP
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupPolyDecay
+    scaler: torch.amp.GradScaler
+    loader: Any  # an endless iterator of Batch with state_dict/load_state_dict (bert.data.pipeline.TrainLoader)
+    eval_set: list[Batch]
+    autocast: Callable[[], AbstractContextManager]
+    log: MLPerfLog
+    progress: Progress
+    stop: StopAgreement
+    state: TrainState = field(default_factory=TrainState)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.cfg.global_batch_size_per_rank * self.env.world_size
+
+    def checkpoint(self) -> None:
+        parts = {"optimizer": self.optimizer, "schedule": self.schedule, "scaler": self.scaler, "state": self.state}
+        save_checkpoint(self.cfg.output_dir, self.state.step, self.ddp.module, parts, self.env.rank,
+                        {"loader": self.loader})
+
+
+def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the loss (device tensor)."""
+    cfg, ddp = run.cfg, run.ddp
+    micro_steps = cfg.gradient_accumulation_steps
+    loss_sum = torch.zeros((), device=run.schedule.lr.device)
+    for micro in range(micro_steps):
+        batch = next(batches)
+        # Gradients are averaged only on the last micro-step; before that they accumulate locally, so
+        # the clipping hooks see (and clip) the accumulated gradient.
+        with nullcontext() if micro == micro_steps - 1 else ddp.no_sync():
+            with run.autocast():
+                loss = ddp(batch).loss / micro_steps
+            run.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+
+    if cfg.grad_clip == "after":  # 'before' and 'bucket' clipped inside the allreduce hook
+        run.scaler.unscale_(run.optimizer)
+        clip_after_allreduce(ddp.parameters(), cfg.max_grad_norm)
+    run.scaler.step(run.optimizer)  # under fp16, skipped when the gradient is not finite
+    run.scaler.update()
+    run.schedule.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum
+
+
+def train(run: Run) -> str:
+    """Train until the eval accuracy reaches the target (success), a limit is hit (aborted), or the
+    job must end (pre-empted: checkpointed, to be resumed)."""
+    cfg, state = run.cfg, run.state
+    state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
+                                                          cfg.eval_iter_samples)
+    batches = iter(run.loader)
+    window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
+    while True:
+        # --- one optimizer step
+        window_loss += train_step(run, batches)
+        state.step, state.samples, window_steps, job_steps = (state.step + 1, state.samples + run.global_batch_size,
+                                                               window_steps + 1, job_steps + 1)
+        # --- progress: the only per-interval host sync
+        if state.step % cfg.log_freq == 0:
+            mean_loss = window_loss.item() / window_steps
+            check_finite(mean_loss, state.step, run.scaler.is_enabled())
+            run.progress.log(step=state.step, samples=state.samples, loss=mean_loss, lr=run.schedule.lr.item(),
+                             loss_scale=run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
+                             last_eval=state.last_accuracy)
+            window_loss.zero_()
+            window_steps = 0
+        # --- evaluation on the rules' schedule; stop at the target
+        if state.evals.due(state.samples):
+            run.log.start("eval_start", state.samples, {"epoch_num": state.samples})
+            state.last_accuracy = evaluate(run.ddp.module, run.eval_set, run.autocast())
+            run.log.end("eval_stop", state.samples, {"epoch_num": state.samples})
+            run.log.eval_result(state.samples, state.last_accuracy)
+            run.progress.log(step=state.step, samples=state.samples, eval_accuracy=state.last_accuracy)
+            if state.last_accuracy >= cfg.target_mlm_accuracy:
+                status = SUCCESS
+                break
+        # --- limits, pre-emption, periodic checkpoints
+        if state.samples >= cfg.max_samples_termination or state.step >= cfg.max_steps:
+            status = ABORTED
+            break
+        if run.stop.poll() or (cfg.steps_this_job and job_steps >= cfg.steps_this_job):
+            status = PREEMPTED
+            break
+        if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+            run.checkpoint()
+    run.stop.drain()
+    run.checkpoint()
+    return status

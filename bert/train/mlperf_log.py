@@ -1,0 +1,77 @@
+"""The MLPerf result log (ruleset 5.0.0, BERT), written by rank 0 only.
+
+Traps handled here: `mllog.config(filename=...)` appends, so the logger gets its own handler that
+truncates the file; values must be plain JSON (no tensors); `metadata.file/lineno` must point at
+the caller (the package checker's seed check reads it), hence `stack_offset`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from mlperf_logging import mllog
+from mlperf_logging.mllog import constants as C
+
+from bert.train.config import TrainConfig
+
+
+class MLPerfLog:
+    def __init__(self, path: str, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        if not enabled:
+            return
+        logger = logging.getLogger("bert_mlperf_result")  # mllog's own name would share its appending handler
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.handlers.clear()
+        logger.addHandler(logging.StreamHandler(sys.stdout))
+        if path:
+            logger.addHandler(logging.FileHandler(path, mode="a" if append else "w"))
+        mllog.config(logger=logger, default_stack_offset=2)
+        self._ml = mllog.get_mllogger()
+
+    def _log(self, kind: str, key: str, value, metadata: dict | None) -> None:
+        # Frames above mllog: _log, the public method, its caller -> the caller is what the log names.
+        if self.enabled:
+            getattr(self._ml, kind)(key=key, value=value, metadata=metadata, stack_offset=3)
+
+    def event(self, key: str, value=None, metadata: dict | None = None) -> None:
+        self._log("event", key, value, metadata)
+
+    def start(self, key: str, value=None, metadata: dict | None = None) -> None:
+        self._log("start", key, value, metadata)
+
+    def end(self, key: str, value=None, metadata: dict | None = None) -> None:
+        self._log("end", key, value, metadata)
+
+    def init_start(self) -> None:
+        self._log("event", C.CACHE_CLEAR, True, None)
+        self._log("start", C.INIT_START, None, None)
+
+    def submission(self, cfg: TrainConfig, world_size: int) -> None:
+        """Submission info and every hyperparameter closed_bert.yaml requires (each exactly once)."""
+        for key, value in [
+            (C.SUBMISSION_BENCHMARK, "bert"), (C.SUBMISSION_ORG, cfg.org), (C.SUBMISSION_DIVISION, cfg.division),
+            (C.SUBMISSION_STATUS, cfg.status), (C.SUBMISSION_PLATFORM, cfg.platform), (C.SEED, cfg.seed),
+            (C.GLOBAL_BATCH_SIZE, cfg.global_batch_size_per_rank * world_size),
+            (C.GRADIENT_ACCUMULATION_STEPS, cfg.gradient_accumulation_steps),
+            ("max_sequence_length", cfg.max_seq_length), ("max_predictions_per_seq", cfg.max_predictions_per_seq),
+            (C.OPT_NAME, cfg.optimizer), (C.OPT_BASE_LR, cfg.learning_rate),
+            (C.OPT_LAMB_EPSILON, cfg.opt_epsilon), ("opt_epsilon", cfg.opt_epsilon),
+            (C.OPT_LR_TRAINING_STEPS, cfg.max_steps), (C.OPT_LR_WARMUP_STEPS, cfg.warmup_steps),
+            (C.NUM_WARMUP_STEPS, cfg.warmup_steps), (C.START_WARMUP_STEP, cfg.start_warmup_step),
+            (C.OPT_LAMB_BETA_1, cfg.opt_lamb_beta_1), (C.OPT_LAMB_BETA_2, cfg.opt_lamb_beta_2),
+            (C.OPT_LAMB_WEIGHT_DECAY, cfg.weight_decay_rate),
+            (C.OPT_LAMB_LR_DECAY_POLY_POWER, cfg.lr_poly_power), ("opt_learning_rate_end", cfg.end_learning_rate),
+        ]:
+            self._log("event", key, value, None)
+
+    def eval_result(self, samples: int, accuracy: float) -> None:
+        self._log("event", C.EVAL_ACCURACY, float(accuracy), {C.EPOCH_NUM: int(samples)})
+
+    def run_stop(self, samples: int, eval_samples: int, success: bool) -> None:
+        self._log("end", C.BLOCK_STOP, None, {C.FIRST_EPOCH_NUM: 1})
+        self._log("event", C.TRAIN_SAMPLES, int(samples), None)
+        self._log("event", C.EVAL_SAMPLES, int(eval_samples), None)
+        self._log("end", C.RUN_STOP, None, {C.STATUS: C.SUCCESS if success else C.ABORTED})

@@ -1,0 +1,58 @@
+"""MLPerf BERT phase-2 pre-training under torch.distributed (torchrun or srun; gloo on CPU, NCCL on GPU).
+
+    torchrun --nproc_per_node 2 run_pretraining.py --input_dir D --eval_dir E --bert_config_path tiny \\
+        --train_batch_size 16 --learning_rate 1e-3 --max_steps 1000 [--grad_clip bucket] ...
+
+Every flag also reads an environment variable (`python -m bert.train.config --help`). Exit status:
+0 when the target was reached or the job was pre-empted after a checkpoint, 1 when the run was
+aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from bert.dist.env import compute_device, init_distributed, read_env
+from bert.train.build import build_run, resume
+from bert.train.config import ConfigError, from_env_and_args
+from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
+from bert.train.mlperf_log import MLPerfLog
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = from_env_and_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = read_env()
+    device = compute_device(env)
+    log = MLPerfLog(cfg.mlperf_log, env.is_main, append=cfg.resume)
+    log.init_start()
+    init_distributed(env, device, cfg.dist_timeout_s)
+    log.submission(cfg, env.world_size)
+    run = build_run(cfg, env, device, log)
+    if cfg.resume:
+        resume(run)
+    log.end("init_stop")
+    log.start("run_start")
+    log.start("block_start", metadata={"first_epoch_num": 1, "epoch_count": 1})
+    try:
+        status = train(run)
+    except Exception:
+        # A dead rank surfaces here as a failed or timed-out collective; so does a non-finite loss.
+        traceback.print_exc()
+        log.run_stop(run.state.samples, cfg.num_eval_examples, success=False)
+        print(f"rank {env.rank}: run aborted", file=sys.stderr, flush=True)
+        os._exit(1)  # skip process-group teardown, which can block on the dead peer
+    if status != PREEMPTED:
+        log.run_stop(run.state.samples, cfg.num_eval_examples, success=status == SUCCESS)
+    run.progress.close()
+    run.loader.close()
+    return 1 if status == ABORTED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
