@@ -13,8 +13,6 @@ scaled so that the GradScaler's unscale and inf check work unchanged. With gradi
 accumulation the hooks run only on the sync micro-step, so they clip the accumulated gradient.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from mlperf_logging import mllog
 from mlperf_logging.mllog import constants as C
@@ -27,6 +28,7 @@ class MLPerfLog:
         logger.handlers.clear()
         logger.addHandler(logging.StreamHandler(sys.stdout))
         if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
             logger.addHandler(logging.FileHandler(path, mode="a" if append else "w"))
         mllog.config(logger=logger, default_stack_offset=2)
         self._ml = mllog.get_mllogger()
