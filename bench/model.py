@@ -4,6 +4,9 @@ One training step is forward + backward + AdamW step on one batch whose lengths 
 Wikipedia phase-2 mix (`bert.lengths.WIKI_PHASE2`). All variants get the same config, the same batch
 and dropout 0.1 (attention dropout included, as BERT trains). Repeats are interleaved round-robin
 (this VM is noisy) and the median is reported, next to a matmul FLOP/s measured in the same rounds.
+On a CPU shared with other jobs, wall time mostly measures the neighbours; `--threads 1 --clock cpu`
+times the process's own CPU seconds instead (one thread, so no OpenMP thread waits on a descheduled
+sibling), which keeps the ratios between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
     unpadded/<name>   our model on the concatenated tokens with attention backend <name>
@@ -13,6 +16,7 @@ CPU default: BERT-base width (768, 12 heads, 3072) with 2 layers, fp32, batch 16
 BERT-large, bf16 autocast, batch 56.
 
     .venv/bin/python bench/model.py                      # writes results/bench/model_cpu.json
+    .venv/bin/python bench/model.py --threads 1 --clock cpu   # on a busy machine
     python bench/model.py --device cuda                  # writes results/bench/model_cuda.json
 """
 
@@ -47,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each variant once per round)")
     p.add_argument("--variants", nargs="+", help="subset of variant names")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; default: torch's choice)")
+    p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU time (CPU only)")
     p.add_argument("--json", type=Path, help="default: results/bench/model_<device>.json")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -54,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layers = args.layers or (None if cuda else 2)
     args.batch_size = args.batch_size or (56 if cuda else 16)
     args.json = args.json or Path(f"results/bench/model_{args.device}.json")
+    if cuda and args.clock == "cpu":
+        p.error("--clock cpu is for CPU runs")
     return args
 
 
@@ -118,12 +126,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str) -> float:
+def timed(fn, device: str, clock) -> float:
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def make_step(model, loss_fn, device: str):
@@ -153,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/model.py: --device cuda but CUDA is not available", file=sys.stderr)
         return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     cfg = BertConfig.load(args.config)
     if args.layers:
         cfg = replace(cfg, num_hidden_layers=args.layers)
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     times = {name: [] for name in steps}
     for r in range(args.repeats):
         for name, step in steps.items():
-            times[name].append(timed(step, args.device))
+            times[name].append(timed(step, args.device, clock))
         print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
               file=sys.stderr)
 
@@ -189,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__, "config": cfg.to_dict(), "precision": "bf16" if args.device == "cuda" else "fp32",
         "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "max_len": int(max(lengths)),
-        "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "matmul_flops_per_s": matmul_rate,
+        "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "clock": args.clock,
+        "matmul_flops_per_s": matmul_rate,
         "results": rows,
     }
     print_table(report)
@@ -204,7 +216,8 @@ def print_table(report: dict) -> None:
     print(f"{report['device']}, torch {report['torch']}, {report['precision']}: hidden {cfg['hidden_size']}, "
           f"{cfg['num_hidden_layers']} layers; batch {len(report['batch_lengths'])} seqs, {report['tokens']} tokens "
           f"(fill {report['tokens'] / (len(report['batch_lengths']) * report['max_len']):.1%}); "
-          f"median of {report['repeats']}; matmul {report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
+          f"median of {report['repeats']} ({report['clock']} clock); "
+          f"matmul {report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"
     print(f"{'variant':<18}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
           f"{'GFLOP/s':>9}{'/matmul':>9}")

@@ -48,6 +48,8 @@ def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention backend 'varlen' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
         if dropout_p == 0.0 and varlen_attn is not None:
             return varlen_attn(q, k, v, cu, cu, longest, longest)
         return FlashVarlenDropout.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest, dropout_p)
