@@ -53,7 +53,10 @@ def test_lr_is_one_device_tensor_shared_by_all_groups_and_resumable():
     for _ in range(3):
         schedule.step()
     assert opt.param_groups[0]["lr"] is opt.param_groups[1]["lr"] is schedule.lr
-    fresh_opt = torch.optim.SGD([a], lr=0.0)
+    fresh_opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.0)
     fresh = WarmupPolyDecay(fresh_opt, base_lr=1.0, warmup_steps=0, start_warmup_step=0, decay_steps=10)
-    fresh.load_state_dict(schedule.state_dict())
-    assert float(fresh.lr) == pytest.approx(0.7)
+    fresh_opt.load_state_dict(opt.state_dict())  # brings back a saved copy of the LR tensor ...
+    fresh.load_state_dict(schedule.state_dict())  # ... which the schedule replaces with its own again
+    fresh.step()
+    assert fresh_opt.param_groups[0]["lr"] is fresh_opt.param_groups[1]["lr"] is fresh.lr
+    assert float(fresh_opt.param_groups[1]["lr"]) == pytest.approx(0.6)

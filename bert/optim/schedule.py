@@ -28,9 +28,12 @@ class WarmupPolyDecay:
         device = optimizer.param_groups[0]["params"][0].device
         self.updates = torch.zeros((), dtype=torch.float64, device=device)
         self.lr = torch.zeros((), dtype=torch.float32, device=device)
-        for group in optimizer.param_groups:
-            group["lr"] = self.lr
+        self._attach()
         self._write()
+
+    def _attach(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
 
     def _write(self) -> None:
         k = self.updates
@@ -48,5 +51,7 @@ class WarmupPolyDecay:
         return {"updates": self.updates.clone()}
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load after the optimizer: its load_state_dict replaces the groups' LR with a saved copy."""
         self.updates.copy_(state["updates"])
+        self._attach()
         self._write()

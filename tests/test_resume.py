@@ -1,0 +1,67 @@
+"""Resume is exact: N steps, stop, --resume for N more == 2N steps in one go (weights and every loss).
+
+Single-process runs of the real driver on the synthetic dataset, with dropout on, so the RNG state,
+the sampler position, the optimizer moments, the LR schedule and the step counters all have to
+come back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 4
+
+
+def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
+                output_dir=out, train_batch_size=8, learning_rate=3e-3, max_steps=2 * N, warmup_steps=2, log_freq=1,
+                eval_iter_start_samples=10**9, num_eval_examples=64, attention="padded", seed=11)
+    cmd = [sys.executable, str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))],
+           *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=180)
+    return proc.returncode, out
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{2 * N:08d}"
+    return load_file(out / "checkpoints" / latest / "model.safetensors")
+
+
+def test_n_plus_n_steps_equal_2n_steps(tmp_path):
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
+                    "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", str(N))]
+    (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
+    assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
+    assert rc_first == 0, log_first[-3000:]  # pre-empted after a checkpoint
+    assert (split / "checkpoints" / "latest").read_text().strip() == f"step_{N:08d}"
+    rc_second, log_second = finish(driver(data, split, "--resume", "1"))
+    assert rc_second == 1, log_second[-3000:]
+
+    assert len(losses(whole)) == 2 * N
+    assert losses(split) == losses(whole)
+    a, b = final_weights(whole), final_weights(split)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # The comparison is not vacuous: training moved the weights.
+    first = load_file(split / "checkpoints" / f"step_{N:08d}" / "model.safetensors")
+    assert any(not torch.equal(first[n], a[n]) for n in a)
