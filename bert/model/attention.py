@@ -43,16 +43,14 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, dropout_p: fl
 
 
 def plan_loop(seq: SeqLayout) -> Attend:
-    bounds = np.concatenate([[0], np.cumsum(seq.lengths)]).tolist()
-    spans = list(zip(bounds[:-1], bounds[1:]))
+    lengths = list(seq.lengths)
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        # (L, H, D) -> (H, L, D): SDPA treats heads as the batch dimension.
-        outs = [
-            F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                           dropout_p=dropout_p).transpose(0, 1)
-            for a, b in spans
-        ]
+        # split, not slicing: its backward is one cat, where each slice's backward would write a full-size
+        # zero-filled (T, H, D) gradient per sequence. (L, H, D) -> (H, L, D): heads are SDPA's batch.
+        parts = zip(*(t.split(lengths) for t in (q, k, v)))
+        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
+                                               dropout_p=dropout_p).transpose(0, 1) for qi, ki, vi in parts]
         return torch.cat(outs)
 
     return attend
