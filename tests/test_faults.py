@@ -1,0 +1,94 @@
+"""Faults end a run the way an operator needs: a dead rank, a non-finite loss, a pre-emption signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 15
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("syn")
+    subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(out),
+                    "--train-samples", "512", "--eval-samples", "64"], check=True, capture_output=True)
+    return out
+
+
+def driver(data: Path, out: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
+                output_dir=out, mlperf_log=out / "result_0.txt", train_batch_size=8, learning_rate=1e-3,
+                max_steps=100_000, log_freq=1, eval_iter_start_samples=10**9, num_eval_examples=64,
+                attention="padded", dist_timeout_s=TIMEOUT_S)
+    args.update(kw)
+    cmd = [sys.executable, str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+
+
+def wait_for_steps(out: Path, steps: int, proc: subprocess.Popen, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} training steps within {limit_s} s: {proc.communicate()[0][-2000:]}")
+
+
+def run_stops(out: Path) -> list[str]:
+    lines = [json.loads(x.split(":::MLLOG ", 1)[1]) for x in (out / "result_0.txt").read_text().splitlines()]
+    return [e["metadata"]["status"] for e in lines if e["key"] == "run_stop"]
+
+
+def test_killed_rank_ends_the_job_nonzero_within_the_timeout(data, tmp_path):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}
+    outs = [tmp_path / "rank0", tmp_path / "rank1"]
+    procs = [driver(data, outs[r], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        wait_for_steps(outs[0], 3, procs[0])
+        procs[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = procs[0].communicate(timeout=TIMEOUT_S + 45)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode != 0, output[-2000:]
+    assert elapsed < TIMEOUT_S + 45
+    assert "success" not in run_stops(outs[0])
+    assert "run aborted" in output
+
+
+def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):
+    proc = driver(data, tmp_path, learning_rate=1e30, precision="fp32")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, output[-2000:]
+    assert "non-finite training loss" in output
+    assert run_stops(tmp_path) == ["aborted"]
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
+    proc = driver(data, tmp_path)
+    wait_for_steps(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-2000:]
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.removeprefix("step_"))
+    assert step >= 2 and (tmp_path / "checkpoints" / latest / "model.safetensors").is_file()
+    assert run_stops(tmp_path) == []  # pre-empted: the run is not over, --resume continues it
