@@ -30,8 +30,9 @@ class MLPerfLog:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             logger.addHandler(logging.FileHandler(path, mode="a" if append else "w"))
-        mllog.config(logger=logger, default_stack_offset=2)
         self._ml = mllog.get_mllogger()
+        if self._ml.logger is not logger:  # mllog refuses to be configured twice with the same logger
+            mllog.config(logger=logger)
 
     def _log(self, kind: str, key: str, value, metadata: dict | None) -> None:
         # Frames above mllog: _log, the public method, its caller -> the caller is what the log names.

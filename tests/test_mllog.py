@@ -1,0 +1,70 @@
+"""The MLPerf result log: truncated per run, caller's file:lineno, JSON values, rank 0 only."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bert.train.config import TrainConfig
+from bert.train.mlperf_log import MLPerfLog
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x.split(":::MLLOG ", 1)[1]) for x in path.read_text().splitlines() if ":::MLLOG" in x]
+
+
+def cfg() -> TrainConfig:
+    return TrainConfig(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=56,
+                       gradient_accumulation_steps=2, learning_rate=4.25e-4, max_steps=6700, division="closed")
+
+
+def test_a_second_run_replaces_the_file_and_resume_appends(tmp_path):
+    path = tmp_path / "result_0.txt"
+    MLPerfLog(str(path), enabled=True).init_start()
+    MLPerfLog(str(path), enabled=True).init_start()  # mllog.config(filename=...) would append here
+    assert [e["key"] for e in lines(path)] == ["cache_clear", "init_start"]
+    MLPerfLog(str(path), enabled=True, append=True).event("seed", 1)
+    assert [e["key"] for e in lines(path)] == ["cache_clear", "init_start", "seed"]
+
+
+def test_metadata_names_the_calling_line(tmp_path):
+    path = tmp_path / "result_0.txt"
+    log = MLPerfLog(str(path), enabled=True)
+    line = inspect.currentframe().f_lineno + 1
+    log.eval_result(150_000, 0.5)
+    log.start("eval_start", 150_000, {"epoch_num": 150_000})
+    first, second = lines(path)
+    assert (Path(first["metadata"]["file"]).name, first["metadata"]["lineno"]) == ("test_mllog.py", line)
+    assert second["metadata"]["lineno"] == line + 1
+
+
+def test_hyperparameters_once_each_with_plain_values(tmp_path):
+    path = tmp_path / "result_0.txt"
+    MLPerfLog(str(path), enabled=True).submission(cfg(), world_size=4)
+    events = {e["key"]: e["value"] for e in lines(path)}
+    assert len(events) == len(lines(path))  # every key exactly once
+    assert events["global_batch_size"] == 56 * 2 * 4
+    assert events["gradient_accumulation_steps"] == 2
+    assert events["opt_lamb_epsilon"] == events["opt_epsilon"] == 1e-6
+    assert events["submission_division"] == "closed" and events["submission_benchmark"] == "bert"
+    required = {"opt_base_learning_rate", "opt_learning_rate_training_steps", "opt_learning_rate_warmup_steps",
+                "num_warmup_steps", "start_warmup_step", "opt_lamb_beta_1", "opt_lamb_beta_2",
+                "opt_lamb_weight_decay_rate", "seed", "submission_org", "submission_platform", "submission_status"}
+    assert required <= events.keys()
+
+
+def test_eval_accuracy_epoch_num_is_an_int_sample_count_and_other_ranks_write_nothing(tmp_path):
+    path = tmp_path / "result_0.txt"
+    log = MLPerfLog(str(path), enabled=True)
+    log.eval_result(samples=np.int64(2_450_000), accuracy=0.7205)
+    log.run_stop(samples=2_450_000, eval_samples=10_000, success=True)
+    acc = lines(path)[0]
+    assert acc["value"] == 0.7205 and acc["metadata"]["epoch_num"] == 2_450_000
+    assert type(acc["metadata"]["epoch_num"]) is int
+    assert lines(path)[-1]["metadata"]["status"] == "success"
+    other = tmp_path / "rank1.txt"
+    MLPerfLog(str(other), enabled=False).run_stop(1, 1, success=True)
+    assert not other.exists()
