@@ -9,9 +9,21 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bert.dist.ddp import apply_ddp
+from bert.dist.env import DistEnv
+from bert.optim import build_optimizer, build_schedule
+from bert.train.build import loss_scale_of
+from bert.train.config import TrainConfig
+from bert.train.loop import Run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 15
@@ -92,3 +104,43 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
     step = int(latest.removeprefix("step_"))
     assert step >= 2 and (tmp_path / "checkpoints" / latest / "model.safetensors").is_file()
     assert run_stops(tmp_path) == []  # pre-empted: the run is not over, --resume continues it
+
+
+class _Scaled(torch.nn.Module):
+    """Stand-in model: loss = factor * sum(w * x); factor inf poisons the whole gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, factor: float):
+        return SimpleNamespace(loss=factor * self.lin(torch.ones(2, 4)).sum())
+
+
+def _fp16_worker(rank: int, store: str, out: str) -> None:
+    results = {}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    for mode in ("after", "bucket"):
+        cfg = TrainConfig(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=1,
+                          learning_rate=0.1, max_steps=10, precision="fp16", grad_clip=mode, optimizer="adam")
+        torch.manual_seed(0)
+        model = _Scaled()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        ddp = apply_ddp(model, cfg, loss_scale_of(scaler))
+        optimizer = build_optimizer(model, cfg)
+        run = Run(cfg, DistEnv(0, 1, 0, 1, "localhost", 0), ddp, optimizer, build_schedule(optimizer, cfg), scaler,
+                  None, [], nullcontext, None, None, None)
+        before = model.lin.weight.detach().clone()
+        train_step(run, iter([float("inf")]))
+        skipped = torch.equal(model.lin.weight, before) and scaler.get_scale() == 2.0**9
+        train_step(run, iter([1.0]))
+        results[mode] = [skipped, not torch.equal(model.lin.weight, before), bool(model.lin.weight.isfinite().all())]
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(results))
+
+
+def test_fp16_non_finite_step_is_skipped_by_the_loss_scaler(tmp_path):
+    out = tmp_path / "results.json"
+    mp.spawn(_fp16_worker, args=(str(tmp_path / "store"), str(out)), nprocs=1)
+    # (inf step skipped and scale halved, next finite step applied, weights finite) per clip mode
+    assert json.loads(out.read_text()) == {"after": [True, True, True], "bucket": [True, True, True]}
