@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # skip process-group teardown, which can block on the dead peer
     if status != PREEMPTED:
         log.run_stop(run.state.samples, cfg.num_eval_examples, success=status == SUCCESS)
+    run.checkpoint()  # after run_stop: saving is not part of the timed run
     run.progress.close()
     run.loader.close()
     return 1 if status == ABORTED else 0

@@ -98,7 +98,7 @@ def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
 
 def train(run: Run) -> str:
     """Train until the eval accuracy reaches the target (success), a limit is hit (aborted), or the
-    job must end (pre-empted: checkpointed, to be resumed)."""
+    job must end (pre-empted). The caller writes the final checkpoint, after run_stop is logged."""
     cfg, state = run.cfg, run.state
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
@@ -138,5 +138,4 @@ def train(run: Run) -> str:
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
             run.checkpoint()
     run.stop.drain()
-    run.checkpoint()
     return status
