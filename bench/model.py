@@ -1,12 +1,15 @@
 """Training-step throughput: padded vs unpadded BERT (each attention backend) vs HF BertForPreTraining.
 
 One training step is forward + backward + AdamW step on one batch whose lengths are drawn from the
-Wikipedia phase-2 mix (`bert.lengths.WIKI_PHASE2`). All variants get the same config, the same batch
-and dropout 0.1 (attention dropout included, as BERT trains). Repeats are interleaved round-robin
-(this VM is noisy) and the median is reported, next to a matmul FLOP/s measured in the same rounds.
-On a CPU shared with other jobs, wall time mostly measures the neighbours; `--threads 1 --clock cpu`
-times the process's own CPU seconds instead (one thread, so no OpenMP thread waits on a descheduled
-sibling), which keeps the ratios between variants meaningful.
+Wikipedia phase-2 mix (`bert.lengths.WIKI_PHASE2`), by default stratified: each length stratum gets
+its share of the batch (6/3/2/5 of 16, Samsung's local-batch split), so the batch's fill is the
+mix's typical ~49 % rather than whatever one unstratified draw of 16 gives (its fill spreads +-9 %).
+All variants get the same config, the same batch and dropout 0.1 (attention dropout included, as
+BERT trains). Repeats are interleaved round-robin (this VM is noisy) and the median is reported,
+next to a matmul FLOP/s measured in the same rounds. On a CPU shared with other jobs, wall time
+mostly measures the neighbours; `--threads 1 --clock cpu` times the process's own CPU seconds
+instead (one thread, so no OpenMP thread waits on a descheduled sibling), which keeps the ratios
+between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
     unpadded/<name>   our model on the concatenated tokens with attention backend <name>
@@ -51,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (each variant once per round)")
     p.add_argument("--variants", nargs="+", help="subset of variant names")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draw", default="stratified", choices=("stratified", "random"), help="how lengths are drawn")
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; default: torch's choice)")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU time (CPU only)")
     p.add_argument("--json", type=Path, help="default: results/bench/model_<device>.json")
@@ -63,6 +67,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if cuda and args.clock == "cpu":
         p.error("--clock cpu is for CPU runs")
     return args
+
+
+def draw_lengths(n: int, stratified: bool, rng: np.random.Generator) -> np.ndarray:
+    """`n` lengths from WIKI_PHASE2; stratified: round(n * share) per stratum (largest remainders)."""
+    if not stratified:
+        return WIKI_PHASE2.sample(n, rng)
+    shares = n * np.asarray(WIKI_PHASE2.probs) / sum(WIKI_PHASE2.probs)
+    counts = np.floor(shares).astype(int)
+    counts[np.argsort(counts - shares)[: n - counts.sum()]] += 1
+    pool = WIKI_PHASE2.sample(100 * n, rng)
+    stratum = np.searchsorted(np.asarray(WIKI_PHASE2.edges), pool, side="left")
+    return np.concatenate([pool[stratum == s][:c] for s, c in enumerate(counts)])
 
 
 def train_flops(cfg: BertConfig, tokens: int, attention_pairs: int, head_rows: int) -> int:
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BertConfig.load(args.config)
     if args.layers:
         cfg = replace(cfg, num_hidden_layers=args.layers)
-    lengths = WIKI_PHASE2.sample(args.batch_size, np.random.default_rng(args.seed))
+    lengths = draw_lengths(args.batch_size, args.draw == "stratified", np.random.default_rng(args.seed))
     batch = random_batch(lengths, seed=args.seed).to(args.device)
     variants = build_variants(cfg, batch, args.device, args.variants)
     steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
@@ -199,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__, "config": cfg.to_dict(), "precision": "bf16" if args.device == "cuda" else "fp32",
-        "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "max_len": int(max(lengths)),
+        "draw": args.draw, "seed": args.seed, "batch_lengths": [int(n) for n in lengths],
+        "tokens": int(sum(lengths)), "max_len": int(max(lengths)),
         "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "clock": args.clock,
         "matmul_flops_per_s": matmul_rate,
         "results": rows,
