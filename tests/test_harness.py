@@ -27,12 +27,13 @@ NEEDS_DRIVER = pytest.mark.skipif(
     reason="needs run_pretraining.py and data/make_synthetic_dataset.py from the driver issue (not in the tree yet)")
 RUNS = 10
 
-# A tiny BERT that reaches 0.720 on the synthetic data in a few evals (the driver's recipe).
+# A tiny BERT that climbs past 0.720 on the synthetic data in about 5 evals, slowly enough to stop below 1.0
+# (the compliance checker rejects an accuracy of 1.0). Padded attention: the fastest on CPU for short sequences.
 SHORT_RUN = {
     "BERT_CONFIG": "tiny", "BATCHSIZE": "16", "GRADIENT_STEPS": "1", "OPTIMIZER": "lamb", "LR": "0.005",
-    "WARMUP_STEPS": "0", "START_WARMUP_STEP": "0", "MAX_STEPS": "400", "EVAL_ITER_START_SAMPLES": "640",
-    "EVAL_ITER_SAMPLES": "640", "MAX_SAMPLES_TERMINATION": "12800", "NUM_EVAL_EXAMPLES": "256",
-    "TARGET_MLM_ACCURACY": "0.72", "EXTRA_PARAMS": "",
+    "WARMUP_STEPS": "0", "START_WARMUP_STEP": "0", "MAX_STEPS": "400", "EVAL_ITER_START_SAMPLES": "320",
+    "EVAL_ITER_SAMPLES": "320", "MAX_SAMPLES_TERMINATION": "6400", "NUM_EVAL_EXAMPLES": "256",
+    "EVAL_BATCHSIZE": "128", "ATTENTION": "padded", "TARGET_MLM_ACCURACY": "0.72", "EXTRA_PARAMS": "",
 }
 RESULT = re.compile(r"^RESULT,bert,(\d+),(\d+),([^,]+),(.+)$", re.M)
 
@@ -71,6 +72,7 @@ def runs(tmp_path_factory):
 
 
 @NEEDS_DRIVER
+@pytest.mark.slow
 def test_timing_lines(runs):
     out, before, after, _ = runs[0]
     assert out.returncode == 0, out.stderr[-3000:]
@@ -85,6 +87,7 @@ def test_timing_lines(runs):
 
 
 @NEEDS_DRIVER
+@pytest.mark.slow
 def test_logs_pass_official_checker_and_verifier(runs, tmp_path):
     for out, _, _, log in runs:
         assert out.returncode == 0, out.stderr[-3000:]
@@ -98,6 +101,7 @@ def test_logs_pass_official_checker_and_verifier(runs, tmp_path):
 
 
 @NEEDS_DRIVER
+@pytest.mark.slow
 def test_submission_from_ten_runs(runs, tmp_path):
     def make(out: str, *flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([PY, str(ROOT / "logging" / "make_submission.py"), *(str(r[3]) for r in runs),
@@ -116,6 +120,7 @@ def test_submission_from_ten_runs(runs, tmp_path):
 
 
 @NEEDS_DRIVER
+@pytest.mark.slow
 def test_driver_failure_is_the_exit_status(tmp_path):
     env = config_env("config_CPU_1x2.sh", **SHORT_RUN, DATADIR_PHASE2=str(tmp_path / "missing"),
                      EVALDIR=str(tmp_path / "missing"), OUTPUT_DIR=str(tmp_path / "out"))
