@@ -45,7 +45,7 @@ def driver(data: Path, out: Path, env: dict[str, str] | None = None, **kw) -> su
     args.update(kw)
     cmd = [sys.executable, str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def wait_for_steps(out: Path, steps: int, proc: subprocess.Popen, limit_s: float = 120) -> None:
@@ -118,6 +118,7 @@ class _Scaled(torch.nn.Module):
 
 
 def _fp16_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
     results = {}
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     for mode in ("after", "bucket"):

@@ -8,6 +8,7 @@ come back from the checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
                 eval_iter_start_samples=10**9, num_eval_examples=64, attention="padded", seed=11)
     cmd = [sys.executable, str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))],
            *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    # One thread per process: two runs share the 2 cores, and oversubscribed OpenMP threads spin.
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:

@@ -75,10 +75,12 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
 
 def compute_device(env: DistEnv) -> torch.device:
-    """One GPU per local rank when there are GPUs, else the CPU."""
+    """One GPU per local rank when there are GPUs, else the CPU, its cores shared among the local ranks."""
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; srun does not, and oversubscribed threads spin
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     return torch.device("cpu")
 
 
