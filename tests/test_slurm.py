@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, make_synthetic
+from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, make_synthetic, verify_flags
 
 PY = sys.executable
 
@@ -38,8 +38,8 @@ def sbatch(env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
 def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     # Open division: a low demo target (run.sub hands it to the verifier too) keeps each run to a few evals.
-    env = config_env("config_CPU_1x2.sh", **SHORT_RUN, **make_synthetic(tmp / "data"), NEXP="2",
-                     TARGET_MLM_ACCURACY="0.25", LOGDIR=str(tmp / "results"))
+    env = config_env("config_CPU_1x2.sh", **{**SHORT_RUN, "TARGET_MLM_ACCURACY": "0.25"},
+                     **make_synthetic(tmp / "data"), NEXP="2", LOGDIR=str(tmp / "results"))
     submitted = sbatch(env, tmp / "job.out")
     return submitted, env, tmp
 
@@ -49,7 +49,7 @@ def results_dir(tmp: Path) -> Path:
 
 
 def test_two_runs_pass_the_checkers(job):
-    submitted, _, tmp = job
+    submitted, env, tmp = job
     output = (tmp / "job.out").read_text()
     assert submitted.returncode == 0, submitted.stderr + output[-4000:]
     logs = sorted(results_dir(tmp).glob("result_*.txt"))
@@ -59,8 +59,8 @@ def test_two_runs_pass_the_checkers(job):
                              "5.0.0", "--log_output", str(tmp / "cc.log"), str(log)], capture_output=True, text=True,
                             cwd=tmp)
         assert cc.returncode == 0, cc.stderr
-    verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *map(str, logs),
-                             "--eval-samples", SHORT_RUN["NUM_EVAL_EXAMPLES"]], capture_output=True, text=True)
+    verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *map(str, logs), *verify_flags(env)],
+                            capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout
     seeds = [line.split(",")[2] for line in output.splitlines() if "RESULT,bert," in line]
     assert len(seeds) == 2 and seeds[0] != seeds[1], output[-4000:]
