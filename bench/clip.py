@@ -40,9 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--local-batch", type=int, default=4, help="sequences per rank per step")
-    p.add_argument("--max-len", type=int, default=256, help="lengths: the Wikipedia mix, truncated here")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192, help="small, so the encoder (not the embedding) dominates")
+    p.add_argument("--local-batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--max-len", type=int, default=128, help="lengths: the Wikipedia mix, truncated here")
     p.add_argument("--bucket-cap-mb", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode per repeat")
     p.add_argument("--repeats", type=int, default=5)
@@ -66,8 +67,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=args.world)
-    cfg = BertConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                     intermediate_size=4 * args.hidden)
+    cfg = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                     num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden)
     runs = {}
     for mode in MODES:
         torch.manual_seed(0)
