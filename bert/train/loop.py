@@ -107,8 +107,10 @@ def train(run: Run) -> str:
     while True:
         # --- one optimizer step
         window_loss += train_step(run, batches)
-        state.step, state.samples, window_steps, job_steps = (state.step + 1, state.samples + run.global_batch_size,
-                                                               window_steps + 1, job_steps + 1)
+        state.step += 1
+        state.samples += run.global_batch_size
+        window_steps += 1
+        job_steps += 1
         # --- progress: the only per-interval host sync
         if state.step % cfg.log_freq == 0:
             mean_loss = window_loss.item() / window_steps
