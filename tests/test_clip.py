@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -128,6 +129,7 @@ def reference(world: int, step: int, case: str, layout: list[list[int]] | None) 
 CASES = ["bucket", "one_bucket", "before", "after", "fp16_scaled", "accumulate"]
 
 
+@pytest.mark.slow
 def test_clip_modes_match_hand_references(tmp_path):
     world = 3  # an odd world: averaging is a division by 3, not a power of two
     out = str(tmp_path / "grads")

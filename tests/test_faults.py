@@ -63,6 +63,7 @@ def run_stops(out: Path) -> list[str]:
     return [e["metadata"]["status"] for e in lines if e["key"] == "run_stop"]
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_job_nonzero_within_the_timeout(data, tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))

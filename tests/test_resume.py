@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -46,6 +47,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(out / "checkpoints" / latest / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_n_plus_n_steps_equal_2n_steps(tmp_path):
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),

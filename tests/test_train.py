@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bert.batch import Sample
 from bert.data.format import write_varlength_shard
@@ -66,6 +67,7 @@ def test_eval_schedule_first_step_at_or_past_each_threshold():
     assert due == [448 * math.ceil(t / 448) for t in (150_000, 300_000, 450_000, 600_000)]
 
 
+@pytest.mark.slow
 def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path):
     data, out = tmp_path / "syn", tmp_path / "run"
     subprocess.run([PY, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data)], check=True,
@@ -105,6 +107,7 @@ def zipf_shards(directory: Path, n: int, seed: int, files: int = 2) -> None:
         write_varlength_shard(directory / f"part_{k:05d}_of_{files:05d}.hdf5", [samples[i] for i in part])
 
 
+@pytest.mark.slow
 def test_text_like_run_loss_falls_and_a_short_run_is_aborted(tmp_path):
     data, out = tmp_path / "zipf", tmp_path / "run"
     zipf_shards(data / "train_varlength", 2048, seed=1)
