@@ -20,7 +20,24 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
     if cfg.optimizer == "adam":  # Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.opt_epsilon, fused=True)
-    return Lamb(groups, lr=lr, betas=betas, eps=cfg.opt_epsilon)
+    on_cuda = next(model.parameters()).is_cuda
+    return (on_cuda and _apex_lamb(groups, betas, cfg.opt_epsilon)) or Lamb(groups, lr=lr, betas=betas,
+                                                                            eps=cfg.opt_epsilon)
+
+
+def _apex_lamb(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.optim.Optimizer | None:
+    """apex's FusedLAMB (the MLPerf submissions' kernel) when apex is installed, else None.
+
+    Same update as `Lamb`. Its clipping is switched off (max_grad_norm=inf) because the `after` clip
+    mode clips before the step; apex reads the LR as a host float, so the schedule's device tensor
+    costs one small copy per step on this path.
+    """
+    try:
+        from apex.optimizers import FusedLAMB
+    except ImportError:
+        return None
+    return FusedLAMB(groups, lr=0.0, betas=betas, eps=eps, bias_correction=True, adam_w_mode=True,
+                     max_grad_norm=float("inf"), use_nvlamb=False)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> WarmupPolyDecay:
