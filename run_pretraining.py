@@ -5,7 +5,7 @@
 
 Every flag also reads an environment variable (`python -m bert.train.config --help`). Exit status:
 0 when the target was reached or the job was pre-empted after a checkpoint, 1 when the run was
-aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration.
+aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration, path or data set.
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     log.init_start()
     init_distributed(env, device, cfg.dist_timeout_s)
     log.submission(cfg, env.world_size)
-    run = build_run(cfg, env, device, log)
-    if cfg.resume:
-        resume(run)
+    try:
+        run = build_run(cfg, env, device, log)
+        if cfg.resume:
+            resume(run)
+    except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit, no traceback
+        print(f"error: rank {env.rank}: {e}", file=sys.stderr)
+        return 2
     log.end("init_stop")
     log.start("run_start")
     log.start("block_start", metadata={"first_epoch_num": 1, "epoch_count": 1})

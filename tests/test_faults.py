@@ -146,3 +146,13 @@ def test_fp16_non_finite_step_is_skipped_by_the_loss_scaler(tmp_path):
     mp.spawn(_fp16_worker, args=(str(tmp_path / "store"), str(out)), nprocs=1)
     # (inf step skipped and scale halved, next finite step applied, weights finite) per clip mode
     assert json.loads(out.read_text()) == {"after": [True, True, True], "bucket": [True, True, True]}
+
+
+def test_bad_paths_give_one_line_errors_naming_the_culprit(data, tmp_path):
+    missing = tmp_path / "no_such_dir"
+    proc = driver(data, tmp_path / "a", input_dir=missing)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and f"error: rank 0: {missing}: no such data directory" in output, output[-2000:]
+    proc = driver(data, tmp_path / "b", resume=1)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--resume: no checkpoint under" in output, output[-2000:]
