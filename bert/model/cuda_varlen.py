@@ -16,10 +16,14 @@ from torch import Tensor
 
 from bert.batch import SeqLayout
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10: the dropout path below serves dropout 0 as well
-    varlen_attn = None
+
+def _varlen_attn() -> Callable | None:
+    """torch's varlen_attn, imported on first use: the import pulls in torch._dynamo (~1.3 s per process)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10: the dropout path below serves dropout 0 as well
+        return None
+    return varlen_attn
 
 
 class FlashVarlenDropout(torch.autograd.Function):
@@ -46,6 +50,7 @@ def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
     if seq.cu_seqlens.device.type != "cuda":
         raise ValueError("attention backend 'varlen' needs the batch on a CUDA device; use 'loop' on CPU")
     cu, longest = seq.cu_seqlens, seq.max_seqlen
+    varlen_attn = _varlen_attn()
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
         if q.dtype not in (torch.float16, torch.bfloat16):
