@@ -15,24 +15,25 @@ export PRECISION=fp32
 export ATTENTION=auto  # per-sequence SDPA on the CPU
 export BALANCE=global
 export GRAD_CLIP=after
-export BATCHSIZE=32
+export BATCHSIZE=8
 export GRADIENT_STEPS=1
 export OPTIMIZER=lamb
-export LR=0.006
+export LR=0.015
 export OPT_LAMB_BETA_1=0.9
 export OPT_LAMB_BETA_2=0.999
 export EPSILON=1e-6
 export WEIGHT_DECAY_RATE=0.01
 export WARMUP_STEPS=10
 export START_WARMUP_STEP=0
-export MAX_STEPS=400
-export EVAL_ITER_START_SAMPLES=1280
-export EVAL_ITER_SAMPLES=1280
-export MAX_SAMPLES_TERMINATION=25600
+export MAX_STEPS=1000
+export EVAL_ITER_START_SAMPLES=800
+export EVAL_ITER_SAMPLES=800
+export MAX_SAMPLES_TERMINATION=16000
 export NUM_EVAL_EXAMPLES=500
 export EVAL_BATCHSIZE=100
-# Guessing the most frequent token plateaus at 0.055 on this eval set; 0.06 needs real learning (~130 steps).
-export TARGET_MLM_ACCURACY=0.06
+# Guessing the most frequent token plateaus at 0.055 on this eval set; 0.08 needs real learning: measured
+# 0.0845 at 3200 samples (seed 7, 143 s wall on the shared 2-core machine), 0.091 at 4800 (seed 42).
+export TARGET_MLM_ACCURACY=0.08
 export LOG_FREQ=10  # a loss point every 10 steps for the plot (no device sync cost on CPU)
 export EXTRA_PARAMS=""
 export WALLTIME_MINUTES=20  # per experiment
