@@ -14,4 +14,5 @@ export GRAD_CLIP=after  # the rules' expectation since v1.1 (clip-before was a v
 export BALANCE=global  # NVIDIA's exchange padding: world-wide length sort, round-robin to GPUs
 export TARGET_MLM_ACCURACY=0.720
 export NUM_EVAL_EXAMPLES=10000
+export SKIP_CHECKPOINT=${SKIP_CHECKPOINT:-1}  # no 1.3 GB final checkpoint per run (NVIDIA: --skip_checkpoint)
 export EXTRA_PARAMS=""

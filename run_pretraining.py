@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     env = read_env()
     device = compute_device(env)
     log = MLPerfLog(cfg.mlperf_log, env.is_main, append=cfg.resume)
-    log.init_start()
+    log.init_start(cfg.cache_cleared)
     init_distributed(env, device, cfg.dist_timeout_s)
     log.submission(cfg, env.world_size)
     try:
@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         # A dead rank surfaces here as a failed or timed-out collective; so does a non-finite loss.
         traceback.print_exc()
-        log.run_stop(run.state.samples, cfg.num_eval_examples, success=False)
+        log.run_stop(run.state.samples, run.eval_samples, success=False)
         print(f"rank {env.rank}: run aborted", file=sys.stderr, flush=True)
         os._exit(1)  # skip process-group teardown, which can block on the dead peer
     if status != PREEMPTED:
-        log.run_stop(run.state.samples, cfg.num_eval_examples, success=status == SUCCESS)
-    run.checkpoint()  # after run_stop: saving is not part of the timed run
+        log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
+    if not cfg.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
+        run.checkpoint()  # after run_stop: saving is not part of the timed run
     run.progress.close()
     run.loader.close()
     return 1 if status == ABORTED else 0

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from bert.train.config import TrainConfig
+from bert.train.config import TrainConfig, from_env_and_args
 from bert.train.mlperf_log import MLPerfLog
 
 
@@ -23,11 +24,24 @@ def cfg() -> TrainConfig:
 
 def test_a_second_run_replaces_the_file_and_resume_appends(tmp_path):
     path = tmp_path / "result_0.txt"
-    MLPerfLog(str(path), enabled=True).init_start()
-    MLPerfLog(str(path), enabled=True).init_start()  # mllog.config(filename=...) would append here
+    MLPerfLog(str(path), enabled=True).init_start(cache_cleared=False)
+    MLPerfLog(str(path), enabled=True).init_start(cache_cleared=False)  # mllog.config(filename=...) would append here
     assert [e["key"] for e in lines(path)] == ["cache_clear", "init_start"]
     MLPerfLog(str(path), enabled=True, append=True).event("seed", 1)
     assert [e["key"] for e in lines(path)] == ["cache_clear", "init_start", "seed"]
+
+
+@pytest.mark.parametrize("cleared", [True, False])
+def test_cache_clear_tells_what_the_launcher_did(cleared, tmp_path):
+    path = tmp_path / "result_0.txt"
+    MLPerfLog(str(path), enabled=True).init_start(cache_cleared=cleared)
+    assert lines(path)[0]["key"] == "cache_clear" and lines(path)[0]["value"] is cleared
+
+
+def test_cache_cleared_comes_from_the_environment():
+    base = {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "1", "LR": "1", "MAX_STEPS": "1"}
+    assert from_env_and_args([], base).cache_cleared is False  # not dropped unless the launcher says so
+    assert from_env_and_args([], {**base, "CACHE_CLEARED": "1"}).cache_cleared is True
 
 
 def test_metadata_names_the_calling_line(tmp_path):

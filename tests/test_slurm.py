@@ -62,6 +62,10 @@ def test_two_runs_pass_the_checkers(job):
     verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *map(str, logs), *verify_flags(env)],
                             capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout
+    # cache_clear is true exactly when run.sub reported dropping the page cache (root, or passwordless sudo)
+    dropped = "run.sub: page cache dropped" in output
+    for log in logs:
+        assert f'"key": "cache_clear", "value": {str(dropped).lower()}' in log.read_text()
     seeds = [line.split(",")[2] for line in output.splitlines() if "RESULT,bert," in line]
     assert len(seeds) == 2 and seeds[0] != seeds[1], output[-4000:]
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from bert.batch import Sample
-from bert.data.format import write_varlength_shard
-from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP
-from bert.train.evaluate import EvalSchedule, rules_eval_interval
+from bert.data.format import VarlenShard, write_varlength_shard
+from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP, random_batch
+from bert.train.evaluate import EvalSchedule, count_eval_samples, rules_eval_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -67,6 +67,10 @@ def test_eval_schedule_first_step_at_or_past_each_threshold():
     assert due == [448 * math.ceil(t / 448) for t in (150_000, 300_000, 450_000, 600_000)]
 
 
+def test_eval_samples_counts_every_sequence_of_the_eval_batches():
+    assert count_eval_samples([random_batch([8, 5, 12], seed=1), random_batch([7], seed=2)]) == 4
+
+
 @pytest.mark.slow
 def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path):
     data, out = tmp_path / "syn", tmp_path / "run"
@@ -84,6 +88,9 @@ def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path):
     assert len(stop) == 1 and stop[0]["metadata"]["status"] == "success"
     train_samples = next(e["value"] for e in log if e["key"] == "train_samples")
     assert train_samples == evals[-1]["metadata"]["epoch_num"]
+    with VarlenShard(next((data / "eval_varlength").glob("*.hdf5"))) as shard:  # evaluated over both ranks
+        assert next(e["value"] for e in log if e["key"] == "eval_samples") == len(shard)
+    assert (out / "checkpoints").is_dir()  # the final checkpoint, unless --skip_checkpoint (test_harness)
     cc = checker(out / "result_0.txt", tmp_path)
     assert cc.returncode == 0 and "closed_bert.yaml" in cc.stdout + cc.stderr, cc.stdout + cc.stderr
 

@@ -17,6 +17,7 @@ from bert.model.checkpoint import load_pretrained
 from bert.optim import build_optimizer, build_schedule
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.config import TrainConfig
+from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
@@ -66,7 +67,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, optimizer, schedule, scaler, loader, eval_set, autocast_for(cfg, device), log,
-               Progress(cfg.output_dir, env.is_main, resume=cfg.resume), stop)
+               Progress(cfg.output_dir, env.is_main, resume=cfg.resume), stop,
+               eval_samples=count_eval_samples(eval_set))
 
 
 def resume(run: Run) -> None:

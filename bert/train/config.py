@@ -79,12 +79,15 @@ class TrainConfig:
                                      env="TARGET_MLM_ACCURACY")
     log_freq: int = opt(50, "host-device sync and progress line every N steps", env="LOG_FREQ")
     checkpoint_every: int = opt(0, "checkpoint every N steps (0 = only at the end)", env="CHECKPOINT_EVERY")
+    skip_checkpoint: bool = opt(False, "write no final checkpoint (BERT-large: 1.3 GB per run)", env="SKIP_CHECKPOINT")
     resume: bool = opt(False, "continue from the latest checkpoint in output_dir", env="RESUME")
     steps_this_job: int = opt(0, "optimizer steps this job may take, then checkpoint and exit (0 = no limit; "
                               "for walltime-limited jobs, continued with --resume)", env="STEPS_THIS_JOB")
     dist_timeout_s: int = opt(300, "collective timeout: a dead rank ends the job after this", env="DIST_TIMEOUT")
     # --- MLPerf result log
     mlperf_log: str = opt("", "result log path (rank 0); empty = stdout only", env="MLPERF_LOG")
+    cache_cleared: bool = opt(False, "the launcher dropped the page cache before this run (logged as cache_clear)",
+                              env="CACHE_CLEARED")
     division: str = opt("open", "submission division", env="MLPERF_DIVISION", choices=DIVISIONS)
     org: str = opt("bert-harness", "submitting organisation", env="MLPERF_ORG")
     platform: str = opt("cpu", "system name", env="DGXSYSTEM")

@@ -59,3 +59,12 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], autocast: torch.autocas
     if total == 0:
         raise ValueError("the eval set has no masked tokens")
     return correct / total
+
+
+def count_eval_samples(batches: Sequence[Batch]) -> int:
+    """Sequences in every rank's eval batches: the `eval_samples` the log reports (a collective when distributed)."""
+    count = torch.tensor(sum(b.num_sequences for b in batches), dtype=torch.int64,
+                         device=batches[0].input_ids.device if batches else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    return int(count)

@@ -60,6 +60,7 @@ class Run:
     progress: Progress
     stop: StopAgreement
     state: TrainState = field(default_factory=TrainState)
+    eval_samples: int = 0  # sequences in eval_set over all ranks, as logged (build_run counts them)
 
     @property
     def global_batch_size(self) -> int:

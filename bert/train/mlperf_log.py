@@ -48,8 +48,9 @@ class MLPerfLog:
     def end(self, key: str, value=None, metadata: dict | None = None) -> None:
         self._log("end", key, value, metadata)
 
-    def init_start(self) -> None:
-        self._log("event", C.CACHE_CLEAR, True, None)
+    def init_start(self, cache_cleared: bool) -> None:
+        """`cache_clear` states what the launcher did (the checker requires the key, any value)."""
+        self._log("event", C.CACHE_CLEAR, cache_cleared, None)
         self._log("start", C.INIT_START, None, None)
 
     def submission(self, cfg: TrainConfig, world_size: int) -> None:
