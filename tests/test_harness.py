@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -27,20 +28,22 @@ NEEDS_DRIVER = pytest.mark.skipif(
     reason="needs run_pretraining.py and data/make_synthetic_dataset.py from the driver issue (not in the tree yet)")
 RUNS = 10
 
-# A tiny BERT that climbs past 0.720 on the synthetic data in about 5 evals, slowly enough to stop below 1.0
-# (the compliance checker rejects an accuracy of 1.0). Padded attention: the fastest on CPU for short sequences.
+# A tiny BERT that climbs past 0.720 on the synthetic data in about 2 evals; the data's label noise keeps the
+# accuracy near 0.9, below the 1.0 the compliance checker rejects. Padded attention: the fastest on CPU for short
+# sequences.
 SHORT_RUN = {
-    "BERT_CONFIG": "tiny", "BATCHSIZE": "16", "GRADIENT_STEPS": "1", "OPTIMIZER": "lamb", "LR": "0.005",
+    "BERT_CONFIG": "tiny", "BATCHSIZE": "16", "GRADIENT_STEPS": "1", "OPTIMIZER": "lamb", "LR": "0.02",
     "WARMUP_STEPS": "0", "START_WARMUP_STEP": "0", "MAX_STEPS": "400", "EVAL_ITER_START_SAMPLES": "320",
     "EVAL_ITER_SAMPLES": "320", "MAX_SAMPLES_TERMINATION": "6400", "NUM_EVAL_EXAMPLES": "256",
     "EVAL_BATCHSIZE": "128", "ATTENTION": "padded", "TARGET_MLM_ACCURACY": "0.72", "EXTRA_PARAMS": "",
+    "SKIP_CHECKPOINT": "1",
 }
 RESULT = re.compile(r"^RESULT,bert,(\d+),(\d+),([^,]+),(.+)$", re.M)
 
 
-def make_synthetic(out: Path) -> dict[str, str]:
-    subprocess.run([PY, str(SYNTHETIC), "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
-    return {"DATADIR_PHASE2": str(out / "train_varlength"), "EVALDIR": str(out / "eval_varlength")}
+def data_env(data: Path) -> dict[str, str]:
+    """The driver's data paths for a directory written by data/make_synthetic_dataset.py."""
+    return {"DATADIR_PHASE2": str(data / "train_varlength"), "EVALDIR": str(data / "eval_varlength")}
 
 
 def config_env(config: str, **overrides: str) -> dict[str, str]:
@@ -65,16 +68,21 @@ def timed_run(env: dict[str, str], log: Path) -> tuple[subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """RUNS closed-division runs of one process each on the synthetic data: (process, start, end, log)."""
+def runs(tmp_path_factory, synthetic_data):
+    """RUNS closed-division runs of one process each on the synthetic data: (process, start, end, log).
+
+    Two at a time, one per core: each run is a single process pinned to one thread."""
     tmp = tmp_path_factory.mktemp("runs")
-    env = config_env("config_CPU_1x2.sh", **SHORT_RUN, **make_synthetic(tmp / "data"), DGXNGPU="1",
+    env = config_env("config_CPU_1x2.sh", **SHORT_RUN, **data_env(synthetic_data), DGXNGPU="1",
                      MLPERF_DIVISION="closed", DGXSYSTEM="cpu_test", OUTPUT_DIR=str(tmp / "out"))
-    done = []
-    for k in range(RUNS):
+
+    def one(k: int) -> tuple[subprocess.CompletedProcess, float, float, Path]:
         log = tmp / f"result_{k}.txt"
-        done.append((*timed_run({**env, "SEED": str(1000 + k)}, log), log))
-    return done
+        return (*timed_run({**env, "SEED": str(1000 + k), "OUTPUT_DIR": str(tmp / f"out_{k}"),
+                                "OMP_NUM_THREADS": "1"}, log), log)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(one, range(RUNS)))
 
 
 @NEEDS_DRIVER
@@ -104,6 +112,15 @@ def test_logs_pass_official_checker_and_verifier(runs, tmp_path):
     verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *(str(r[3]) for r in runs),
                              *verify_flags(SHORT_RUN)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout
+
+
+@NEEDS_DRIVER
+@pytest.mark.slow
+def test_skip_checkpoint_writes_no_checkpoint(runs):
+    for out, _, _, log in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+        output_dir = log.parent / f"out_{log.stem.split('_')[1]}"
+        assert (output_dir / "metrics.jsonl").is_file() and not (output_dir / "checkpoints").exists()
 
 
 @NEEDS_DRIVER

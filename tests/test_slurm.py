@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, make_synthetic, verify_flags
+from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, data_env, verify_flags
 
 PY = sys.executable
 
@@ -35,11 +35,11 @@ def sbatch(env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, synthetic_data):
     tmp = tmp_path_factory.mktemp("slurm")
     # Open division: a low demo target (run.sub hands it to the verifier too) keeps each run to a few evals.
     env = config_env("config_CPU_1x2.sh", **{**SHORT_RUN, "TARGET_MLM_ACCURACY": "0.25"},
-                     **make_synthetic(tmp / "data"), NEXP="2", LOGDIR=str(tmp / "results"))
+                     **data_env(synthetic_data), NEXP="2", LOGDIR=str(tmp / "results"))
     submitted = sbatch(env, tmp / "job.out")
     return submitted, env, tmp
 

@@ -72,10 +72,8 @@ def test_eval_samples_counts_every_sequence_of_the_eval_batches():
 
 
 @pytest.mark.slow
-def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path):
-    data, out = tmp_path / "syn", tmp_path / "run"
-    subprocess.run([PY, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data)], check=True,
-                   capture_output=True)
+def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_data):
+    data, out = synthetic_data, tmp_path / "run"
     run = torchrun(common_args(data, out, train_batch_size=16, learning_rate=1e-2, max_steps=300, warmup_steps=5,
                                eval_iter_samples=320, num_eval_examples=256, eval_batch_size=128,
                                division="closed", seed=7))
