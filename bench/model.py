@@ -41,8 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bert.balance.length_pmf import LengthPMF
+from bert.balance.stratify import strata_counts
 from bert.batch import Batch
-from bert.lengths import WIKI_PHASE2, LengthMix
+from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
 from bert.model.padding import PadLayout, pad
@@ -77,35 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def length_pmf(mix: LengthMix) -> np.ndarray:
-    """P(length = k) for k = 0..max, following `LengthMix.sample` exactly."""
-    p = np.asarray(mix.probs) / sum(mix.probs)
-    pmf = np.zeros(mix.edges[-1] + 1)
-    lows = (mix.min_length - 1,) + mix.edges[:-1]
-    for s, (lo, hi) in enumerate(zip(lows, mix.edges)):
-        last = s == len(mix.edges) - 1
-        uniform_hi = hi - 1 if last else hi  # the last stratum's maximum is reached only via `at_max`
-        share = p[s] - mix.at_max if last else p[s]
-        pmf[lo + 1: uniform_hi + 1] += share / (uniform_hi - lo)
-    pmf[mix.edges[-1]] += mix.at_max
-    return pmf
-
-
 def draw_lengths(n: int, draw: str, rng: np.random.Generator, candidates: int) -> np.ndarray:
     """`n` lengths from WIKI_PHASE2 by `draw` (representative, random or stratified; see the docstring)."""
     mix = WIKI_PHASE2
     if draw == "random":
         return mix.sample(n, rng)
     if draw == "stratified":
-        shares = n * np.asarray(mix.probs) / sum(mix.probs)
-        counts = np.floor(shares).astype(int)
-        counts[np.argsort(counts - shares)[: n - counts.sum()]] += 1
+        counts = strata_counts(mix, mix.edges, n)
         pool = mix.sample(100 * n, rng)
         stratum = np.searchsorted(np.asarray(mix.edges), pool, side="left")
         return np.concatenate([pool[stratum == s][:c] for s, c in enumerate(counts)])
     # Summary statistics (token count: linear cost; sum of squares: attention cost), their exact mean and
     # covariance for a batch of n, and each candidate's Mahalanobis distance from that mean.
-    pmf, k = length_pmf(mix), np.arange(mix.edges[-1] + 1, dtype=np.float64)
+    pmf = LengthPMF.from_mix(mix).probs
+    k = np.arange(1, len(pmf) + 1, dtype=np.float64)
     stats = np.stack([k, k**2])
     mean = n * (stats @ pmf)
     centred = stats - (stats @ pmf)[:, None]
@@ -231,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, num_hidden_layers=args.layers)
     lengths = draw_lengths(args.batch_size, args.draw, np.random.default_rng(args.seed), args.candidates)
     batch = random_batch(lengths, seed=args.seed).to(args.device)
-    mean_length = float(length_pmf(WIKI_PHASE2) @ np.arange(WIKI_PHASE2.edges[-1] + 1))
+    mean_length = LengthPMF.from_mix(WIKI_PHASE2).mean
     variants = build_variants(cfg, batch, args.device, args.variants)
     steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
     matmul, matmul_flops = make_matmul(args.device)
