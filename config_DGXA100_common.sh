@@ -1,18 +1,5 @@
 # shellcheck shell=bash
-# DGX A100 (8x A100-SXM4-80GB per node): site paths and what every A100 config shares.
-# Sourced by config_DGXA100_*.sh; exports variables only. Paths may be set before sourcing.
-export DGXNGPU=8
-export DATADIR_PHASE2=${DATADIR_PHASE2:-/raid/datasets/bert/hdf5/4320_shards_varlength}
-export EVALDIR=${EVALDIR:-/raid/datasets/bert/hdf5/eval_varlength}
-export CHECKPOINTDIR_PHASE1=${CHECKPOINTDIR_PHASE1:-/raid/datasets/bert/checkpoints/checkpoint_phase1}
-export INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1}/model.ckpt-28252.safetensors}  # data/convert_tf_checkpoint.py output
-export BERT_CONFIG=${BERT_CONFIG:-${CHECKPOINTDIR_PHASE1}/bert_config.json}
-export MLPERF_DIVISION=closed
+# DGX A100 (8x A100-SXM4-80GB per node): what every A100 config shares beyond config_DGX_common.sh.
+# shellcheck source=config_DGX_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/config_DGX_common.sh"
 export PRECISION=fp16
-export ATTENTION=auto  # flash attention on the unpadded tokens when CUDA is there
-export GRAD_CLIP=after  # the rules' expectation since v1.1 (clip-before was a v1.0/v1.1 allowance)
-export BALANCE=global  # NVIDIA's exchange padding: world-wide length sort, round-robin to GPUs
-export TARGET_MLM_ACCURACY=0.720
-export NUM_EVAL_EXAMPLES=10000
-export SKIP_CHECKPOINT=${SKIP_CHECKPOINT:-1}  # no 1.3 GB final checkpoint per run (NVIDIA: --skip_checkpoint)
-export EXTRA_PARAMS=""
