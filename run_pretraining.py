@@ -14,11 +14,12 @@ import os
 import sys
 import traceback
 
+from bert.config import ConfigError, from_env_and_args
 from bert.dist.env import compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
-from bert.train.config import ConfigError, from_env_and_args
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog
+from bert.train.record import record_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = read_env()
     device = compute_device(env)
-    log = MLPerfLog(cfg.mlperf_log, env.is_main, append=cfg.resume)
-    log.init_start(cfg.cache_cleared)
-    init_distributed(env, device, cfg.dist_timeout_s)
+    log = MLPerfLog(cfg.log.mlperf_log, env.is_main, append=cfg.run.resume)
+    log.init_start(cfg.log.cache_cleared)
+    init_distributed(env, device, cfg.dist.dist_timeout_s)
     log.submission(cfg, env.world_size)
     try:
         run = build_run(cfg, env, device, log)
-        if cfg.resume:
+        if cfg.run.resume:
             resume(run)
+        record_run(run, device)
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit, no traceback
         print(f"error: rank {env.rank}: {e}", file=sys.stderr)
         return 2
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)  # skip process-group teardown, which can block on the dead peer
     if status != PREEMPTED:
         log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
-    if not cfg.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
+    if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
         run.checkpoint()  # after run_stop: saving is not part of the timed run
     run.progress.close()
     run.loader.close()

@@ -26,10 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bert.dist.clip import clip_after_allreduce, register_clip_hook
+from bert.config import from_flat
+from bert.dist.clip import Clipper, install_clipping
+from bert.dist.ddp import apply_ddp
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
-from bert.optim import Lamb, decay_groups
+from bert.optim import build_optimizer, build_schedule
 from bert.synthetic import random_batch
 
 MODES = ("after", "before", "bucket")
@@ -51,10 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def step(ddp: DDP, optimizer: torch.optim.Optimizer, batch, mode: str) -> None:
+NO_SCALING = torch.amp.GradScaler("cpu", enabled=False)  # fp32: unscale_ is a no-op
+
+
+def step(ddp: DDP, clipper: Clipper, optimizer: torch.optim.Optimizer, batch) -> None:
     ddp(batch).loss.backward()
-    if mode == "after":
-        clip_after_allreduce(ddp.parameters(), 1.0)
+    clipper.before_step(optimizer, NO_SCALING)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -70,18 +74,21 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
     cfg = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                      num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden)
     runs = {}
-    for mode in MODES:
+    for mode in MODES:  # the driver's own builders, one config section each
+        train = from_flat(bucket_cap_mb=args.bucket_cap_mb, grad_clip=mode, max_grad_norm=1.0, optimizer="lamb",
+                          learning_rate=1e-4, max_steps=10**6, weight_decay_rate=0.01)
         torch.manual_seed(0)
         model = BertForPreTraining(cfg, device=device).to(device)
-        ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=True)
-        register_clip_hook(ddp, mode, 1.0, lambda: 1.0)
-        runs[mode] = (ddp, Lamb(decay_groups(model, 0.01), lr=torch.tensor(1e-4, device=device)))
+        ddp = apply_ddp(model, train.dist)
+        optimizer = build_optimizer(model, train.optim)
+        build_schedule(optimizer, train.optim)  # sets the LR (a device tensor) on the optimizer
+        runs[mode] = (ddp, install_clipping(ddp, mode, train.optim.max_grad_norm), optimizer)
     lengths = [min(int(n), args.max_len) for n in WIKI_PHASE2.sample(args.local_batch, np.random.default_rng(rank))]
     batch = random_batch(lengths, seed=rank, vocab_size=cfg.vocab_size - 8).to(device)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     for mode in MODES:  # warm-up: DDP rebuilds its buckets in the second iteration
         for _ in range(3):
-            step(*runs[mode], batch, mode)
+            step(*runs[mode], batch)
     for _ in range(args.repeats):
         for mode in MODES:
             dist.barrier()
@@ -89,7 +96,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, result_path: str) ->
                 torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(args.steps):
-                step(*runs[mode], batch, mode)
+                step(*runs[mode], batch)
             if cuda:
                 torch.cuda.synchronize()
             times[mode].append((time.perf_counter() - start) / args.steps * 1e3)

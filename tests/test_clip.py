@@ -5,6 +5,9 @@ processes, and the gradients DDP leaves in `.grad` are compared with the referen
   bucket: per bucket, clip to c/sqrt(B) by the bucket's local norm, then average over ranks;
   before: clip the whole local gradient to c by its local norm, then average;
   after:  average, then clip to c by the global norm.
+Every case goes through the unit the driver uses: `install_clipping` once, then the Clipper's
+`before_step` at every step, with no mode check in the caller. The float64 cases run the hooks on
+float64 gradients and must match the reference to rounding (1e-12).
 The bucket layout (which parameters, how many buckets) is recorded from the buckets DDP hands to
 the hook, so B is observed, not assumed.
 """
@@ -20,73 +23,79 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bert.dist.clip import (
-    BeforeClipState,
-    BucketClipState,
-    DdpBucketCount,
-    bucket_clip_hook,
-    clip_after_allreduce,
-    clip_before_hook,
-)
+import bert.dist.clip as clip_unit
+from bert.dist.clip import ClipAfterAllreduce, Clipper, install_clipping
 
 SHAPES = [(24, 32), (32,), (32, 32), (32,), (16, 32), (16,), (40, 16)]
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0, 0.0005]  # some buckets clip, some do not
 C = 1.0
+# case: (mode, DDP bucket cap in MB, fp16 loss scale, accumulate a no_sync micro-step first, dtype)
+CASE_SETUP = {
+    "bucket": ("bucket", 0.004, 1.0, False, torch.float32),  # 4 kB buckets: several per model
+    "one_bucket": ("bucket", 1e6, 1.0, False, torch.float32),
+    "before": ("before", 0.004, 1.0, False, torch.float32),
+    "after": ("after", 0.004, 1.0, False, torch.float32),
+    "fp16_scaled": ("bucket", 0.004, 1024.0, False, torch.float32),
+    "accumulate": ("bucket", 0.004, 1.0, True, torch.float32),
+    # float64 gradients through the same unit: the exact-reference configuration (norms stay float64)
+    "bucket_f64": ("bucket", 0.008, 1.0, False, torch.float64),
+    "before_f64": ("before", 0.008, 1.0, False, torch.float64),
+    "after_f64": ("after", 0.008, 1.0, False, torch.float64),
+    "none_f64": ("none", 0.008, 1.0, False, torch.float64),
+}
 
 
 class FixedGrad(nn.Module):
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in SHAPES])
+        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(s, dtype=dtype)) for s in SHAPES])
 
     def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
         return sum((p * g).sum() for p, g in zip(self.ps, gs))
 
 
-def fixed_grads(rank: int, step: int) -> list[torch.Tensor]:
+def fixed_grads(rank: int, step: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * rank + step)
-    return [torch.randn(s, generator=gen) * k * (1 + rank) for s, k in zip(SHAPES, SCALES)]
+    return [(torch.randn(s, generator=gen) * k * (1 + rank)).to(dtype) for s, k in zip(SHAPES, SCALES)]
 
 
-def recording(hook):
-    """Wrap a hook so that the bucket layout of every call is recorded in state.layout."""
+def recording(hook, layout: list[list[int]], index_of: dict[int, int]):
+    """Wrap a hook so that the bucket layout (parameter indices per bucket) of every call is recorded."""
 
     def wrapped(state, bucket):
-        ids = [id(p) for p in bucket.parameters()]
-        state.layout.append([state.index_of[i] for i in ids])
+        layout.append([index_of[id(p)] for p in bucket.parameters()])
         return hook(state, bucket)
 
     return wrapped
 
 
 def run_case(rank: int, case: str) -> dict:
-    model = FixedGrad()
-    cap = 1e6 if case == "one_bucket" else 0.004  # 4 kB buckets: several per model
+    mode, cap, scale, accumulate, dtype = CASE_SETUP[case]
+    model = FixedGrad(dtype)
     ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=True)
-    scale = 1024.0 if case == "fp16_scaled" else 1.0
-    if case == "before":
-        state = BeforeClipState(C, lambda: torch.tensor(scale))
-        hook = clip_before_hook
-    elif case != "after":
-        state = BucketClipState(C, DdpBucketCount(ddp), lambda: torch.tensor(scale))
-        hook = bucket_clip_hook
-    if case != "after":
-        state.layout, state.index_of = [], {id(p): i for i, p in enumerate(model.ps)}
-        ddp.register_comm_hook(state, recording(hook))
+    layout: list[list[int]] = []
+    index_of = {id(p): i for i, p in enumerate(model.ps)}
+    # install_clipping registers the module's hooks; wrapping them records the layout DDP hands over.
+    originals = clip_unit.bucket_clip_hook, clip_unit.clip_before_hook
+    clip_unit.bucket_clip_hook = recording(originals[0], layout, index_of)
+    clip_unit.clip_before_hook = recording(originals[1], layout, index_of)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
+    clipper = install_clipping(ddp, mode, C, scaler)
+    clip_unit.bucket_clip_hook, clip_unit.clip_before_hook = originals
+    assert isinstance(clipper, ClipAfterAllreduce) == (mode == "after") and isinstance(clipper, Clipper)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # only for the scaler's unscale_ in `after`
     result = {"steps": []}
     for step in range(3):  # step 0 uses DDP's initial buckets; they are rebuilt during step 1
         model.zero_grad(set_to_none=True)
-        if case != "after":
-            state.layout.clear()
-        if case == "accumulate":
+        layout.clear()
+        if accumulate:
             with ddp.no_sync():
-                ddp(fixed_grads(rank, 10 * step)).backward()
-        ddp([g * scale for g in fixed_grads(rank, step)]).backward()
-        if case == "after":
-            clip_after_allreduce(model.parameters(), C)
+                ddp(fixed_grads(rank, 10 * step, dtype)).backward()
+        scaler.scale(ddp(fixed_grads(rank, step, dtype))).backward()
+        clipper.before_step(optimizer, scaler)  # what the training loop calls, whatever the mode
         result["steps"].append({
-            "grads": [p.grad.detach().clone() / scale for p in model.ps],
-            "layout": [list(b) for b in state.layout] if case != "after" else None,
+            "grads": [p.grad.detach().clone() / scale for p in model.ps],  # before/bucket leave them scaled
+            "layout": [list(b) for b in layout] if mode in ("before", "bucket") else None,
         })
     return result
 
@@ -101,32 +110,34 @@ def worker(rank: int, world: int, store: str, cases: list[str], out_path: str) -
 
 def local_grads(rank: int, step: int, case: str) -> list[torch.Tensor]:
     gs = [g.double() for g in fixed_grads(rank, step)]
-    if case == "accumulate":
+    if CASE_SETUP[case][3]:
         gs = [g + a.double() for g, a in zip(gs, fixed_grads(rank, 10 * step))]
     return gs
 
 
-def clip(gs: list[torch.Tensor], limit: float) -> list[torch.Tensor]:
+def clip(gs: list[torch.Tensor], limit: float, eps: float = 0.0) -> list[torch.Tensor]:
     norm = math.sqrt(sum(float((g * g).sum()) for g in gs))
-    return [g * min(1.0, limit / norm) for g in gs]
+    return [g * min(1.0, limit / (norm + eps)) for g in gs]
 
 
 def reference(world: int, step: int, case: str, layout: list[list[int]] | None) -> list[torch.Tensor]:
+    mode = CASE_SETUP[case][0]
     per_rank = []
     for r in range(world):
         gs = local_grads(r, step, case)
-        if case in ("before", "one_bucket"):
+        if mode == "before" or case == "one_bucket":
             gs = clip(gs, C)
-        elif case != "after":  # Algorithm 1: each bucket to c/sqrt(B)
+        elif mode == "bucket":  # Algorithm 1: each bucket to c/sqrt(B)
             for bucket in layout:
                 for i, g in zip(bucket, clip([gs[i] for i in bucket], C / math.sqrt(len(layout)))):
                     gs[i] = g
         per_rank.append(gs)
     mean = [sum(rank_gs[i] for rank_gs in per_rank) / world for i in range(len(SHAPES))]
-    return clip(mean, C) if case == "after" else mean
+    # `after` is torch's clip_grad_norm_, which divides by norm + 1e-6 (the hooks use the norm alone)
+    return clip(mean, C, eps=1e-6) if mode == "after" else mean
 
 
-CASES = ["bucket", "one_bucket", "before", "after", "fp16_scaled", "accumulate"]
+CASES = list(CASE_SETUP)
 
 
 @pytest.mark.slow
@@ -138,16 +149,19 @@ def test_clip_modes_match_hand_references(tmp_path):
     for case in CASES:
         for step in range(3):
             layout = results[0][case]["steps"][step]["layout"]
-            if case in ("bucket", "fp16_scaled", "accumulate") and step == 2:
+            if case in ("bucket", "fp16_scaled", "accumulate", "bucket_f64") and step == 2:
                 assert len(layout) >= 3, f"{case}: the test needs several buckets, DDP made {layout}"
             if case == "one_bucket":
                 assert len(layout) == 1
             want = reference(world, step, case, layout)
+            f64 = CASE_SETUP[case][4] == torch.float64
+            tol = dict(rtol=1e-12, atol=1e-15) if f64 else dict(rtol=2e-5, atol=1e-7)
             for r in range(world):
                 got = results[r][case]["steps"][step]["grads"]
                 for i, (g, w) in enumerate(zip(got, want)):
+                    assert g.dtype == CASE_SETUP[case][4]
                     where = f"{case} step {step} rank {r} param {i}"
-                    torch.testing.assert_close(g.double(), w, rtol=2e-5, atol=1e-7, msg=lambda m, w=where: f"{w}: {m}")
+                    torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, w=where: f"{w}: {m}")
 
 
 def test_bucket_clipping_differs_from_clip_before_when_buckets_are_many(tmp_path):

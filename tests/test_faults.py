@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bert.config import from_flat
+from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.optim import build_optimizer, build_schedule
-from bert.train.build import loss_scale_of
-from bert.train.config import TrainConfig
 from bert.train.loop import Run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,15 +123,16 @@ def _fp16_worker(rank: int, store: str, out: str) -> None:
     results = {}
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     for mode in ("after", "bucket"):
-        cfg = TrainConfig(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=1,
-                          learning_rate=0.1, max_steps=10, precision="fp16", grad_clip=mode, optimizer="adam")
+        cfg = from_flat(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=1,
+                        learning_rate=0.1, max_steps=10, precision="fp16", grad_clip=mode, optimizer="adam")
         torch.manual_seed(0)
         model = _Scaled()
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        ddp = apply_ddp(model, cfg, loss_scale_of(scaler))
-        optimizer = build_optimizer(model, cfg)
-        run = Run(cfg, DistEnv(0, 1, 0, 1, "localhost", 0), ddp, optimizer, build_schedule(optimizer, cfg), scaler,
-                  None, [], nullcontext, None, None, None)
+        ddp = apply_ddp(model, cfg.dist)
+        clipper = install_clipping(ddp, mode, cfg.optim.max_grad_norm, scaler)
+        optimizer = build_optimizer(model, cfg.optim)
+        run = Run(cfg, DistEnv(0, 1, 0, 1, "localhost", 0), ddp, clipper, optimizer,
+                  build_schedule(optimizer, cfg.optim), scaler, None, [], nullcontext, None, None, None)
         before = model.lin.weight.detach().clone()
         train_step(run, iter([float("inf")]))
         skipped = torch.equal(model.lin.weight, before) and scaler.get_scale() == 2.0**9

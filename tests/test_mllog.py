@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bert.train.config import TrainConfig, from_env_and_args
+from bert.config import TrainConfig, from_env_and_args, from_flat
 from bert.train.mlperf_log import MLPerfLog
 
 
@@ -18,8 +18,8 @@ def lines(path: Path) -> list[dict]:
 
 
 def cfg() -> TrainConfig:
-    return TrainConfig(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=56,
-                       gradient_accumulation_steps=2, learning_rate=4.25e-4, max_steps=6700, division="closed")
+    return from_flat(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=56,
+                     gradient_accumulation_steps=2, learning_rate=4.25e-4, max_steps=6700, division="closed")
 
 
 def test_a_second_run_replaces_the_file_and_resume_appends(tmp_path):
@@ -40,8 +40,8 @@ def test_cache_clear_tells_what_the_launcher_did(cleared, tmp_path):
 
 def test_cache_cleared_comes_from_the_environment():
     base = {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "1", "LR": "1", "MAX_STEPS": "1"}
-    assert from_env_and_args([], base).cache_cleared is False  # not dropped unless the launcher says so
-    assert from_env_and_args([], {**base, "CACHE_CLEARED": "1"}).cache_cleared is True
+    assert from_env_and_args([], base).log.cache_cleared is False  # not dropped unless the launcher says so
+    assert from_env_and_args([], {**base, "CACHE_CLEARED": "1"}).log.cache_cleared is True
 
 
 def test_metadata_names_the_calling_line(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from bert.config import OptimConfig, from_flat
 from bert.optim import build_optimizer, build_schedule, decay_groups
-from bert.train.config import TrainConfig
 
 
 class Tiny(nn.Module):
@@ -20,14 +20,14 @@ class Tiny(nn.Module):
         self.zero_weight = nn.Parameter(torch.zeros(3, 2))  # trust ratio falls back to 1 when ||p|| = 0
 
 
-def config(optimizer: str, **kw) -> TrainConfig:
+def config(optimizer: str, **kw) -> OptimConfig:
     base = dict(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=1, learning_rate=2e-3,
                 max_steps=10, warmup_steps=2, start_warmup_step=-1, optimizer=optimizer, weight_decay_rate=0.1,
                 opt_lamb_beta_1=0.8, opt_lamb_beta_2=0.95, opt_epsilon=1e-6)
-    return TrainConfig(**{**base, **kw})
+    return from_flat(**{**base, **kw}).optim
 
 
-def lr_at(cfg: TrainConfig, k: int) -> float:
+def lr_at(cfg: OptimConfig, k: int) -> float:
     w = k - cfg.start_warmup_step
     if w < cfg.warmup_steps:
         return cfg.learning_rate * w / cfg.warmup_steps

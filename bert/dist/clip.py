@@ -7,6 +7,10 @@
     bucket  every bucket is clipped to c/sqrt(B) by its own norm the moment it is ready, then
             averaged asynchronously: clip-before's sample efficiency with clip-after's overlap.
 
+`install_clipping(ddp, mode, max_norm, scaler)` sets a mode up once and returns the `Clipper` that the
+training loop calls before every optimizer step, whatever the mode: `after` clips there; the other
+modes did their work inside the allreduce, so their step is empty. `CLIP_MODES` is the registry.
+
 `before` and `bucket` are DDP communication hooks. Under fp16 loss scaling the buckets hold
 scaled gradients; norms are compared after dividing by the scale, and the clipped bucket stays
 scaled so that the GradScaler's unscale and inf check work unchanged. With gradient
@@ -24,6 +28,12 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 LossScale = Callable[[], Tensor | float]  # the current fp16 loss scale; 1.0 without scaling
+
+
+def local_norm(t: Tensor) -> Tensor:
+    """||t|| accumulated in at least float32 (a bf16/fp16 sum of squares overflows), in float64 for
+    float64 gradients, which the exact-reference tests use."""
+    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32))
 
 
 def clip_after_allreduce(params: Iterable[torch.nn.Parameter], max_norm: float) -> Tensor:
@@ -71,7 +81,7 @@ def bucket_clip_hook(state: BucketClipState, bucket: dist.GradBucket) -> Future[
     """Algorithm 1, lines 6-10: clip this bucket to c/sqrt(B), then start its allreduce."""
     grad = bucket.buffer()
     limit = state.max_norm / math.sqrt(state.num_buckets())
-    factor = _clip_factor(torch.linalg.vector_norm(grad, dtype=torch.float32), limit, state.loss_scale)
+    factor = _clip_factor(local_norm(grad), limit, state.loss_scale)
     grad.mul_(factor / dist.get_world_size(state.group))
     work = dist.all_reduce(grad, group=state.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -92,7 +102,7 @@ def clip_before_hook(state: BeforeClipState, bucket: dist.GradBucket) -> Future[
     if not bucket.is_last():
         return result
     grads = [g for g, _ in state.pending]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    norm = torch.linalg.vector_norm(torch.stack([local_norm(g) for g in grads]))
     factor = _clip_factor(norm, state.max_norm, state.loss_scale) / dist.get_world_size(state.group)
     flat = torch.cat(grads).mul_(factor.to(grads[0].dtype))  # one allreduce: nothing is left to overlap with
     dist.all_reduce(flat, group=state.group)
@@ -104,11 +114,63 @@ def clip_before_hook(state: BeforeClipState, bucket: dist.GradBucket) -> Future[
     return result
 
 
-def register_clip_hook(ddp: DDP, mode: str, max_norm: float, loss_scale: LossScale) -> None:
-    """Install the hook of `mode` ('before' or 'bucket'); 'after' and 'none' keep DDP's own allreduce."""
-    if mode == "bucket":
-        ddp.register_comm_hook(BucketClipState(max_norm, DdpBucketCount(ddp), loss_scale), bucket_clip_hook)
-    elif mode == "before":
-        ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale), clip_before_hook)
-    elif mode not in ("after", "none"):
-        raise ValueError(f"grad_clip must be none, after, before or bucket, got {mode!r}")
+class Clipper:
+    """What the loop calls before every optimizer step. The base does nothing: `none` never clips, and
+    `before`/`bucket` already clipped inside DDP's allreduce hook."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        return None
+
+
+class ClipAfterAllreduce(Clipper):
+    """`after`: unscale (fp16), then clip the averaged gradient by its global norm."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], max_norm: float):
+        self.params, self.max_norm = list(params), max_norm
+
+    def before_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+        scaler.unscale_(optimizer)
+        clip_after_allreduce(self.params, self.max_norm)
+
+
+def loss_scale_of(scaler: torch.amp.GradScaler | None) -> LossScale:
+    """The current scale as a device tensor for the hooks (get_scale() would sync the host); 1.0 unscaled."""
+    if scaler is None or not scaler.is_enabled():
+        return lambda: 1.0
+    return scaler._get_scale_async
+
+
+Installer = Callable[[DDP, float, LossScale], Clipper]
+
+
+def _install_none(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+    return Clipper()
+
+
+def _install_after(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+    return ClipAfterAllreduce(ddp.parameters(), max_norm)
+
+
+def _install_before(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+    ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale), clip_before_hook)
+    return Clipper()
+
+
+def _install_bucket(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+    ddp.register_comm_hook(BucketClipState(max_norm, DdpBucketCount(ddp), loss_scale), bucket_clip_hook)
+    return Clipper()
+
+
+CLIP_MODES: dict[str, Installer] = {
+    "none": _install_none,
+    "after": _install_after,
+    "before": _install_before,
+    "bucket": _install_bucket,
+}
+
+
+def install_clipping(ddp: DDP, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None) -> Clipper:
+    """Set up clipping `mode` on `ddp` once (a comm hook for before/bucket); returns the step-side Clipper."""
+    if mode not in CLIP_MODES:
+        raise ValueError(f"grad_clip must be one of {', '.join(CLIP_MODES)}, got {mode!r}")
+    return CLIP_MODES[mode](ddp, max_norm, loss_scale_of(scaler))

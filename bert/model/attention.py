@@ -117,6 +117,7 @@ BACKENDS: dict[str, Planner] = {
     "varlen": flash_varlen,
     "padded": plan_padded,
 }
+ATTENTION_CHOICES = ("auto", *BACKENDS)  # what the config accepts: a backend, or `auto` to pick by device
 
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:

@@ -1,31 +1,47 @@
-"""Optimizers (LAMB, Samsung's AdamW) and the learning-rate schedule, built from a TrainConfig."""
+"""Optimizers (LAMB, Samsung's AdamW) and the learning-rate schedule, built from the config's optim section.
+
+`OPTIMIZERS` is the registry the config validates `OPTIMIZER` against.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from bert.config import OptimConfig
 from bert.optim.lamb import Lamb
 from bert.optim.param_groups import decay_groups
 from bert.optim.schedule import WarmupPolyDecay
-from bert.train.config import TrainConfig
 
-__all__ = ["Lamb", "WarmupPolyDecay", "build_optimizer", "build_schedule", "decay_groups"]
+__all__ = ["OPTIMIZERS", "Lamb", "WarmupPolyDecay", "build_optimizer", "build_schedule", "decay_groups"]
+
+Groups = list[dict]
+Betas = tuple[float, float]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def _adamw(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool) -> torch.optim.Optimizer:
+    """Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA."""
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool) -> torch.optim.Optimizer:
+    return (on_cuda and _apex_lamb(groups, betas, eps)) or Lamb(groups, lr=lr, betas=betas, eps=eps)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lamb": _lamb, "adam": _adamw}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule."""
     groups = decay_groups(model, cfg.weight_decay_rate)
-    betas = (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
-    if cfg.optimizer == "adam":  # Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.opt_epsilon, fused=True)
-    on_cuda = next(model.parameters()).is_cuda
-    return (on_cuda and _apex_lamb(groups, betas, cfg.opt_epsilon)) or Lamb(groups, lr=lr, betas=betas,
-                                                                            eps=cfg.opt_epsilon)
+    return OPTIMIZERS[cfg.optimizer](groups, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
+                                     next(model.parameters()).is_cuda)
 
 
-def _apex_lamb(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.optim.Optimizer | None:
+def _apex_lamb(groups: Groups, betas: Betas, eps: float) -> torch.optim.Optimizer | None:
     """apex's FusedLAMB (the MLPerf submissions' kernel) when apex is installed, else None.
 
     Same update as `Lamb`. Its clipping is switched off (max_grad_norm=inf) because the `after` clip
@@ -40,6 +56,6 @@ def _apex_lamb(groups: list[dict], betas: tuple[float, float], eps: float) -> to
                      max_grad_norm=float("inf"), use_nvlamb=False)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> WarmupPolyDecay:
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> WarmupPolyDecay:
     return WarmupPolyDecay(optimizer, cfg.learning_rate, cfg.warmup_steps, cfg.start_warmup_step,
                            cfg.lr_max_steps or cfg.max_steps, cfg.end_learning_rate, cfg.lr_poly_power)

@@ -8,15 +8,15 @@ import random
 import numpy as np
 import torch
 
+from bert.config import ModelConfig, TrainConfig
 from bert.data.pipeline import TrainLoader, eval_batches
-from bert.dist.clip import LossScale
+from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
 from bert.optim import build_optimizer, build_schedule
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
-from bert.train.config import TrainConfig
 from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
 from bert.train.loop import Run
@@ -32,7 +32,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
+def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights are fp32 masters; bf16/fp16 come from autocast. The same seed on every rank gives the
     same initialisation (DDP broadcasts rank 0's weights anyway)."""
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
@@ -41,40 +41,39 @@ def build_model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
     return model.to(device)
 
 
-def autocast_for(cfg: TrainConfig, device: torch.device):
-    if cfg.precision == "fp32":
+def autocast_for(precision: str, device: torch.device):
+    if precision == "fp32":
         return functools.partial(torch.autocast, device.type, enabled=False)
-    return functools.partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPES[cfg.precision])
-
-
-def loss_scale_of(scaler: torch.amp.GradScaler) -> LossScale:
-    """The current scale as a device tensor, for the clipping hooks (get_scale() would sync the host)."""
-    return lambda: scaler._get_scale_async() if scaler.is_enabled() else 1.0
+    return functools.partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
-    seed_everything(cfg.seed)
-    model = build_model(cfg, device)
-    torch.manual_seed(cfg.seed + env.rank)  # dropout differs across ranks, as it does across the global batch
-    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.init_loss_scale, enabled=cfg.precision == "fp16")
-    ddp = apply_ddp(model, cfg, loss_scale_of(scaler))
-    optimizer = build_optimizer(model, cfg)
-    schedule = build_schedule(optimizer, cfg)
-    loader = TrainLoader(cfg.input_dir, cfg.train_batch_size, env.world_size, env.rank, env.local_world_size,
-                         strategy=cfg.balance, seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, device=device)
-    eval_set = eval_batches(cfg.eval_dir, cfg.eval_batch_size, env.world_size, env.rank, cfg.num_eval_examples,
+    data, seed = cfg.data, cfg.run.seed
+    seed_everything(seed)
+    model = build_model(cfg.model, device)
+    torch.manual_seed(seed + env.rank)  # dropout differs across ranks, as it does across the global batch
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.model.init_loss_scale,
+                                  enabled=cfg.model.precision == "fp16")
+    ddp = apply_ddp(model, cfg.dist)
+    clipper = install_clipping(ddp, cfg.optim.grad_clip, cfg.optim.max_grad_norm, scaler)
+    optimizer = build_optimizer(model, cfg.optim)
+    schedule = build_schedule(optimizer, cfg.optim)
+    loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
+                         strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device)
+    eval_set = eval_batches(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples,
                             device)
     stop = StopAgreement()
     stop.install_signal_handlers()
-    return Run(cfg, env, ddp, optimizer, schedule, scaler, loader, eval_set, autocast_for(cfg, device), log,
-               Progress(cfg.output_dir, env.is_main, resume=cfg.resume), stop,
+    return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
+               autocast_for(cfg.model.precision, device), log,
+               Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume), stop,
                eval_samples=count_eval_samples(eval_set))
 
 
 def resume(run: Run) -> None:
     """Continue from the newest checkpoint in output_dir (a clear error if there is none)."""
-    where = latest_checkpoint(run.cfg.output_dir)
+    where = latest_checkpoint(run.cfg.run.output_dir)
     if where is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {run.cfg.output_dir}/checkpoints")
+        raise FileNotFoundError(f"--resume: no checkpoint under {run.cfg.run.output_dir}/checkpoints")
     parts = {"optimizer": run.optimizer, "schedule": run.schedule, "scaler": run.scaler, "state": run.state}
     load_checkpoint(where, run.ddp.module, parts, run.env.rank, {"loader": run.loader})

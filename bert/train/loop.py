@@ -16,11 +16,11 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.batch import Batch
-from bert.dist.clip import clip_after_allreduce
+from bert.config import TrainConfig
+from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
 from bert.optim import WarmupPolyDecay
 from bert.train.checkpoint import save_checkpoint
-from bert.train.config import TrainConfig
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite
 from bert.train.mlperf_log import MLPerfLog
@@ -50,6 +50,7 @@ class Run:
     cfg: TrainConfig
     env: DistEnv
     ddp: DDP
+    clipper: Clipper  # installed on ddp once; called before every optimizer step
     optimizer: torch.optim.Optimizer
     schedule: WarmupPolyDecay
     scaler: torch.amp.GradScaler
@@ -68,14 +69,14 @@ class Run:
 
     def checkpoint(self) -> None:
         parts = {"optimizer": self.optimizer, "schedule": self.schedule, "scaler": self.scaler, "state": self.state}
-        save_checkpoint(self.cfg.output_dir, self.state.step, self.ddp.module, parts, self.env.rank,
+        save_checkpoint(self.cfg.run.output_dir, self.state.step, self.ddp.module, parts, self.env.rank,
                         {"loader": self.loader})
 
 
 def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the loss (device tensor)."""
-    cfg, ddp = run.cfg, run.ddp
-    micro_steps = cfg.gradient_accumulation_steps
+    ddp = run.ddp
+    micro_steps = run.cfg.optim.gradient_accumulation_steps
     loss_sum = torch.zeros((), device=run.schedule.lr.device)
     for micro in range(micro_steps):
         batch = next(batches)
@@ -87,9 +88,7 @@ def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
             run.scaler.scale(loss).backward()
         loss_sum += loss.detach()
 
-    if cfg.grad_clip == "after":  # 'before' and 'bucket' clipped inside the allreduce hook
-        run.scaler.unscale_(run.optimizer)
-        clip_after_allreduce(ddp.parameters(), cfg.max_grad_norm)
+    run.clipper.before_step(run.optimizer, run.scaler)
     run.scaler.step(run.optimizer)  # under fp16, skipped when the gradient is not finite
     run.scaler.update()
     run.schedule.step()
@@ -100,7 +99,7 @@ def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
 def train(run: Run) -> str:
     """Train until the eval accuracy reaches the target (success), a limit is hit (aborted), or the
     job must end (pre-empted). The caller writes the final checkpoint, after run_stop is logged."""
-    cfg, state = run.cfg, run.state
+    cfg, state = run.cfg.run, run.state
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
     batches = iter(run.loader)
@@ -132,7 +131,7 @@ def train(run: Run) -> str:
                 status = SUCCESS
                 break
         # --- limits, pre-emption, periodic checkpoints
-        if state.samples >= cfg.max_samples_termination or state.step >= cfg.max_steps:
+        if state.samples >= cfg.max_samples_termination or state.step >= run.cfg.optim.max_steps:
             status = ABORTED
             break
         if run.stop.poll() or (cfg.steps_this_job and job_steps >= cfg.steps_this_job):

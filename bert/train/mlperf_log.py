@@ -14,7 +14,7 @@ from pathlib import Path
 from mlperf_logging import mllog
 from mlperf_logging.mllog import constants as C
 
-from bert.train.config import TrainConfig
+from bert.config import TrainConfig
 
 
 class MLPerfLog:
@@ -55,19 +55,20 @@ class MLPerfLog:
 
     def submission(self, cfg: TrainConfig, world_size: int) -> None:
         """Submission info and every hyperparameter closed_bert.yaml requires (each exactly once)."""
+        log, data, opt = cfg.log, cfg.data, cfg.optim
         for key, value in [
-            (C.SUBMISSION_BENCHMARK, "bert"), (C.SUBMISSION_ORG, cfg.org), (C.SUBMISSION_DIVISION, cfg.division),
-            (C.SUBMISSION_STATUS, cfg.status), (C.SUBMISSION_PLATFORM, cfg.platform), (C.SEED, cfg.seed),
+            (C.SUBMISSION_BENCHMARK, "bert"), (C.SUBMISSION_ORG, log.org), (C.SUBMISSION_DIVISION, log.division),
+            (C.SUBMISSION_STATUS, log.status), (C.SUBMISSION_PLATFORM, log.platform), (C.SEED, cfg.run.seed),
             (C.GLOBAL_BATCH_SIZE, cfg.global_batch_size_per_rank * world_size),
-            (C.GRADIENT_ACCUMULATION_STEPS, cfg.gradient_accumulation_steps),
-            ("max_sequence_length", cfg.max_seq_length), ("max_predictions_per_seq", cfg.max_predictions_per_seq),
-            (C.OPT_NAME, cfg.optimizer), (C.OPT_BASE_LR, cfg.learning_rate),
-            (C.OPT_LAMB_EPSILON, cfg.opt_epsilon), ("opt_epsilon", cfg.opt_epsilon),
-            (C.OPT_LR_TRAINING_STEPS, cfg.max_steps), (C.OPT_LR_WARMUP_STEPS, cfg.warmup_steps),
-            (C.NUM_WARMUP_STEPS, cfg.warmup_steps), (C.START_WARMUP_STEP, cfg.start_warmup_step),
-            (C.OPT_LAMB_BETA_1, cfg.opt_lamb_beta_1), (C.OPT_LAMB_BETA_2, cfg.opt_lamb_beta_2),
-            (C.OPT_LAMB_WEIGHT_DECAY, cfg.weight_decay_rate),
-            (C.OPT_LAMB_LR_DECAY_POLY_POWER, cfg.lr_poly_power), ("opt_learning_rate_end", cfg.end_learning_rate),
+            (C.GRADIENT_ACCUMULATION_STEPS, opt.gradient_accumulation_steps),
+            ("max_sequence_length", data.max_seq_length), ("max_predictions_per_seq", data.max_predictions_per_seq),
+            (C.OPT_NAME, opt.optimizer), (C.OPT_BASE_LR, opt.learning_rate),
+            (C.OPT_LAMB_EPSILON, opt.opt_epsilon), ("opt_epsilon", opt.opt_epsilon),
+            (C.OPT_LR_TRAINING_STEPS, opt.max_steps), (C.OPT_LR_WARMUP_STEPS, opt.warmup_steps),
+            (C.NUM_WARMUP_STEPS, opt.warmup_steps), (C.START_WARMUP_STEP, opt.start_warmup_step),
+            (C.OPT_LAMB_BETA_1, opt.opt_lamb_beta_1), (C.OPT_LAMB_BETA_2, opt.opt_lamb_beta_2),
+            (C.OPT_LAMB_WEIGHT_DECAY, opt.weight_decay_rate),
+            (C.OPT_LAMB_LR_DECAY_POLY_POWER, opt.lr_poly_power), ("opt_learning_rate_end", opt.end_learning_rate),
         ]:
             self._log("event", key, value, None)
 

@@ -1,0 +1,272 @@
+"""The run's configuration in typed sections, read from defaults < environment < command line.
+
+    cfg.data    where the shards are, batch sizes, load balancing      (bert.data, bert.balance)
+    cfg.model   the network, its weights, attention, precision         (bert.model)
+    cfg.optim   optimizer, schedule, gradient clipping, accumulation   (bert.optim, bert.dist.clip)
+    cfg.dist    DDP buckets, collective timeout                        (bert.dist)
+    cfg.run     output folder, seed, eval cadence, stop, checkpoints   (bert.train)
+    cfg.log     the MLPerf result log and the submission fields        (bert.train.mlperf_log)
+
+Each builder takes only its section (`build_optimizer(model, cfg.optim)`), so a package below
+`bert.train` never imports the trainer. Every field keeps the flag of the public MLPerf
+submissions (`--field_name`, flat: no section prefix) and, where the shell configs set it, an
+environment variable. A selector (`BALANCE`, `ATTENTION`, `OPTIMIZER`, `GRAD_CLIP`) is checked
+against the registry of the package that implements it; numbers must be finite and within
+bounds. Any failure is a `ConfigError` naming the flag and the variable.
+
+This module is torch-free and imports no other `bert` module at import time: the registries are
+looked up by name when a config is validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DIVISIONS = ("closed", "open")
+INT_LIMIT = 2**53  # beyond this a shell value like 1e30 cannot be a count of anything
+
+
+def opt(default: Any, help: str, env: str | None = None, *, choices: tuple[str, ...] | None = None,
+        registry: str | None = None, required: bool = False, low: float | None = None, high: float | None = None,
+        low_open: bool = False, high_open: bool = False) -> Any:
+    """A config field. `registry` ("module:NAME") names the collection of valid selector values;
+    `low`/`high` bound a number, inclusive unless `low_open`/`high_open`."""
+    meta = {"help": help, "env": env, "choices": choices, "registry": registry, "required": required,
+            "low": low, "high": high, "low_open": low_open, "high_open": high_open}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    input_dir: str = opt("", "directory of varlength training shards", env="DATADIR_PHASE2", required=True)
+    eval_dir: str = opt("", "directory holding the varlength eval set", env="EVALDIR", required=True)
+    train_batch_size: int = opt(0, "sequences per rank per micro-step", env="BATCHSIZE", required=True,
+                                low=1, high=65536)
+    eval_batch_size: int = opt(16, "sequences per rank per eval step", env="EVAL_BATCHSIZE", low=1, high=65536)
+    num_eval_examples: int = opt(10000, "eval-set size", env="NUM_EVAL_EXAMPLES", low=1, high=10**7)
+    max_seq_length: int = opt(512, "longest sequence", env="MAX_SEQ_LENGTH", low=1, high=65536)
+    max_predictions_per_seq: int = opt(76, "masked positions per sequence at most", env="MAX_PRED",
+                                       low=1, high=65536)
+    balance: str = opt("none", "load-balance strategy", env="BALANCE", registry="bert.balance:STRATEGIES")
+    shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU paper 3.5)", env="SHUFFLE_BUFFER",
+                              low=0, high=10**9)
+
+
+@dataclass
+class ModelConfig:
+    bert_config_path: str = opt("", "bert_config.json, or a named config such as 'tiny'", env="BERT_CONFIG",
+                                required=True)
+    init_checkpoint: str = opt("", "phase-1 weights (ours, HF or converted TF); empty = random init",
+                               env="INIT_CHECKPOINT")
+    attention: str = opt("auto", "attention backend", env="ATTENTION",
+                         registry="bert.model.attention:ATTENTION_CHOICES")
+    precision: str = opt("fp32", "compute precision", env="PRECISION", choices=PRECISIONS)
+    init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = opt("lamb", "optimizer", env="OPTIMIZER", registry="bert.optim:OPTIMIZERS")
+    learning_rate: float = opt(0.0, "peak learning rate", env="LR", required=True, low=0.0, low_open=True, high=10.0)
+    opt_lamb_beta_1: float = opt(0.9, "beta1 (LAMB and ADAM)", env="OPT_LAMB_BETA_1", low=0.0, high=1.0)
+    opt_lamb_beta_2: float = opt(0.999, "beta2 (LAMB and ADAM)", env="OPT_LAMB_BETA_2", low=0.0, high=1.0)
+    opt_epsilon: float = opt(1e-6, "epsilon (Samsung's ADAM: 1e-9)", env="EPSILON", low=0.0, low_open=True, high=1.0)
+    weight_decay_rate: float = opt(0.01, "decoupled weight decay; 0 on biases and LayerNorm",
+                                   env="WEIGHT_DECAY_RATE", low=0.0, high=10.0)
+    gradient_accumulation_steps: int = opt(1, "micro-steps per optimizer step", env="GRADIENT_STEPS",
+                                           low=1, high=65536)
+    warmup_steps: int = opt(0, "linear warmup length in steps", env="WARMUP_STEPS", low=0, high=INT_LIMIT)
+    start_warmup_step: int = opt(0, "step at which warmup starts (may be negative)", env="START_WARMUP_STEP",
+                                 low=-INT_LIMIT, high=INT_LIMIT)
+    max_steps: int = opt(0, "optimizer steps of the LR schedule", env="MAX_STEPS", required=True,
+                         low=1, high=10**9)
+    lr_max_steps: int = opt(0, "step where polynomial decay ends and the LR is held (0 = max_steps)",
+                            env="LR_MAX_STEPS", low=0, high=10**9)
+    end_learning_rate: float = opt(0.0, "LR reached at lr_max_steps", env="END_LR", low=0.0, high=10.0)
+    lr_poly_power: float = opt(1.0, "polynomial decay power", env="LR_POLY_POWER", low=0.0, high=100.0)
+    grad_clip: str = opt("after", "where gradients are clipped", env="GRAD_CLIP",
+                         registry="bert.dist.clip:CLIP_MODES")
+    max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
+
+
+@dataclass
+class DistConfig:
+    bucket_cap_mb: float = opt(25.0, "DDP bucket size", env="BUCKET_CAP_MB", low=0.0, low_open=True, high=1e5)
+    dist_timeout_s: int = opt(300, "collective timeout: a dead rank ends the job after this", env="DIST_TIMEOUT",
+                              low=1, high=10**6)
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = opt("./results", "checkpoints, metrics.jsonl, config.json", env="OUTPUT_DIR")
+    seed: int = opt(42, "random seed", env="SEED", low=0, high=2**63 - 1)
+    max_samples_termination: int = opt(14_000_000, "stop (aborted) after this many samples",
+                                       env="MAX_SAMPLES_TERMINATION", low=1, high=10**12)
+    eval_iter_start_samples: int = opt(0, "first eval at this sample count (0 = rules' formula)",
+                                       env="EVAL_ITER_START_SAMPLES", low=0, high=10**12)
+    eval_iter_samples: int = opt(0, "eval every this many samples (0 = rules' formula)", env="EVAL_ITER_SAMPLES",
+                                 low=0, high=10**12)
+    target_mlm_accuracy: float = opt(0.720, "stop with success at this eval MLM accuracy",
+                                     env="TARGET_MLM_ACCURACY", low=0.0, low_open=True, high=1.0,
+                                     high_open=True)
+    log_freq: int = opt(50, "host-device sync and progress line every N steps", env="LOG_FREQ", low=1, high=10**9)
+    checkpoint_every: int = opt(0, "checkpoint every N steps (0 = only at the end)", env="CHECKPOINT_EVERY",
+                                low=0, high=10**9)
+    skip_checkpoint: bool = opt(False, "write no final checkpoint (BERT-large: 1.3 GB per run)", env="SKIP_CHECKPOINT")
+    resume: bool = opt(False, "continue from the latest checkpoint in output_dir", env="RESUME")
+    steps_this_job: int = opt(0, "optimizer steps this job may take, then checkpoint and exit (0 = no limit; "
+                              "for walltime-limited jobs, continued with --resume)", env="STEPS_THIS_JOB",
+                              low=0, high=10**9)
+
+
+@dataclass
+class LogConfig:
+    mlperf_log: str = opt("", "result log path (rank 0); empty = stdout only", env="MLPERF_LOG")
+    cache_cleared: bool = opt(False, "the launcher dropped the page cache before this run (logged as cache_clear)",
+                              env="CACHE_CLEARED")
+    division: str = opt("open", "submission division", env="MLPERF_DIVISION", choices=DIVISIONS)
+    org: str = opt("bert-harness", "submitting organisation", env="MLPERF_ORG")
+    platform: str = opt("cpu", "system name", env="DGXSYSTEM")
+    status: str = opt("onprem", "system status", env="MLPERF_STATUS")
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def global_batch_size_per_rank(self) -> int:
+        return self.data.train_batch_size * self.optim.gradient_accumulation_steps
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Raise ConfigError for the first bad value: a selector not in its registry, a missing required
+        value, a non-finite or out-of-bounds number."""
+        for section, f in config_fields():
+            check_value(f, getattr(getattr(self, section), f.name))
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+
+
+class ConfigError(ValueError):
+    def __init__(self, name: str, env: str | None, value: Any, problem: str):
+        where = f"--{name}" + (f" / ${env}" if env else "")
+        super().__init__(f"config: {where} = {value!r} {problem}")
+
+
+def config_fields() -> Iterator[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every field, in declaration order."""
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            yield section, f
+
+
+def registry_names(ref: str) -> tuple[str, ...]:
+    """The valid values of a selector: the keys of the registry `module:NAME` (imported on first use)."""
+    module, name = ref.split(":")
+    return tuple(getattr(importlib.import_module(module), name))
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    fail = lambda problem: ConfigError(f.name, meta["env"], value, problem)  # noqa: E731
+    choices = meta["choices"] or (registry_names(meta["registry"]) if meta["registry"] else None)
+    if choices and value not in choices:
+        raise fail(f"must be one of {', '.join(choices)}")
+    if meta["required"] and value in ("", 0, 0.0):
+        raise fail("is required")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not math.isfinite(value):
+        raise fail("must be a finite number")
+    low, high = meta["low"], meta["high"]
+    if low is not None and (value <= low if meta["low_open"] else value < low):
+        raise fail(f"must be {'>' if meta['low_open'] else '>='} {low:g}")
+    if high is not None and (value >= high if meta["high_open"] else value > high):
+        raise fail(f"must be {'<' if meta['high_open'] else '<='} {high:g}")
+
+
+def parse_value(f: dataclasses.Field, raw: str, source: str) -> Any:
+    """A string from the environment or the command line as the field's type."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    bad = ConfigError(f.name, f.metadata["env"], raw, f"from {source} is not a valid {kind}")
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise bad
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            pass
+        try:  # 4.5e6, as the shell configs write it
+            as_float = float(raw)
+        except ValueError:
+            raise bad from None
+        if not math.isfinite(as_float):
+            raise ConfigError(f.name, f.metadata["env"], raw, "must be a finite number")
+        if as_float != int(as_float):
+            raise bad
+        return int(as_float)
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise bad from None
+    return raw
+
+
+def from_env_and_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> TrainConfig:
+    """Defaults, then environment variables, then `--flag value` arguments; validated."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    by_name = {f.name: (s, f) for s, f in config_fields()}
+    for section, f in config_fields():
+        env = f.metadata["env"]
+        if env and env in environ:
+            values[section][f.name] = parse_value(f, environ[env], f"${env}")
+    parser = argparse.ArgumentParser(description="MLPerf BERT phase-2 pre-training",
+                                     argument_default=argparse.SUPPRESS)
+    for section, f in config_fields():
+        parser.add_argument(f"--{f.name}", type=str, help=f"[{section}] {f.metadata['help']}")
+    for name, raw in vars(parser.parse_args(argv)).items():
+        section, f = by_name[name]
+        values[section][name] = parse_value(f, raw, f"--{name}")
+    cfg = TrainConfig(**{s: SECTIONS[s](**kw) for s, kw in values.items()})
+    cfg.validate()
+    return cfg
+
+
+def from_flat(**values: Any) -> TrainConfig:
+    """A config from flat field names, as the flags spell them (`learning_rate=...`), not validated:
+    for tests and benchmarks that set a few fields by hand."""
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    section_of = {f.name: s for s, f in config_fields()}
+    for name, value in values.items():
+        if name not in section_of:
+            raise TypeError(f"no config field named {name!r}")
+        sections[section_of[name]][name] = value
+    return TrainConfig(**{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+
+
+def env_of(name: str) -> str | None:
+    """The environment variable of a field, by its flag name."""
+    return next(f.metadata["env"] for _, f in config_fields() if f.name == name)

@@ -1,0 +1,70 @@
+"""The resolved run, recorded: rank 0 writes <output_dir>/config.json and prints it once at start.
+
+Besides every configured value it records what the config leaves to the machine: the concrete
+attention backend (`auto` -> loop on CPU, varlen on CUDA), the optimizer class actually built (apex
+FusedLAMB or our foreach LAMB), the precision, the world and node layout, and the torch, CUDA and
+NCCL versions, so that a result can be matched with what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bert.model.attention import resolve_backend
+from bert.train.loop import Run
+
+
+def _nccl_version() -> str | None:
+    try:
+        return ".".join(str(v) for v in torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError, TypeError):  # a CPU build of torch has no NCCL
+        return None
+
+
+def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
+    cfg, env = run.cfg, run.env
+    optimizer = type(run.optimizer)
+    return {
+        "config": cfg.to_dict(),
+        "resolved": {
+            "attention_backend": resolve_backend(cfg.model.attention, device),
+            "optimizer_class": f"{optimizer.__module__}.{optimizer.__qualname__}",
+            "clipper_class": type(run.clipper).__qualname__,
+            "precision": cfg.model.precision,
+            "fp16_loss_scaling": run.scaler.is_enabled(),
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "world_size": env.world_size,
+            "nodes": env.world_size // env.local_world_size,
+            "ranks_per_node": env.local_world_size,
+            "process_group_backend": dist.get_backend() if dist.is_initialized() else None,
+            "global_batch_size": run.global_batch_size,
+            "eval_samples": run.eval_samples,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": _nccl_version(),
+        },
+    }
+
+
+def record_run(run: Run, device: torch.device) -> dict[str, Any] | None:
+    """On rank 0: write config.json into the output folder and print it; other ranks do nothing."""
+    if not run.env.is_main:
+        return None
+    record = resolved_record(run, device)
+    text = json.dumps(record, indent=1)
+    out = Path(run.cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(text + "\n")
+    print(f"resolved configuration ({out / 'config.json'}):\n{text}", file=sys.stdout, flush=True)
+    return record
