@@ -36,8 +36,8 @@ else
 fi
 
 read -r -a extra <<<"${EXTRA_PARAMS:-}"
-# Fails on a missing or malformed variable, naming it, before anything is started.
-"$PYTHON" -m bert.train.config --check-env "${extra[@]}" >/dev/null || fail "invalid configuration (see above)"
+# Fails on a missing, malformed or misspelled variable with one line naming it (exit 2), before anything starts.
+"$PYTHON" -m bert.train.config --check-env "${extra[@]}" >/dev/null || exit 2
 
 main_task() {  # the timing lines come from one task only
   [ "${SLURM_PROCID:-0}" = 0 ] || [ "$launcher" = torchrun ]

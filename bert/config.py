@@ -75,7 +75,8 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = opt("lamb", "optimizer", env="OPTIMIZER", registry="bert.optim:OPTIMIZERS")
-    learning_rate: float = opt(0.0, "peak learning rate", env="LR", required=True, low=0.0, low_open=True, high=10.0)
+    learning_rate: float = opt(0.0, "peak learning rate", env="LR", required=True, low=0.0, low_open=True,
+                                high=1e6)  # above it the weights overflow within steps
     opt_lamb_beta_1: float = opt(0.9, "beta1 (LAMB and ADAM)", env="OPT_LAMB_BETA_1", low=0.0, high=1.0)
     opt_lamb_beta_2: float = opt(0.999, "beta2 (LAMB and ADAM)", env="OPT_LAMB_BETA_2", low=0.0, high=1.0)
     opt_epsilon: float = opt(1e-6, "epsilon (Samsung's ADAM: 1e-9)", env="EPSILON", low=0.0, low_open=True, high=1.0)

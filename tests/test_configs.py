@@ -18,7 +18,7 @@ from bert.balance import STRATEGIES
 from bert.model.attention import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in ROOT.glob("config_*.sh") if not p.name.endswith("_common.sh"))
+CONFIGS = sorted(p for p in ROOT.glob("config_*.sh") if not p.name.endswith("_common.sh") and not p.is_symlink())
 CLEAN_ENV = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
 
 # Published values, transcribed from the reference (file it came from in the comment).
@@ -65,6 +65,15 @@ def rules_eval_interval(gbs: int) -> int:
 def test_every_issue_system_has_a_config():
     names = {p.name for p in CONFIGS}
     assert {f"config_{s}.sh" for s in PUBLISHED} | {"config_CPU_1x2.sh"} == names
+
+
+def test_design_card_name_is_samsungs_128_node_recipe():
+    """The design card's `config_DGXA100_128x8.sh` is the 128x8x16x1 config (a link, so they cannot drift)."""
+    short = ROOT / "config_DGXA100_128x8.sh"
+    assert short.resolve() == (ROOT / "config_DGXA100_128x8x16x1.sh").resolve()
+    env = sourced(short)
+    assert (env["OPTIMIZER"], env["GRAD_CLIP"], env["BALANCE"]) == ("adam", "bucket", "samsung")
+    assert (env["DGXNNODES"], env["DGXNGPU"]) == ("128", "8")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -127,10 +136,12 @@ def run_and_time(config: Path, unset: tuple[str, ...] = (), **overrides: str) ->
     (("DATADIR_PHASE2",), {}, "$DATADIR_PHASE2"),
     (("DGXNGPU",), {}, "$DGXNGPU"),
     ((), {"DGXNNODES": "two"}, "$DGXNNODES"),
+    ((), {"BALANCE": "samsnug"}, "$BALANCE"),
+    ((), {"BATCHSIZE": "inf"}, "$BATCHSIZE"),
 ], ids=["missing-LR", "malformed-LR", "fractional-MAX_STEPS", "unknown-OPTIMIZER", "missing-DATADIR", "missing-DGXNGPU",
-        "malformed-DGXNNODES"])
+        "malformed-DGXNNODES", "misspelled-BALANCE", "infinite-BATCHSIZE"])
 def test_bad_config_fails_before_training_naming_the_variable(unset, overrides, culprit):
     out = run_and_time(ROOT / "config_CPU_1x2.sh", unset, **overrides)
-    assert out.returncode != 0
-    assert culprit in out.stderr, out.stderr
+    assert out.returncode == 2
+    assert culprit in out.stderr and out.stderr.count("\n") == 1, out.stderr  # one line, then exit 2
     assert "STARTING TIMING RUN" not in out.stdout

@@ -88,7 +88,7 @@ def test_killed_rank_ends_the_job_nonzero_within_the_timeout(data, tmp_path):
 
 
 def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):
-    proc = driver(data, tmp_path, learning_rate=1e30, precision="fp32")
+    proc = driver(data, tmp_path, learning_rate=1e6, precision="fp32")  # the largest LR the config accepts
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, output[-2000:]
     assert "non-finite training loss" in output

@@ -8,6 +8,7 @@ summarizer (mlperf-logging, ruleset 5.0.0) for the logs and the folder.
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import re
 import subprocess
@@ -112,6 +113,15 @@ def test_logs_pass_official_checker_and_verifier(runs, tmp_path):
     verify = subprocess.run([PY, str(ROOT / "logging" / "verify_result.py"), *(str(r[3]) for r in runs),
                              *verify_flags(SHORT_RUN)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout
+
+
+@NEEDS_DRIVER
+@pytest.mark.slow
+def test_auto_attention_is_recorded_as_the_backend_that_ran(runs):
+    _, _, _, log = runs[0]
+    resolved = json.loads((log.parent / "out_0" / "config.json").read_text())["resolved"]
+    assert resolved["attention_backend"] == "loop"  # ATTENTION=auto on a CPU
+    assert (resolved["world_size"], resolved["process_group_backend"]) == (1, "gloo")
 
 
 @NEEDS_DRIVER

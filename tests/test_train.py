@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bert.batch import Sample
 from bert.data.format import VarlenShard, write_varlength_shard
@@ -91,6 +92,16 @@ def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_d
     assert (out / "checkpoints").is_dir()  # the final checkpoint, unless --skip_checkpoint (test_harness)
     cc = checker(out / "result_0.txt", tmp_path)
     assert cc.returncode == 0 and "closed_bert.yaml" in cc.stdout + cc.stderr, cc.stdout + cc.stderr
+    # the resolved run, recorded once by rank 0
+    record = json.loads((out / "config.json").read_text())
+    assert record["config"]["optim"]["learning_rate"] == 1e-2 and record["config"]["run"]["seed"] == 7
+    assert record["config"]["data"]["train_batch_size"] == 16 and record["config"]["log"]["division"] == "closed"
+    resolved = record["resolved"]
+    assert (resolved["world_size"], resolved["nodes"], resolved["ranks_per_node"]) == (2, 1, 2)
+    assert resolved["attention_backend"] == "padded" and resolved["optimizer_class"] == "bert.optim.lamb.Lamb"
+    assert resolved["precision"] == "fp32" and resolved["global_batch_size"] == 32
+    assert record["versions"]["torch"] == torch.__version__ and record["versions"]["cuda"] == torch.version.cuda
+    assert run.stdout.count("resolved configuration") == 1
 
 
 def zipf_shards(directory: Path, n: int, seed: int, files: int = 2) -> None:

@@ -1,0 +1,1 @@
+config_DGXA100_128x8x16x1.sh

@@ -1,0 +1,143 @@
+"""The config: sections, flag and variable names, selectors validated against the registries, numbers
+bounded, builders fed one section, and no package below `bert.train` importing the trainer."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert.balance import STRATEGIES
+from bert.config import (
+    SECTIONS,
+    ConfigError,
+    TrainConfig,
+    config_fields,
+    from_env_and_args,
+    from_flat,
+    registry_names,
+)
+from bert.dist.clip import CLIP_MODES
+from bert.model.attention import BACKENDS
+from bert.optim import OPTIMIZERS
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
+        "MAX_STEPS": "10"}
+# Every variable and flag the driver read before the config was split into sections (none may go).
+ENV_NAMES = {
+    "DATADIR_PHASE2", "EVALDIR", "OUTPUT_DIR", "MAX_SEQ_LENGTH", "MAX_PRED", "NUM_EVAL_EXAMPLES", "EVAL_BATCHSIZE",
+    "BALANCE", "SHUFFLE_BUFFER", "BERT_CONFIG", "INIT_CHECKPOINT", "ATTENTION", "PRECISION", "INIT_LOSS_SCALE",
+    "BATCHSIZE", "GRADIENT_STEPS", "OPTIMIZER", "LR", "OPT_LAMB_BETA_1", "OPT_LAMB_BETA_2", "EPSILON",
+    "WEIGHT_DECAY_RATE", "WARMUP_STEPS", "START_WARMUP_STEP", "MAX_STEPS", "LR_MAX_STEPS", "END_LR", "LR_POLY_POWER",
+    "GRAD_CLIP", "MAX_GRAD_NORM", "BUCKET_CAP_MB", "SEED", "MAX_SAMPLES_TERMINATION", "EVAL_ITER_START_SAMPLES",
+    "EVAL_ITER_SAMPLES", "TARGET_MLM_ACCURACY", "LOG_FREQ", "CHECKPOINT_EVERY", "SKIP_CHECKPOINT", "RESUME",
+    "STEPS_THIS_JOB", "DIST_TIMEOUT", "MLPERF_LOG", "CACHE_CLEARED", "MLPERF_DIVISION", "MLPERF_ORG", "DGXSYSTEM",
+    "MLPERF_STATUS",
+}
+
+
+def parse(**env: str) -> TrainConfig:
+    return from_env_and_args([], {**BASE, **env})
+
+
+def test_sections_keep_every_variable_and_flat_flag():
+    fields = list(config_fields())
+    assert [s for s in SECTIONS] == ["data", "model", "optim", "dist", "run", "log"]
+    assert {f.metadata["env"] for _, f in fields if f.metadata["env"]} >= ENV_NAMES
+    names = [f.name for _, f in fields]
+    assert len(names) == len(set(names))  # flags stay flat: a name lives in exactly one section
+    cfg = from_env_and_args(["--learning_rate", "0.5", "--balance", "samsung"], {**BASE, "LR": "0.25"})
+    assert (cfg.optim.learning_rate, cfg.data.balance, cfg.data.train_batch_size) == (0.5, "samsung", 8)
+
+
+def test_selector_choices_are_the_registries():
+    by_env = {f.metadata["env"]: f for _, f in config_fields()}
+    assert set(registry_names(by_env["BALANCE"].metadata["registry"])) == set(STRATEGIES)
+    assert set(registry_names(by_env["ATTENTION"].metadata["registry"])) == {"auto", *BACKENDS}
+    assert set(registry_names(by_env["OPTIMIZER"].metadata["registry"])) == set(OPTIMIZERS)
+    assert set(registry_names(by_env["GRAD_CLIP"].metadata["registry"])) == set(CLIP_MODES)
+    for name in [*STRATEGIES]:
+        assert parse(BALANCE=name).data.balance == name
+
+
+@pytest.mark.parametrize("env, culprit", [
+    ({"BALANCE": "samsnug"}, "$BALANCE"),
+    ({"ATTENTION": "flsh"}, "$ATTENTION"),
+    ({"OPTIMIZER": "lamb2"}, "$OPTIMIZER"),
+    ({"GRAD_CLIP": "bukcet"}, "$GRAD_CLIP"),
+    ({"PRECISION": "bf61"}, "$PRECISION"),
+    ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),
+    ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),
+    ({"BATCHSIZE": "nan"}, "$BATCHSIZE"),
+    ({"BATCHSIZE": "1e30"}, "$BATCHSIZE"),
+    ({"LR": "nan"}, "$LR"),
+    ({"LR": "inf"}, "$LR"),
+    ({"LR": "-1e-3"}, "$LR"),
+    ({"MAX_GRAD_NORM": "nan"}, "$MAX_GRAD_NORM"),
+    ({"OPT_LAMB_BETA_2": "1.5"}, "$OPT_LAMB_BETA_2"),
+    ({"TARGET_MLM_ACCURACY": "1.0"}, "$TARGET_MLM_ACCURACY"),
+    ({"MAX_STEPS": "1e30"}, "$MAX_STEPS"),
+    ({"SEED": "-1"}, "$SEED"),
+])
+def test_bad_values_are_config_errors_naming_the_variable(env, culprit):
+    with pytest.raises(ConfigError) as e:
+        parse(**env)
+    assert culprit in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_env_fails_on_the_issues_typos_with_one_line_and_exit_2():
+    env = {**os.environ, **BASE, "BALANCE": "samsnug", "ATTENTION": "flsh"}
+    out = subprocess.run([sys.executable, "-m", "bert.train.config", "--check-env"], env=env, capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "$BALANCE" in out.stderr and "samsnug" in out.stderr, out.stderr
+
+
+def test_builders_take_their_section():
+    import torch
+
+    from bert.optim import build_optimizer, build_schedule
+
+    cfg = from_flat(learning_rate=2e-3, max_steps=10, optimizer="adam", weight_decay_rate=0.0)
+    model = torch.nn.Linear(3, 2)
+    opt = build_optimizer(model, cfg.optim)
+    schedule = build_schedule(opt, cfg.optim)
+    assert isinstance(opt, torch.optim.AdamW) and float(schedule.lr) == pytest.approx(2e-3)
+    with pytest.raises(TypeError):
+        from_flat(learning_rat=1.0)  # a misspelled field is an error, not a silently ignored value
+
+
+def _bert_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "bert" or n.startswith("bert.")}
+
+
+def test_no_package_below_the_trainer_imports_it():
+    """bert.train builds runs out of the other packages; none of them may reach back up."""
+    offenders = []
+    for path in (ROOT / "bert").rglob("*.py"):
+        rel = path.relative_to(ROOT / "bert")
+        if rel.parts[0] == "train":
+            continue
+        offenders += [f"{rel}: {m}" for m in _bert_imports(path) if m.startswith("bert.train")]
+    assert offenders == []
+    assert _bert_imports(ROOT / "bert" / "config.py") == set()  # torch-free, imports the registries lazily
+
+
+def test_sections_are_dataclasses_with_defaults():
+    cfg = TrainConfig()
+    for name, cls in SECTIONS.items():
+        assert dataclasses.is_dataclass(cls) and isinstance(getattr(cfg, name), cls)
+    assert cfg.global_batch_size_per_rank == cfg.data.train_batch_size * cfg.optim.gradient_accumulation_steps
