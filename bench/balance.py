@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from bert.balance import STRATEGIES, get_strategy
-from bert.balance.length_pmf import LengthPMF
-from bert.balance.simulate import Spread, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
+from bert.balance.lab.length_pmf import LengthPMF
+from bert.balance.lab.simulate import Spread, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
 from bert.lengths import WIKI_PHASE2, LengthMix
 
 # Paper 000 appendix C, Table 5: 1024 GPUs, 8 per node, local batch 16 (average min, max tokens).

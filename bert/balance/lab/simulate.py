@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bert.balance.length_pmf import LengthPMF
-from bert.balance.packing import pack_histogram
+from bert.balance.lab.length_pmf import LengthPMF
+from bert.balance.lab.packing import pack_histogram
 from bert.balance.strategies import Strategy
 from bert.balance.stratify import EDGES, strata_counts, stratum_of
 
