@@ -1,4 +1,4 @@
-"""The α-β cost model of the balancing exchanges, against paper 003's formula and hand-computed bytes."""
+"""The lab's α-β model of the papers' balancing exchanges, against Herring [003]'s formula and hand-computed bytes."""
 
 from __future__ import annotations
 
@@ -6,15 +6,16 @@ import math
 
 import pytest
 
-from bert.balance.lab.exchange_model import PADDED_SEQUENCE_BYTES, Link, model_paper_exchange, modelled_all_gather_seconds
+from bert.balance.lab.exchange_model import PADDED_SEQUENCE_BYTES, Link, model_paper_exchange
+from bert.balance.lab.exchange_model import modelled_all_gather_seconds as all_gather_s
 
 UNIT = Link("unit", alpha=1.0, bandwidth=1.0)  # seconds = hops + bytes, easy to read
 
 
-def test_all_gather_is_paper_003_formula() -> None:
-    # Paper 003 §IV: 100 MB over 64 ranks moves (p - 1) n / p = 98.4375 MB per rank in lg(64) = 6 steps.
-    assert modelled_all_gather_seconds(100e6, 64, UNIT) == pytest.approx(6 + 63 * 100e6 / 64)
-    assert modelled_all_gather_seconds(100e6, 1, UNIT) == 0.0
+def test_all_gather_is_the_herring_formula() -> None:
+    # Herring [003] §IV: 100 MB over 64 ranks moves (p - 1) n / p = 98.4375 MB per rank in lg(64) = 6 steps.
+    assert all_gather_s(100e6, 64, UNIT) == pytest.approx(6 + 63 * 100e6 / 64)
+    assert all_gather_s(100e6, 1, UNIT) == 0.0
 
 
 def test_nvidia_world_exchange_bytes_and_time() -> None:
@@ -31,7 +32,8 @@ def test_nvidia_world_exchange_bytes_and_time() -> None:
 def test_samsung_exchange_stays_in_the_node() -> None:
     small = model_paper_exchange("samsung", world=1024, ranks_per_node=8, local_batch=16)
     assert (small.group, small.ranks) == ("node", 8)
-    assert small == model_paper_exchange("samsung", world=16, ranks_per_node=8, local_batch=16)  # independent of the world
+    # Independent of the world size.
+    assert small == model_paper_exchange("samsung", world=16, ranks_per_node=8, local_batch=16)
 
 
 @pytest.mark.parametrize("name", ["none", "stratified", "lpt", "stratified_lpt"])
