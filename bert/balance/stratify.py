@@ -1,6 +1,6 @@
 """Stratified sampling: every local batch holds a fixed count of sequences from each length stratum.
 
-Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])`) fills each local
+Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT]) fills each local
 batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] / (384,512]
 strata. The whole technique is here:
 

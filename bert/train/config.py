@@ -39,7 +39,7 @@ class TrainConfig:
     num_eval_examples: int = opt(10000, "eval-set size", env="NUM_EVAL_EXAMPLES")
     eval_batch_size: int = opt(16, "sequences per rank per eval step", env="EVAL_BATCHSIZE")
     balance: str = opt("none", "load-balance strategy (bert.balance.STRATEGIES)", env="BALANCE")
-    shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU paper 3.5)", env="SHUFFLE_BUFFER")
+    shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU [004] §3.5)", env="SHUFFLE_BUFFER")
     # --- model
     bert_config_path: str = opt("", "bert_config.json, or a named config such as 'tiny'", env="BERT_CONFIG",
                                 required=True)

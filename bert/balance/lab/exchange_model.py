@@ -1,8 +1,8 @@
 """An α-β model of the all-gathers the papers run to balance a step; nothing here communicates.
 
 What the papers run: NVIDIA's exchange padding all-gathers every rank's padded batch over the
-whole world [NVIDIA-v2.0]; Samsung's group exchange padding does the same inside each node
-[000] §4.1; Baidu overlaps the exchange with training on the CPU [001] §IV-B.
+whole world [NVIDIA-BERT]; Samsung's group exchange padding does the same inside each node
+[000] §4.1, [Samsung-BERT]; Baidu overlaps the exchange with training on the CPU [001] §IV-B.
 
 What this harness runs: no exchange at all. Every rank computes the whole step plan, and so
 every rank's lengths, from the shared seed and the length index (`bert.data.plan`), then reads

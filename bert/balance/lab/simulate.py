@@ -1,4 +1,4 @@
-"""The load-balance lab's simulation (Samsung paper 000 §5.2, Figure 6, Table 5).
+"""The load-balance lab's simulation (Samsung [000] §5.2, Figure 6, Table 5).
 
 Draw a local batch per GPU (stratified if the strategy says so), run the strategy's own
 `assign` (the code the input pipeline runs), and record the fewest and the most tokens any
