@@ -1,8 +1,8 @@
 """Stratified sampling: every local batch holds a fixed count of sequences from each length stratum.
 
-Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT]) fills each local
-batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] / (384,512]
-strata. The whole technique is here:
+Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT])
+fills each local batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] /
+(384,512] strata. The whole technique is here:
 
 * `stratum_of`: the stratum of each length;
 * `strata_counts`: the counts, from the data's own histogram by largest-remainder rounding of

@@ -5,7 +5,8 @@ All backends take q, k, v of shape (T, heads, head_dim) for the tokens of a `Seq
 A backend is a planner: called once per batch with the `SeqLayout`, it does its host-side work
 (index plans, grouping) and returns the `Attend` function every layer then calls.
 
-    loop     one SDPA per sequence; exact and the fastest on CPU (`bench/model.py`)
+    loop     one SDPA per sequence; exact and the fastest on CPU (`bench/model.py`,
+             results/bench/model_cpu.json)
     grouped  Baidu's length-grouped attention ([001] §IV-A-2): one padded SDPA per length
              group (0,128], (128,256], (256,384], (384,512]; on CUDA each group on its own stream
     varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
