@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # 128 nodes x 8 A100, GBS 16384 = 16 x 1 x 1024. Samsung's recipe (v1.1/v2.0 config_Samsung_Supercomputer21_DGXA100_128x8x16x1.sh,
-# paper 000): ADAM (hyperparameters logged under the LAMB keys), linear decay to END_LR at step 179 then held,
+# [000], [Samsung-BERT]): ADAM (hyperparameters logged under the LAMB keys), linear decay to END_LR at step 179 then held,
 # bucket-wise gradient clipping before the all-reduce (DDP comm hook), and stratified sampling (6/3/2/5 per 16)
 # + per-node presort + snake assignment for load balance.
 # shellcheck source=config_DGXA100_common.sh

@@ -1,6 +1,6 @@
 """Load-balance lab: average fewest/most tokens per GPU for every strategy, 8 to 1024 GPUs.
 
-Samsung's simulation (paper 000 §5.2, Figure 6, Table 5) run on the project's own balancing
+Samsung's simulation ([000] §5.2, Figure 6, Table 5) run on the project's own balancing
 code (`bert.balance`, what the input pipeline calls), plus two simulation-only rows: packing,
 and `node_ideal`, the floor of any node-local balancer (each node's tokens split evenly). The
 length distribution is either the lengths of real
@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from bert.balance import STRATEGIES, get_strategy
-from bert.balance.length_pmf import LengthPMF
-from bert.balance.simulate import Spread, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
+from bert.balance.lab.length_pmf import LengthPMF
+from bert.balance.lab.simulate import Spread, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
 from bert.lengths import WIKI_PHASE2, LengthMix
 
-# Paper 000 appendix C, Table 5: 1024 GPUs, 8 per node, local batch 16 (average min, max tokens).
+# Samsung [000] appendix C, Table 5: 1024 GPUs, 8 per node, local batch 16 (average min, max tokens).
 TABLE5 = (
     ("No Balancing", "none", 1886, 6459),
     ("+ Stratification", "stratified", 3620, 4482),
@@ -44,7 +44,7 @@ DEFAULT_STRATEGIES = ORDER + [name for name in STRATEGIES if name not in ORDER] 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_argument_group("length distribution (default: Wikipedia phase-2 mix, paper 000 appendix C)")
+    src = p.add_argument_group("length distribution (default: Wikipedia phase-2 mix, Samsung [000] appendix C)")
     src.add_argument("--shards", nargs="+", type=Path, help="varlength shards whose lengths give the distribution")
     src.add_argument("--edges", nargs="+", type=int, default=list(WIKI_PHASE2.edges), help="upper stratum edges")
     src.add_argument("--probs", nargs="+", type=float, default=list(WIKI_PHASE2.probs), help="share per stratum")
@@ -133,7 +133,7 @@ def compare_table5(report: dict, args: argparse.Namespace) -> list[dict] | None:
         for row, name, lo, hi in TABLE5
         if name in ours
     ]  # fmt: skip
-    print("\nPaper 000 Table 5 (1024 GPUs, 8 per node, 16 per GPU) vs this lab:")
+    print("\nSamsung [000] Table 5 (1024 GPUs, 8 per node, 16 per GPU) vs this lab:")
     print(f"{'':<26} {'paper min':>9} {'paper max':>9} {'ours min':>9} {'ours max':>9}")
     for r in rows:
         print(f"{r['row']:<26} {r['paper_min']:9d} {r['paper_max']:9d} {r['ours_min']:9d} {r['ours_max']:9d}")

@@ -1,9 +1,10 @@
 """Per-step cost of each load-balancing strategy at 8 to 1024 GPUs.
 
-Two parts: the data the strategy moves as its paper runs it (`bert.balance.cost`: NVIDIA's
-world all-gather, Samsung's node all-gather, α-β time on NVLink-class and InfiniBand-class
-links), and the measured CPU time of its `assign` (numpy, this machine), both as a share of
-a step time you pass in. In this harness no strategy moves data (every rank plans from the
+Two parts: the data the strategy would move as its paper runs it, priced by an α-β model
+(`bert.balance.lab.exchange_model`: NVIDIA's world all-gather, Samsung's node all-gather, on
+assumed NVLink-class and InfiniBand-class links; nothing is sent), and the measured CPU time
+of its `assign` (numpy, this machine), both as a share of a step time you pass in. In this
+harness no strategy moves data (every rank plans from the
 length index, `bert.data.plan`) and `assign` runs in the background worker, so only the CPU
 time remains, off the critical path while it stays below the step time.
 
@@ -22,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from bert.balance import STRATEGIES, get_strategy
-from bert.balance.cost import INFINIBAND, NVLINK, PADDED_SEQUENCE_BYTES, Link, exchange
+from bert.balance.lab.exchange_model import INFINIBAND, NVLINK, PADDED_SEQUENCE_BYTES, Link, model_paper_exchange
 from bert.lengths import WIKI_PHASE2
 
-# Samsung's 1024-GPU run (paper 000 Table 2): 25.1 s for ~3.1M samples at a global batch of 16K,
+# Samsung's 1024-GPU run ([000] Table 2): 25.1 s for ~3.1M samples at a global batch of 16K,
 # about 189 steps, so ~133 ms per step. Its measured balancing overhead (appendix C.1):
 PAPER_OVERHEAD_1024 = {"global": 0.182, "samsung": 0.019}
 
@@ -74,12 +75,12 @@ def run(args: argparse.Namespace) -> dict:
         node = min(args.gpus_per_node, gpus)
         cpu = time_assign(args.strategies, gpus, node, args.local_batch, args.repeats, args.seed)
         for name in args.strategies:
-            ex = exchange(name, gpus, node, args.local_batch, args.sequence_bytes, intra, inter)
+            ex = model_paper_exchange(name, gpus, node, args.local_batch, args.sequence_bytes, intra, inter)
             rows.append({
                 "gpus": gpus, "strategy": name, "exchange_group": ex.group, "collective_ranks": ex.ranks,
                 "collectives": ex.collectives, "bytes_in": ex.bytes_in, "comm_ms": ex.seconds * 1e3,
                 "cpu_ms_world": cpu[name, "world"] * 1e3, "cpu_ms_group": cpu[name, "group"] * 1e3,
-                # The papers' way: exchange, then sort, serially before the step (Baidu 001 §IV-B).
+                # The papers' way: exchange, then sort, serially before the step (Baidu [001] §IV-B).
                 "paper_overhead": (ex.seconds + cpu[name, "group"]) / step,
                 # This harness: no exchange; the whole world's assign runs in the background worker.
                 "harness_cpu_share": cpu[name, "world"] / step,
@@ -107,13 +108,13 @@ def print_report(report: dict) -> None:
         )
     at_1024 = {r["strategy"]: r for r in report["rows"] if r["gpus"] == 1024}
     if all(name in at_1024 for name in PAPER_OVERHEAD_1024):
-        print("\nBalancing overhead at 1024 GPUs, paper 000 appendix C.1 (measured) vs this model:")
+        print("\nBalancing overhead at 1024 GPUs, Samsung [000] appendix C.1 (measured) vs this model:")
         for name, paper in PAPER_OVERHEAD_1024.items():
             print(f"  {name:<8} paper {100 * paper:5.1f}%   model {100 * at_1024[name]['paper_overhead']:5.2f}%")
         print(
             "The α-β transfer time is only a floor. What it leaves out is, presumably, most of the paper's "
             "18.2 %: the world all-gather is a barrier every step (every rank waits for the slowest), its pack, "
-            "sort and gather run as GPU kernels beside training, serially before the step (Baidu 001 §IV-B), "
+            "sort and gather run as GPU kernels beside training, serially before the step (Baidu [001] §IV-B), "
             "and NCCL falls short of link speed at 1024 ranks; the same kernels and an 8-rank barrier would "
             "explain the 1.9 % of the node-local method, which moves only 0.46 MB per rank."
         )

@@ -1,4 +1,4 @@
-"""Step time of gradient clipping after vs before vs bucket-wise (paper 000 §5.3, Figure 9).
+"""Step time of gradient clipping after vs before vs bucket-wise (Samsung [000] §5.3, Figure 9).
 
 W processes (gloo on CPU; NCCL when there is one GPU per process) train copies of the same BERT
 on the same random unpadded batches. Each process holds one DDP model per mode, and the modes

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bert.balance.length_pmf import LengthPMF
+from bert.balance.lab.length_pmf import LengthPMF
 from bert.balance.stratify import strata_counts
 from bert.batch import Batch
 from bert.lengths import WIKI_PHASE2

@@ -3,7 +3,7 @@
 Every producer (the shard reader, the synthetic generator, the eval loader) returns a
 `Batch`, and every consumer (the model, the loss, the benchmarks) takes one. Sequences
 are concatenated along a single token axis of length T and delimited by `cu_seqlens`,
-as in Baidu's and NVIDIA's unpadded BERT (paper 001, section IV-A).
+as in Baidu's and NVIDIA's unpadded BERT (Baidu [001] §IV-A).
 
 Layout of a batch of B sequences with T tokens and M masked positions in total:
 

@@ -56,7 +56,7 @@ class DataConfig:
     max_predictions_per_seq: int = opt(76, "masked positions per sequence at most", env="MAX_PRED",
                                        low=1, high=65536)
     balance: str = opt("none", "load-balance strategy", env="BALANCE", registry="bert.balance:STRATEGIES")
-    shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU paper 3.5)", env="SHUFFLE_BUFFER",
+    shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU [004] §3.5)", env="SHUFFLE_BUFFER",
                               low=0, high=10**9)
 
 

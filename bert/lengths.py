@@ -1,7 +1,7 @@
 """Sequence-length distributions: the Wikipedia phase-2 mix and draws from it.
 
 The benchmarks and the load-balance lab use the same mix the Samsung paper measured on
-the MLPerf phase-2 data (paper 000, appendix C): 37.3 / 19.7 / 11.7 / 31.4 % of the
+the MLPerf phase-2 data ([000] appendix C): 37.3 / 19.7 / 11.7 / 31.4 % of the
 samples in (0,128] / (128,256] / (256,384] / (384,512], with about 23 % of all samples at
 exactly 512 tokens and the rest uniform inside each stratum.
 """

@@ -1,6 +1,6 @@
 """create_pretraining_data: documents of tokenized sentences -> masked LM + next-sentence samples.
 
-The algorithm of Google's `create_pretraining_data.py`, which MLPerf runs with the defaults of
+The algorithm of Google's `create_pretraining_data.py` [Google-BERT], which MLPerf runs with the defaults of
 `PretrainingConfig`: documents are shuffled; each is walked `dupe_factor` times, packing whole
 sentences into a chunk up to a target length (shorter with probability `short_seq_prob`); the
 chunk is cut at a random sentence boundary into A and B, and B is replaced by text from a random

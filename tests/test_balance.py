@@ -10,6 +10,7 @@ import torch
 
 from bert.balance import STRATEGIES, get_strategy, strata_counts, stratum_of
 from bert.balance.greedy import assign_greedy
+from bert.balance.stratify import stratified_steps
 from bert.lengths import WIKI_PHASE2
 
 
@@ -17,7 +18,7 @@ def tokens_per_rank(lengths: np.ndarray, assignment: np.ndarray) -> list[int]:
     return lengths.ravel()[assignment].sum(axis=1).tolist()
 
 
-# Paper 000 Figure 4 setting: one node of 4 GPUs, 4 sequences each, all-gathered in the node,
+# Samsung [000] Figure 4 setting: one node of 4 GPUs, 4 sequences each, all-gathered in the node,
 # sorted descending, scattered raster (row by row, GPU i takes column i) or snake (odd rows
 # reversed). The figure's own numbers are not in the text we have, so these lengths are ours;
 # the expected sums are worked by hand from the sorted rows
@@ -133,6 +134,30 @@ def test_strata_counts_bad_input() -> None:
         strata_counts(np.zeros(4))
     with pytest.raises(ValueError, match="above the last stratum edge"):
         strata_counts([100, 200, 300, 400, 600])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stratified_steps_rows_hold_the_counts(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    world, counts = 4, (3, 0, 2, 1)
+    strata = rng.integers(0, 4, 600)  # stratum of every id; sizes differ, stratum 1 has a zero count
+    ids = rng.permutation(600)
+    streams = np.split(ids, [100, 130, 400])  # uneven ranks: 100, 30, 270, 200 ids
+    body, left = stratified_steps(streams, counts, strata)
+    # Independently: steps = the scarcest used stratum's ids over world * count; nothing lost or repeated.
+    have = np.bincount(strata, minlength=4)
+    steps = min(have[k] // (world * c) for k, c in enumerate(counts) if c)
+    assert body.size == steps * world * sum(counts)
+    assert np.sort(np.concatenate([body, left])).tolist() == list(range(600))
+    for row in body.reshape(steps * world, sum(counts)):
+        assert np.bincount(strata[row], minlength=4).tolist() == list(counts)
+    # Step 0, while every rank still has ids of each stratum, draws each row from its own stream.
+    for r, row in enumerate(body.reshape(steps, world, -1)[0]):
+        assert set(row) <= set(streams[r])
+    assert (strata[left] == 1).sum() == have[1]  # a zero-count stratum goes wholly to the leftovers
+    # Unstratified is the one-stratum case: chunks of the local batch, in (chunk, rank) order.
+    body, left = stratified_steps([np.arange(5), np.arange(10, 13)], (2,))
+    assert body.tolist() == [0, 1, 10, 11, 2, 3, 12, 4] and left.tolist() == []
 
 
 def test_stratum_of_edges_are_inclusive_above() -> None:

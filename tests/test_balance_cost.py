@@ -1,4 +1,4 @@
-"""The α-β cost model of the balancing exchanges, against paper 003's formula and hand-computed bytes."""
+"""The lab's α-β model of the papers' balancing exchanges, against Herring [003]'s formula and hand-computed bytes."""
 
 from __future__ import annotations
 
@@ -6,22 +6,23 @@ import math
 
 import pytest
 
-from bert.balance.cost import PADDED_SEQUENCE_BYTES, Link, all_gather_seconds, exchange
+from bert.balance.lab.exchange_model import PADDED_SEQUENCE_BYTES, Link, model_paper_exchange
+from bert.balance.lab.exchange_model import modelled_all_gather_seconds as all_gather_s
 
 UNIT = Link("unit", alpha=1.0, bandwidth=1.0)  # seconds = hops + bytes, easy to read
 
 
-def test_all_gather_is_paper_003_formula() -> None:
-    # Paper 003 §IV: 100 MB over 64 ranks moves (p - 1) n / p = 98.4375 MB per rank in lg(64) = 6 steps.
-    assert all_gather_seconds(100e6, 64, UNIT) == pytest.approx(6 + 63 * 100e6 / 64)
-    assert all_gather_seconds(100e6, 1, UNIT) == 0.0
+def test_all_gather_is_the_herring_formula() -> None:
+    # Herring [003] §IV: 100 MB over 64 ranks moves (p - 1) n / p = 98.4375 MB per rank in lg(64) = 6 steps.
+    assert all_gather_s(100e6, 64, UNIT) == pytest.approx(6 + 63 * 100e6 / 64)
+    assert all_gather_s(100e6, 1, UNIT) == 0.0
 
 
 def test_nvidia_world_exchange_bytes_and_time() -> None:
     # 2 nodes x 8 GPUs x 16 padded int16 sequences of 4 x 512 + 1 values each.
     assert PADDED_SEQUENCE_BYTES == 4098
     total = 16 * 16 * 4098
-    ex = exchange("global", world=16, ranks_per_node=8, local_batch=16, intra=UNIT, inter=UNIT)
+    ex = model_paper_exchange("global", world=16, ranks_per_node=8, local_batch=16, intra=UNIT, inter=UNIT)
     assert (ex.group, ex.ranks, ex.collectives) == ("world", 16, 1)
     assert ex.bytes_in == total * 15 // 16
     # Across the 2 nodes, peers swap their eighth: 1 hop + total/8/2 bytes; then 8 ranks in the node.
@@ -29,12 +30,13 @@ def test_nvidia_world_exchange_bytes_and_time() -> None:
 
 
 def test_samsung_exchange_stays_in_the_node() -> None:
-    small = exchange("samsung", world=1024, ranks_per_node=8, local_batch=16)
+    small = model_paper_exchange("samsung", world=1024, ranks_per_node=8, local_batch=16)
     assert (small.group, small.ranks) == ("node", 8)
-    assert small == exchange("samsung", world=16, ranks_per_node=8, local_batch=16)  # independent of the world
+    # Independent of the world size.
+    assert small == model_paper_exchange("samsung", world=16, ranks_per_node=8, local_batch=16)
 
 
 @pytest.mark.parametrize("name", ["none", "stratified", "lpt", "stratified_lpt"])
 def test_strategies_without_exchange(name: str) -> None:
-    ex = exchange(name, world=1024, ranks_per_node=8, local_batch=16)
+    ex = model_paper_exchange(name, world=1024, ranks_per_node=8, local_batch=16)
     assert (ex.collectives, ex.bytes_in, ex.seconds) == (0, 0, 0.0)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from bert.balance import get_strategy, stratum_of
-from bert.balance.length_pmf import LengthPMF
-from bert.balance.packing import pack_histogram
-from bert.balance.simulate import draw, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
+from bert.balance.lab.length_pmf import LengthPMF
+from bert.balance.lab.packing import pack_histogram
+from bert.balance.lab.simulate import draw, pack, simulate, simulate_node_ideal, simulate_packing, stratum_histogram
 from bert.lengths import WIKI_PHASE2, LengthMix
 
 # P(100) = P(300) = 1/2: small enough to enumerate every outcome by hand.
@@ -110,3 +114,26 @@ def test_node_ideal_is_the_floor_of_node_local_balancing() -> None:
     ideal = simulate_node_ideal(pmf, gpus=256, gpus_per_node=8, local_batch=16, trials=50, rng=rng)
     samsung = simulate(get_strategy("samsung"), pmf, 256, 8, 16, 50, rng)
     assert 0.03 < ideal.range_over_mean < samsung.range_over_mean  # nodes' totals differ; snake adds to that
+
+
+# Every module of the package outside the lab (found on disk: pkgutil.walk_packages would import
+# the lab package itself to look inside it), plus the driver.
+PRODUCT_IMPORTS = """
+import importlib, pathlib, sys
+sys.path.insert(0, ".")
+import run_pretraining
+for path in sorted(pathlib.Path("bert").rglob("*.py")):
+    if "lab" not in path.parts:
+        importlib.import_module(".".join(path.with_suffix("").parts).removesuffix(".__init__"))
+print(" ".join(sorted(n for n in sys.modules if n.startswith("bert."))))
+"""
+
+
+def test_the_product_never_loads_the_lab() -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", PRODUCT_IMPORTS], cwd=root, capture_output=True, text=True, check=True)
+    loaded = out.stdout.split()
+    # The walk reached the product (driver, data pipeline, training loop) and the lab is a package of its own.
+    assert {"bert.data.pipeline", "bert.train.loop", "bert.balance.stratify"} <= set(loaded)
+    assert (root / "bert" / "balance" / "lab" / "__init__.py").exists()
+    assert [n for n in loaded if n == "bert.balance.lab" or n.startswith("bert.balance.lab.")] == []

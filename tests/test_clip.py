@@ -1,4 +1,4 @@
-"""Gradient clipping modes against float64 references computed by hand (paper 000, Algorithm 1).
+"""Gradient clipping modes against float64 references computed by hand (Samsung [000], Algorithm 1).
 
 Each rank gets fixed, known gradients (loss = sum_i <p_i, G_i^rank>), DDP runs with several gloo
 processes, and the gradients DDP leaves in `.grad` are compared with the reference:

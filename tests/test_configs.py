@@ -1,7 +1,8 @@
 """Shell configs against the published recipes, the training rules and the driver's own validation.
 
-References: /work/shared/reference/mlperf_bert_submissions.md section 1.2 (NVIDIA configs), section 2 (Samsung),
-section 4 (RCP table, eval formula), and `python -m bert.train.config --check-env` (the driver's parser).
+References: NVIDIA's published configs [NVIDIA-BERT], Samsung's [Samsung-BERT], the RCP table
+(`rcps_bert.json` in [MLPerf-logging]), the eval formula [MLPerf-BERT-ref], and
+`python -m bert.train.config --check-env` (the driver's parser).
 """
 
 from __future__ import annotations

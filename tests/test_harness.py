@@ -1,6 +1,6 @@
 """run_and_time.sh with the real driver on the synthetic dataset, and a submission folder from 10 such runs.
 
-References: the timing lines of NVIDIA's run_and_time.sh (mlperf_bert_submissions.md section 1.3) checked
+References: the timing lines of NVIDIA's run_and_time.sh [NVIDIA-BERT] checked
 against this test's own clock and environment; the official compliance checker, package checker and result
 summarizer (mlperf-logging, ruleset 5.0.0) for the logs and the folder.
 """

@@ -14,7 +14,7 @@ from bert.data.pipeline import TrainLoader, eval_batches
 from bert.data.prefetch import Prefetcher
 from bert.lengths import WIKI_PHASE2
 
-# Paper 000 Figure 4: one node of 4 GPUs drawing 4 sequences each (lengths are ours, the
+# Samsung [000] Figure 4: one node of 4 GPUs drawing 4 sequences each (lengths are ours, the
 # figure's numbers are not in the text). All 16 are gathered, sorted descending into rows
 #   [512 512 510 450] [400 350 300 256] [200 180 128 100] [80 60 40 20]
 # and GPU i takes column i (raster) or column i of the rows with every second row reversed (snake).

@@ -1,7 +1,7 @@
 """logging/verify_result.py against crafted result logs, with the official compliance checker as the referee.
 
-`write_log` is our own generator of BERT result logs laid out like NVIDIA's (and like
-/work/shared/reference/sample_bert_result_pass.log), with evals on the rules' cadence. The clean log must
+`write_log` is our own generator of BERT result logs laid out like NVIDIA's result logs
+([MLPerf-results]), with evals on the rules' cadence. The clean log must
 pass the official checker (so the fixture is realistic) and our verifier; each violation must fail our
 verifier with a message naming the rule, most of them while the official checker still passes.
 """

@@ -1,6 +1,6 @@
 """run.sub's pyxis path, with a recording `srun` on PATH (there is no pyxis/enroot on this machine).
 
-Reference: NVIDIA's run.sub (mlperf_bert_submissions.md section 1.4): the container is created once per node
+Reference: NVIDIA's run.sub [NVIDIA-BERT]: the container is created once per node
 with --container-image, every step runs with --container-name/--container-mounts/--container-workdir, and the
 mounts are the training data, the eval set, the phase-1 checkpoint and the results folder.
 """

@@ -57,7 +57,8 @@ def common_args(data: Path, out: Path, **kw) -> list[str]:
 
 
 def test_rules_eval_interval_matches_the_published_values():
-    # mlperf_logging.md §2 / training_rules: 150k up to GBS 2048, 175k at 3072/4096, 225k at 8192, 325k at 16384
+    # Eval cadence ([MLPerf-BERT-ref], [MLPerf-rules]): 150k up to GBS 2048, 175k at 3072/4096, 225k at 8192,
+    # 325k at 16384
     assert [rules_eval_interval(g) for g in (256, 448, 1536, 2048, 3072, 4096, 8192, 16384)] == [
         150_000, 150_000, 150_000, 150_000, 175_000, 175_000, 225_000, 325_000]
 

@@ -1,4 +1,4 @@
-"""Load balancing of the global batch across ranks (Samsung paper 000 §3-4, Baidu 001 §IV-B).
+"""Load balancing of the global batch across ranks (Samsung [000] §3-4, Baidu [001] §IV-B).
 
 A strategy has two halves, both pure functions of per-sample lengths so that every rank can
 compute them identically from a shared seed and a length index, with no collective and no

@@ -1,8 +1,9 @@
 """Presorting: sort a group's sequences by length and deal them back to the group's ranks.
 
-NVIDIA's exchange padding (`exchange_padding_fast`) does it over the whole world: gather,
-sort descending, rank r takes sorted positions r, r + world, r + 2 world, ... (raster).
-Samsung (paper 000 §4.1, Figure 4) does it per node only (`--group_exchange_padding`), and
+NVIDIA's exchange padding (`exchange_padding_fast` in [NVIDIA-BERT]) does it over the whole
+world: gather, sort descending, rank r takes sorted positions r, r + world, r + 2 world, ...
+(raster).
+Samsung ([000] §4.1, Figure 4; [Samsung-BERT]) does it per node only (`--group_exchange_padding`), and
 deals every second row of the sorted order backwards (`--reverse_indices`, "snake"), so the
 rank that got the longest sequence of one row gets the shortest of the next.
 """

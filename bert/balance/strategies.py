@@ -13,8 +13,8 @@ from bert.balance.presort import assign_global, assign_local, assign_snake
 
 Assign = Callable[[np.ndarray, int], np.ndarray]
 # Whose lengths `assign` needs: the rank's own, its node's, or the whole world's. With a shared
-# seed and a length index every rank knows them without a collective; `bert.balance.cost`
-# prices the exchange the papers run instead.
+# seed and a length index every rank knows them without a collective; the lab's α-β model
+# (`bert.balance.lab.exchange_model`) prices the exchange the papers run instead.
 Scope = Literal["rank", "node", "world"]
 
 
@@ -41,8 +41,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("stratified", True, assign_none, "stratified draw (6/3/2/5 of 16), no reassignment"),
         Strategy("local", False, assign_local, "sort inside each node, round-robin", "node"),
         Strategy("stratified_local", True, assign_local, "stratified draw + node-local sort, round-robin", "node"),
-        Strategy("snake", False, assign_snake, "sort inside each node, boustrophedon (paper Fig. 4)", "node"),
-        Strategy("samsung", True, assign_snake, "stratified draw + node-local sort + snake (paper 000)", "node"),
+        Strategy("snake", False, assign_snake, "sort inside each node, boustrophedon ([000] Fig. 4)", "node"),
+        Strategy("samsung", True, assign_snake, "stratified draw + node-local sort + snake ([000])", "node"),
         Strategy("lpt", False, assign_greedy, "world-wide longest-first into least-loaded, equal counts", "world"),
         Strategy("stratified_lpt", True, assign_greedy, "stratified draw + lpt", "world"),
     )

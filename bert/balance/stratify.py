@@ -1,9 +1,15 @@
-"""Stratified sampling: how many sequences of each length stratum go into every local batch.
+"""Stratified sampling: every local batch holds a fixed count of sequences from each length stratum.
 
-Samsung (paper 000 §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])`) fills each
-local batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] /
-(384,512] strata. The counts follow the data's own histogram: largest-remainder rounding of
-`local_batch * share`, so they always sum to `local_batch`.
+Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT])
+fills each local batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] /
+(384,512] strata. The whole technique is here:
+
+* `stratum_of`: the stratum of each length;
+* `strata_counts`: the counts, from the data's own histogram by largest-remainder rounding of
+  `local_batch * share`, so they always sum to `local_batch`;
+* `stratified_steps`: the draw, laying per-rank id streams out as whole global steps in which
+  every rank's row holds exactly `counts[k]` ids of stratum k (`bert.data.epoch` calls it for
+  the body of every epoch; unstratified is the one-stratum case).
 """
 
 from __future__ import annotations
@@ -55,3 +61,46 @@ def strata_counts(
     order = np.argsort(-(quota - whole), kind="stable")
     whole[order[: local_batch - whole.sum()]] += 1
     return tuple(int(c) for c in whole)
+
+
+def interleave(streams: Sequence[np.ndarray], chunk: int) -> np.ndarray:
+    """Chunks of `chunk` ids ordered by (chunk number, rank): rank 0's first, rank 1's first, ...
+
+    While every stream has chunks left, chunk j of rank r lands at position (j*W + r)*chunk,
+    i.e. in rank r's row; exhausted streams drop out and the others close up.
+    """
+    world = len(streams)
+    keys = [np.arange(len(s)) // chunk * world + r for r, s in enumerate(streams)]
+    return np.concatenate(streams)[np.argsort(np.concatenate(keys), kind="stable")]
+
+
+def stratified_steps(
+    streams: list[np.ndarray], counts: Sequence[int], strata: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whole global steps drawn from per-rank id streams, and the ids left over.
+
+    Row r of a step takes, for every stratum k, the next `counts[k]` ids of stratum k from rank
+    r's stream; once a rank's stream is used up, the chunks of the ranks that still have ids
+    move up to fill the rows (`interleave`), so uneven shard sizes cost no steps. The steps end
+    when the first stratum has fewer than `world * counts[k]` ids left. `strata[id]` is the
+    stratum of every sample id; None means one stratum (`counts = (local_batch,)`, unstratified).
+    Returns (steps * world * sum(counts) ids in step order, the rest stratum by stratum).
+    """
+    world = len(streams)
+    if strata is None:
+        if len(counts) != 1:
+            raise ValueError(f"{len(counts)} stratum counts but no strata")
+        per_stratum = {0: interleave(streams, counts[0])}
+    else:
+        # A stratum with a zero count is never drawn in the body: all of it goes to the tail.
+        per_stratum = {
+            k: interleave([s[strata[s] == k] for s in streams], max(counts[k], 1)) for k in range(len(counts))
+        }
+    used = [k for k, c in enumerate(counts) if c > 0]
+    steps = min(len(per_stratum[k]) // (world * counts[k]) for k in used)
+    # (steps, world, counts[k]) blocks side by side: each row holds counts[k] ids of stratum k.
+    body = np.concatenate(
+        [per_stratum[k][: steps * world * counts[k]].reshape(steps, world, counts[k]) for k in used], axis=2
+    )
+    left = [per_stratum[k][steps * world * counts[k] :] for k in range(len(counts))]
+    return body.ravel(), np.concatenate(left)

@@ -3,7 +3,7 @@
 Pipeline modules, in the order a batch flows through them:
 
     index     length index of all shards; global sample id = (shard, row)
-    shuffle   shuffle buffer (TPU paper §3.5), computed in bulk
+    shuffle   shuffle buffer (TPU [004] §3.5), computed in bulk
     streams   per epoch: shards dealt to ranks NVIDIA-style, one shuffle buffer per rank
     epoch     one epoch as global batches: head, (stratified) body, tail; exactly once
     plan      the step -> (world, local_batch) draw and its balancing assignment, same on all ranks

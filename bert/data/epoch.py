@@ -8,12 +8,12 @@ straddles an epoch boundary holds the end of one epoch and the start of the next
 that starts `offset` positions into a step is laid out as
 
 * head: the rest of that straddling step, rank rows filled from each rank's own stream;
-* body: whole steps. Row r takes the next chunk of L ids of rank r's stream; once a rank's
-  stream is used up, the chunks of the ranks that still have ids move up to fill the rows
-  (chunks are ordered by (chunk number, rank)), so uneven shard sizes cost no steps.
-  Stratified, the same is done per stratum with chunks of `counts[k]` ids of rank r's
-  stratum-k ids, and every body step has exactly `counts[k]` ids of stratum k in every row;
-  the body ends when the first stratum has fewer than `world * counts[k]` ids left;
+* body: whole steps (`bert.balance.stratify.stratified_steps`). Row r takes the next chunk of
+  L ids of rank r's stream; once a rank's stream is used up, the chunks of the ranks that
+  still have ids move up to fill the rows, so uneven shard sizes cost no steps. Stratified,
+  the same is done per stratum with chunks of `counts[k]` ids, and every body step has
+  exactly `counts[k]` ids of stratum k in every row; the body ends when the first stratum
+  has fewer than `world * counts[k]` ids left;
 * tail: the ids left over in a seeded random order: fewer than a step's worth unstratified;
   stratified, the other strata's surplus once the scarcest one (relative to its count) is
   used up, a few percent of an epoch when the counts round the histogram (`strata_counts`).
@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bert.balance.stratify import stratified_steps
+
 
 def head_sizes(world: int, local_batch: int, offset: int) -> np.ndarray:
     """Ids each rank contributes to the straddling step, whose first `offset` positions are taken."""
@@ -36,39 +38,6 @@ def head_sizes(world: int, local_batch: int, offset: int) -> np.ndarray:
         return np.zeros(world, dtype=np.int64)
     starts = np.arange(world) * local_batch
     return np.clip(starts + local_batch - np.maximum(starts, offset), 0, local_batch)
-
-
-def interleave(streams: Sequence[np.ndarray], chunk: int) -> np.ndarray:
-    """Chunks of `chunk` ids ordered by (chunk number, rank): rank 0's first, rank 1's first, ...
-
-    While every stream has chunks left, chunk j of rank r lands at position (j*W + r)*chunk,
-    i.e. in rank r's row; exhausted streams drop out and the others close up.
-    """
-    world = len(streams)
-    keys = [np.arange(len(s)) // chunk * world + r for r, s in enumerate(streams)]
-    return np.concatenate(streams)[np.argsort(np.concatenate(keys), kind="stable")]
-
-
-def _body_plain(streams: list[np.ndarray], local_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    order = interleave(streams, local_batch)
-    used = len(order) // (len(streams) * local_batch) * len(streams) * local_batch
-    return order[:used], order[used:]
-
-
-def _body_stratified(
-    streams: list[np.ndarray], strata: np.ndarray, counts: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
-    world = len(streams)
-    used = [k for k, c in enumerate(counts) if c > 0]
-    # A stratum with a zero count is never drawn in the body: all of it goes to the tail.
-    per_stratum = {k: interleave([s[strata[s] == k] for s in streams], max(counts[k], 1)) for k in range(len(counts))}
-    steps = min(len(per_stratum[k]) // (world * counts[k]) for k in used)
-    # (steps, world, counts[k]) blocks side by side: each row holds counts[k] ids of stratum k.
-    body = np.concatenate(
-        [per_stratum[k][: steps * world * counts[k]].reshape(steps, world, counts[k]) for k in used], axis=2
-    )
-    left = [per_stratum[k][steps * world * counts[k] :] for k in range(len(counts))]
-    return body.ravel(), np.concatenate(left)
 
 
 def lay_out_epoch(
@@ -94,5 +63,5 @@ def lay_out_epoch(
         return rng.permutation(np.concatenate(streams))
     head = [s[:n] for s, n in zip(streams, take)]
     rest = [s[n:] for s, n in zip(streams, take)]
-    body, left = _body_plain(rest, local_batch) if counts is None else _body_stratified(rest, strata, counts)
+    body, left = stratified_steps(rest, (local_batch,) if counts is None else counts, strata)
     return np.concatenate([*head, body, rng.permutation(left)])

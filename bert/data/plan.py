@@ -49,7 +49,7 @@ class TrainPlan:
         self.strata = self.counts = None
         if self.strategy.stratified:
             self.strata = self._strata(index)
-            # The counts follow the data's own histogram (paper 000 §4.1), e.g. 6/3/2/5 of 16.
+            # The counts follow the data's own histogram (Samsung [000] §4.1), e.g. 6/3/2/5 of 16.
             self.counts = strata_counts(np.bincount(self.strata, minlength=len(EDGES)), EDGES, local_batch_size)
         self._epochs: dict[int, np.ndarray] = {}
 

@@ -1,4 +1,4 @@
-"""Build batches ahead of the training step in a background thread (Baidu paper 001 §IV-B).
+"""Build batches ahead of the training step in a background thread (Baidu [001] §IV-B).
 
 A thread, not a process: per step the work is small (plan a few thousand ints, read one
 local batch of rows, concatenate ~8k tokens: about a millisecond, see

@@ -1,4 +1,4 @@
-"""A shuffle buffer (TPU paper 004 §3.5, `tf.data.shuffle`), computed in bulk with numpy.
+"""A shuffle buffer (TPU [004] §3.5, `tf.data.shuffle`), computed in bulk with numpy.
 
 The buffer holds `size` elements; each output is a uniformly chosen slot, whose place is
 taken by the next input; when the input runs dry the buffer is emitted in random order.

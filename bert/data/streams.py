@@ -1,6 +1,6 @@
 """Per-rank sample streams of one epoch: files dealt to ranks, then a shuffle buffer.
 
-File level (NVIDIA `run_pretraining.py`, TPU paper 004 §3.5 "shuffle before repeat"): every
+File level (NVIDIA `run_pretraining.py` [NVIDIA-BERT], TPU [004] §3.5 "shuffle before repeat"): every
 epoch the shard list is permuted with a seed shared by all ranks, and rank r takes shards
 `perm[r], perm[r + world], ...` -- NVIDIA's `files[(f_id*world_size + rank) % num_files]`
 without the wrap-around, which would give some shards twice. With fewer shards than ranks,

@@ -1,4 +1,4 @@
-"""Where gradients are clipped by norm (paper 000 §2.3, §3.2, §4.2, Algorithm 1).
+"""Where gradients are clipped by norm (Samsung [000] §2.3, §3.2, §4.2, Algorithm 1).
 
     after   DDP averages the buckets as usual; the optimizer step clips the averaged gradient
             by its global norm (`clip_after_allreduce`). Communication overlaps the backward pass.

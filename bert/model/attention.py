@@ -5,8 +5,9 @@ All backends take q, k, v of shape (T, heads, head_dim) for the tokens of a `Seq
 A backend is a planner: called once per batch with the `SeqLayout`, it does its host-side work
 (index plans, grouping) and returns the `Attend` function every layer then calls.
 
-    loop     one SDPA per sequence; exact and the fastest on CPU (reference doc, section 1)
-    grouped  Baidu's length-grouped attention (paper 001, IV-A-2): one padded SDPA per length
+    loop     one SDPA per sequence; exact and the fastest on CPU (`bench/model.py`,
+             results/bench/model_cpu.json)
+    grouped  Baidu's length-grouped attention ([001] §IV-A-2): one padded SDPA per length
              group (0,128], (128,256], (256,384], (384,512]; on CUDA each group on its own stream
     varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
     padded   pad every sequence to the batch maximum, mask padded keys: the baseline
@@ -30,7 +31,7 @@ from bert.model.padding import PadLayout, pad, unpad
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
 Planner = Callable[[SeqLayout], Attend]
 
-GROUP_EDGES = (128, 256, 384)  # upper edges of all but the last group, as in the paper's Figure 8
+GROUP_EDGES = (128, 256, 384)  # upper edges of all but the last group, as in Baidu [001] Figure 8
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, dropout_p: float) -> Tensor:

@@ -1,4 +1,4 @@
-"""Distributed MLM-accuracy evaluation on the rules' schedule (TPU paper 004 §3.4).
+"""Distributed MLM-accuracy evaluation on the rules' schedule (TPU [004] §3.4; cadence: [MLPerf-BERT-ref]).
 
 Each rank evaluates its own slice of the eval set; the (correct, total) counts are summed with
 one allreduce, so every rank gets the same accuracy and the same stop decision.

@@ -1,4 +1,4 @@
-"""The load-balance lab's simulation (Samsung paper 000 §5.2, Figure 6, Table 5).
+"""The load-balance lab's simulation (Samsung [000] §5.2, Figure 6, Table 5).
 
 Draw a local batch per GPU (stratified if the strategy says so), run the strategy's own
 `assign` (the code the input pipeline runs), and record the fewest and the most tokens any
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bert.balance.length_pmf import LengthPMF
-from bert.balance.packing import pack_histogram
+from bert.balance.lab.length_pmf import LengthPMF
+from bert.balance.lab.packing import pack_histogram
 from bert.balance.strategies import Strategy
 from bert.balance.stratify import EDGES, strata_counts, stratum_of
 
