@@ -78,6 +78,8 @@ class TrainConfig:
     target_mlm_accuracy: float = opt(0.720, "stop with success at this eval MLM accuracy",
                                      env="TARGET_MLM_ACCURACY")
     log_freq: int = opt(50, "host-device sync and progress line every N steps", env="LOG_FREQ")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one GPU for the progress line's mfu "
+                             "(0 = from bert.train.peak_flops by device name)", env="PEAK_TFLOPS")
     checkpoint_every: int = opt(0, "checkpoint every N steps (0 = only at the end)", env="CHECKPOINT_EVERY")
     skip_checkpoint: bool = opt(False, "write no final checkpoint (BERT-large: 1.3 GB per run)", env="SKIP_CHECKPOINT")
     resume: bool = opt(False, "continue from the latest checkpoint in output_dir", env="RESUME")
@@ -113,6 +115,8 @@ class TrainConfig:
                               "is a fraction in (0, 1)")
         if self.learning_rate <= 0:
             raise ConfigError("learning_rate", "LR", self.learning_rate, "must be positive")
+        if self.peak_tflops < 0:
+            raise ConfigError("peak_tflops", "PEAK_TFLOPS", self.peak_tflops, "must be 0 (from the device) or positive")
 
 
 class ConfigError(ValueError):
