@@ -47,6 +47,7 @@ from bert.batch import Batch
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
+from bert.model.flops import StepShape, train_flops
 from bert.model.padding import PadLayout, pad
 from bert.synthetic import random_batch
 
@@ -106,15 +107,6 @@ def draw_lengths(n: int, draw: str, rng: np.random.Generator, candidates: int) -
     return min(draws, key=lambda d: (d.max() != mix.edges[-1], distance(d)))
 
 
-def train_flops(cfg: BertConfig, tokens: int, attention_pairs: int, head_rows: int) -> int:
-    """Matmul FLOPs of one step (backward = 2x forward): encoder linears over `tokens`, attention
-    scores and context over `attention_pairs` (query, key) pairs, MLM head over `head_rows`."""
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    layer = 2 * tokens * (4 * h * h + 2 * h * i) + 4 * h * attention_pairs
-    head = 2 * head_rows * (h * h + h * v)
-    return 3 * (cfg.num_hidden_layers * layer + head)
-
-
 def hf_step_inputs(batch: Batch) -> dict:
     layout = PadLayout.build(batch.seq)
     labels = torch.full((layout.rows * layout.width,), -100, device=batch.input_ids.device)
@@ -125,7 +117,8 @@ def hf_step_inputs(batch: Batch) -> dict:
 
 
 def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None) -> dict:
-    """name -> (model, step loss function, executed matmul FLOPs per step)."""
+    """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
+    is charged for the rows and attention pairs it computes, padding included)."""
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
     T, B, L = sum(lengths), len(lengths), max(lengths)
     grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
@@ -144,7 +137,8 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
         else:
             model = BertForPreTraining(cfg, attention=backend, device=device)
-        variants[name] = (model.to(device).train(), loss_fn, train_flops(cfg, tokens, pairs, head_rows))
+        shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=B, head_rows=head_rows)
+        variants[name] = (model.to(device).train(), loss_fn, train_flops(cfg, shape))
     return variants
 
 

@@ -119,6 +119,8 @@ class RunConfig:
                                      env="TARGET_MLM_ACCURACY", low=0.0, low_open=True, high=1.0,
                                      high_open=True)
     log_freq: int = opt(50, "host-device sync and progress line every N steps", env="LOG_FREQ", low=1, high=10**9)
+    peak_tflops: float = opt(0.0, "peak TFLOP/s of one GPU for the progress line's mfu "
+                             "(0 = from bert.train.peak_flops by device name)", env="PEAK_TFLOPS", low=0.0, high=1e5)
     checkpoint_every: int = opt(0, "checkpoint every N steps (0 = only at the end)", env="CHECKPOINT_EVERY",
                                 low=0, high=10**9)
     skip_checkpoint: bool = opt(False, "write no final checkpoint (BERT-large: 1.3 GB per run)", env="SKIP_CHECKPOINT")

@@ -96,7 +96,7 @@ def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
-    proc = driver(data, tmp_path)
+    proc = driver(data, tmp_path, env={"PEAK_TFLOPS": "0.5"})  # also checks the progress line's tflops and mfu
     wait_for_steps(tmp_path, 2, proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
@@ -105,6 +105,10 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(data, tmp_path):
     step = int(latest.removeprefix("step_"))
     assert step >= 2 and (tmp_path / "checkpoints" / latest / "model.safetensors").is_file()
     assert run_stops(tmp_path) == []  # pre-empted: the run is not over, --resume continues it
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "tflops" not in records[0] and len(records) >= 2  # the first interval includes start-up
+    for r in records[1:]:
+        assert r["tflops"] > 0 and r["mfu"] == pytest.approx(r["tflops"] / 0.5, rel=1e-3), r
 
 
 class _Scaled(torch.nn.Module):

@@ -65,7 +65,7 @@ def test_losses_and_accuracy_follow_their_definitions():
     torch.testing.assert_close(out.nsp_loss, -nsp.mean())
     torch.testing.assert_close(out.loss, out.mlm_loss + out.nsp_loss)
     assert out.mlm_total.dtype == out.mlm_correct.dtype == torch.int64 and out.mlm_total.dim() == 0
-    assert out.mlm_total.item() == len(batch.masked_labels) and out.mlm_logits.shape == (out.mlm_total.item(), 30528)
+    assert out.mlm_total.item() == len(batch.masked_labels) and out.mlm_logits.shape == (out.mlm_total.item(), 30522)
     assert out.mlm_correct.item() == int((out.mlm_logits.argmax(-1) == batch.masked_labels).sum())
     # Forcing the prediction to token 2000: every masked token right, or every one wrong.
     model.cls.predictions.bias.data[2000] = 1e6
@@ -73,6 +73,36 @@ def test_losses_and_accuracy_follow_their_definitions():
     assert model(batch).mlm_correct.item() == len(batch.masked_labels)
     batch.masked_labels.fill_(2001)
     assert model(batch).mlm_correct.item() == 0
+
+
+def test_padding_classes_take_no_part_in_loss_accuracy_or_gradients():
+    """vocab_size 30528 = 30522 real tokens + 6 padding rows: whatever those rows hold, the outputs are
+    those of the 30522-class model, no prediction is a padding class, and the rows get no gradient."""
+    model = tiny_model()
+    batch = random_batch(BATCHES["mixed"], seed=5)
+    words, bias = model.bert.embeddings.word_embeddings.weight, model.cls.predictions.bias
+    assert model.config.real_vocab_size == 30522 and words.shape[0] == bias.shape[0] == 30528
+    with torch.no_grad():
+        words[30522:] = 0
+        bias[30522:] = 0
+    ref = model(batch)
+    ref_grads = grads_of(model, ref.loss)
+    with torch.no_grad():  # padding rows that would win every softmax and every argmax if they took part
+        words[30522:] = 50 * torch.randn_like(words[30522:])
+        bias[30522:] = 1e6
+    out = model(batch)
+    out_grads = grads_of(model, out.loss)
+    assert out.mlm_logits.shape[1] == 30522 and int(out.mlm_logits.argmax(-1).max()) < 30522
+    for field in ("mlm_logits", "mlm_loss", "loss"):
+        torch.testing.assert_close(getattr(out, field), getattr(ref, field), rtol=0, atol=0, msg=field)
+    assert out.mlm_correct.item() == ref.mlm_correct.item()
+    for name in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias"):
+        assert not out_grads[name][30522:].any() and out_grads[name][:30522].any(), name
+        torch.testing.assert_close(out_grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+    # Labels set to the best real class: every masked token right although a padding class scores 1e6.
+    labels = batch.masked_labels.clone()
+    batch.masked_labels.copy_(out.mlm_logits.argmax(-1))
+    assert model(batch).mlm_correct.item() == len(labels)
 
 
 def test_no_padded_tensor_in_the_unpadded_trunk_and_the_head_sees_only_masked_rows():
@@ -127,8 +157,13 @@ def test_config_from_google_json_pads_the_vocabulary(tmp_path):
     path = tmp_path / "bert_config.json"
     path.write_text(json.dumps(google))
     cfg = BertConfig.load(path)
-    assert cfg.vocab_size == 30528 and cfg.head_dim == 64
+    assert cfg.vocab_size == 30528 and cfg.real_vocab_size == 30522 and cfg.head_dim == 64
     assert cfg == BertConfig.load("large")
+    path.write_text(json.dumps(cfg.to_dict()))  # our own JSON (checkpoint metadata) keeps both sizes
+    assert BertConfig.load(path) == cfg
+    assert BertConfig(vocab_size=64).real_vocab_size == 64  # no padding unless told
+    with pytest.raises(ValueError, match="real_vocab_size 30529"):
+        BertConfig(real_vocab_size=30529)
     with pytest.raises(ValueError, match="huge"):
         BertConfig.load("huge")
     path.write_text(json.dumps({**google, "hidden_act": "relu"}))

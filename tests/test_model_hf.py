@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_config(cfg: BertConfig):
+    """HF's BERT with our config's real (unpadded) vocabulary: 30522, as the MLPerf checkpoint has."""
     return transformers.BertConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        vocab_size=cfg.real_vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.intermediate_size,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager",
     )
@@ -33,6 +34,8 @@ def hf_inputs(batch):
 
 
 def test_equals_hf_bert_for_pretraining(tmp_path):
+    """A 30522-token HF checkpoint imported into our 30528-row model: same logits and the same MLM loss,
+    since the 6 padding classes are not in our softmax (with them, the loss differed by ~1.8e-4)."""
     cfg = BertConfig.load("tiny")
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(hf_config(cfg)).double().eval()
@@ -54,6 +57,7 @@ def test_equals_hf_bert_for_pretraining(tmp_path):
     torch.testing.assert_close(got.mlm_logits, masked_hf_logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(got.nsp_logits, want.seq_relationship_logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=1e-10)
+    assert ours.bert.embeddings.word_embeddings.weight.shape[0] == 30528 and masked_hf_logits.shape[1] == 30522
 
 
 def test_loads_a_bare_hf_bert_model_from_bin(tmp_path):

@@ -3,8 +3,9 @@
 Our parameter names are Hugging Face's `BertForPreTraining` names, so importing is a near-identity
 mapping: a bare `BertModel` gets the `bert.` prefix, old `LayerNorm.gamma/beta` become `weight/bias`,
 and the decoder (tied to the word embeddings) is dropped. A checkpoint with the unpadded vocabulary
-(30522) is zero-padded to the model's (30528), as MLPerf's converter does. Anything else that does
-not fit raises `ValueError` naming the tensor.
+(30522) is zero-padded to the model's (30528), as MLPerf's converter does (the MLM head leaves the
+padding rows out of its softmax: `BertConfig.real_vocab_size`). Anything else that does not fit
+raises `ValueError` naming the tensor.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 VOCAB_MULTIPLE = 8  # tensor-core friendly; MLPerf pads 30522 -> 30528 the same way
+MLPERF_VOCAB = 30522  # bert-base-uncased WordPiece vocabulary, the one MLPerf's data is tokenised with
 
 
 def pad_vocab(vocab_size: int) -> int:
@@ -26,8 +27,15 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
+    # Classes the MLM head predicts: the tokenizer's vocabulary. The rest of vocab_size is padding that
+    # never enters the softmax nor the accuracy's argmax (None: no padding, all of vocab_size).
+    real_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.real_vocab_size is None:
+            object.__setattr__(self, "real_vocab_size", self.vocab_size)
+        if not 0 < self.real_vocab_size <= self.vocab_size:
+            raise ValueError(f"real_vocab_size {self.real_vocab_size} is not in 1..vocab_size ({self.vocab_size})")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -40,7 +48,8 @@ class BertConfig:
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> BertConfig:
-        """A named config (see `NAMED`) or a JSON file; the vocabulary is padded to a multiple of 8."""
+        """A named config (see `NAMED`) or a JSON file; the vocabulary is padded to a multiple of 8 and its
+        unpadded size kept as `real_vocab_size` (unless the file gives it: our own `to_dict` output)."""
         if str(name_or_path) in NAMED:
             return NAMED[str(name_or_path)]
         path = Path(name_or_path)
@@ -54,6 +63,7 @@ class BertConfig:
         missing = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"} - values.keys()
         if missing:
             raise ValueError(f"{path}: missing {sorted(missing)}")
+        values.setdefault("real_vocab_size", int(values["vocab_size"]))
         values["vocab_size"] = pad_vocab(int(values["vocab_size"]))
         return cls(**values)
 
@@ -64,8 +74,9 @@ class BertConfig:
         return asdict(self)
 
 
+_MLPERF = BertConfig(real_vocab_size=MLPERF_VOCAB)  # vocab_size 30528: MLPERF_VOCAB padded
 NAMED: dict[str, BertConfig] = {
-    "tiny": BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
-    "base": BertConfig(),
-    "large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    "tiny": replace(_MLPERF, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
+    "base": _MLPERF,
+    "large": replace(_MLPERF, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
 }

@@ -28,7 +28,7 @@ class PretrainOutput:
     nsp_loss: Tensor  # mean over sequences
     mlm_correct: Tensor  # int64 scalar: masked tokens predicted right (a tensor, so it can be all-reduced)
     mlm_total: Tensor  # int64 scalar: masked tokens
-    mlm_logits: Tensor  # (M, vocab)
+    mlm_logits: Tensor  # (M, real_vocab_size): the padding classes are sliced off
     nsp_logits: Tensor  # (B, 2)
 
 
@@ -43,15 +43,24 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    """Transform, then the decoder tied to the word embeddings (passed in, so it is stored once)."""
+    """Transform, then the decoder tied to the word embeddings (passed in, so it is stored once).
+
+    The decoder computes all `vocab_size` columns (a multiple of 8, for the GEMM) and returns the first
+    `real_vocab_size`: the padding classes are not in the softmax, the loss or the argmax, so the loss
+    is the unpadded model's exactly, no prediction is a padding class, and the padding rows of the
+    word embeddings and of `bias` get zero gradient. Slicing is exact (the kept columns are untouched)
+    and costs at most one copy of the (M, vocab) logits, which the fp32 cast for the loss does anyway
+    under autocast; an additive -inf mask would cost the same pass and leave -inf in the logits.
+    """
 
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.transform = BertPredictionHeadTransform(cfg)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.real_vocab_size = cfg.real_vocab_size
 
     def forward(self, x: Tensor, word_embeddings: Tensor) -> Tensor:
-        return F.linear(self.transform(x), word_embeddings, self.bias)
+        return F.linear(self.transform(x), word_embeddings, self.bias)[..., : self.real_vocab_size]
 
 
 class BertPreTrainingHeads(nn.Module):

@@ -21,6 +21,7 @@ from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
+from bert.train.peak_flops import device_peak_flops
 from bert.train.progress import Progress
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,7 +67,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
                autocast_for(cfg.model.precision, device), log,
-               Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume), stop,
+               Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume,
+                        peak_flops=device_peak_flops(device, cfg.model.precision, cfg.run.peak_tflops)), stop,
                eval_samples=count_eval_samples(eval_set))
 
 

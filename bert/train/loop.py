@@ -24,7 +24,7 @@ from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite
 from bert.train.mlperf_log import MLPerfLog
-from bert.train.progress import Progress
+from bert.train.progress import FlopMeter, Progress
 
 SUCCESS, ABORTED, PREEMPTED = "success", "aborted", "preempted"
 
@@ -102,7 +102,8 @@ def train(run: Run) -> str:
     cfg, state = run.cfg.run, run.state
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
-    batches = iter(run.loader)
+    flops = FlopMeter(run.ddp.module.config)  # for the progress line's tflops and mfu
+    batches = flops.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
         # --- one optimizer step
@@ -117,7 +118,7 @@ def train(run: Run) -> str:
             check_finite(mean_loss, state.step, run.scaler.is_enabled())
             run.progress.log(step=state.step, samples=state.samples, loss=mean_loss, lr=run.schedule.lr.item(),
                              loss_scale=run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-                             last_eval=state.last_accuracy)
+                             last_eval=state.last_accuracy, train_flops=flops.take())
             window_loss.zero_()
             window_steps = 0
         # --- evaluation on the rules' schedule; stop at the target

@@ -1,28 +1,78 @@
-"""Progress on rank 0: one line per log interval on stdout and in <output_dir>/metrics.jsonl."""
+"""Progress on rank 0: one line per log interval on stdout and in <output_dir>/metrics.jsonl.
+
+A training record gets samples_per_s and, from the matmul FLOPs of the batches trained in the interval
+(`bert.model.flops`, counted on the host from the batch shapes by `FlopMeter`), tflops (achieved
+TFLOP/s per GPU) and mfu (that over the GPU's peak, `bert.train.peak_flops`; left out where the peak is
+unknown, e.g. on a CPU). Only rank 0 logs, so these are rank 0's batches: the loader gives every rank
+the same number of sequences (and the balanced strategies about the same tokens), so rank 0's rate is
+the per-GPU rate up to that balance, and the global rate is about world_size x tflops. The interval's
+wall time includes any evaluation in it, as samples_per_s does.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from bert.batch import Batch
+from bert.model.config import BertConfig
+from bert.model.flops import batch_train_flops
+
+
+class FlopMeter:
+    """Training FLOPs of the batches drawn through `counting` since the last `take` (host arithmetic only)."""
+
+    def __init__(self, cfg: BertConfig):
+        self.cfg, self.flops = cfg, 0
+
+    def counting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            self.flops += batch_train_flops(self.cfg, batch)
+            yield batch
+
+    def take(self) -> int:
+        flops, self.flops = self.flops, 0
+        return flops
+
+
+def flop_rates(flops: int, seconds: float, peak_flops: float | None) -> dict[str, float]:
+    """tflops achieved per GPU and, when the peak FLOP/s is known, mfu (a fraction), to 4 significant digits."""
+    achieved = flops / seconds
+    rates = {"tflops": _sig4(achieved / 1e12)}
+    if peak_flops:
+        rates["mfu"] = _sig4(achieved / peak_flops)
+    return rates
+
+
+def _sig4(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 class Progress:
-    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False):
-        self.enabled = enabled
+    def __init__(self, output_dir: str | Path, enabled: bool, resume: bool = False, peak_flops: float | None = None):
+        """`peak_flops`: the GPU's peak FLOP/s for mfu (None: no mfu)."""
+        self.enabled, self.peak_flops = enabled, peak_flops
         self._last_time, self._last_samples = time.perf_counter(), None
         if enabled:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(output_dir) / "metrics.jsonl", "a" if resume else "w")  # noqa: SIM115
 
     def log(self, **record) -> None:
-        """One record of host values. A record with `loss` is a training interval and gets samples_per_s."""
+        """One record of host values. A record with `loss` is a training interval and gets samples_per_s;
+        given `train_flops` (this rank's FLOPs since the previous record; not logged itself), also
+        tflops and mfu. The first interval has no rates: its time includes start-up."""
         if not self.enabled:
             return
+        flops = record.pop("train_flops", None)
         if "loss" in record:
             now = time.perf_counter()
             if self._last_samples is not None:
-                record["samples_per_s"] = round((record["samples"] - self._last_samples) / (now - self._last_time), 2)
+                seconds = now - self._last_time
+                record["samples_per_s"] = round((record["samples"] - self._last_samples) / seconds, 2)
+                if flops is not None:
+                    record.update(flop_rates(flops, seconds, self.peak_flops))
             self._last_time, self._last_samples = now, record["samples"]
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

@@ -1,0 +1,73 @@
+"""The progress line's throughput: FLOPs counted from batch shapes, tflops and mfu, the peak FLOP/s table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bert.model import BertConfig
+from bert.model.flops import StepShape, train_flops
+from bert.synthetic import random_batch
+from bert.train import progress as progress_module
+from bert.train.peak_flops import device_peak_flops, peak_flops
+from bert.train.progress import FlopMeter, Progress
+
+
+def test_flop_meter_counts_each_drawn_batch_once_and_resets():
+    cfg = BertConfig.load("tiny")
+    batches = [random_batch(lengths, seed=i) for i, lengths in enumerate([(3, 512), (1,), (77, 260, 130)])]
+    meter = FlopMeter(cfg)
+    drawn = meter.counting(iter(batches))
+    assert next(drawn) is batches[0] and next(drawn) is batches[1]
+    want = sum(train_flops(cfg, StepShape.unpadded(b.seq.lengths, len(b.masked_labels))) for b in batches[:2])
+    assert meter.take() == want and meter.take() == 0
+    next(drawn)
+    assert meter.take() == train_flops(cfg, StepShape.unpadded((77, 260, 130), len(batches[2].masked_labels)))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("peak", (None, 400e12), ids=("unknown_peak", "known_peak"))
+def test_training_records_get_tflops_and_mfu_from_the_interval(tmp_path, monkeypatch, capsys, peak):
+    clock = Clock()
+    monkeypatch.setattr(progress_module.time, "perf_counter", clock)
+    progress = Progress(tmp_path, enabled=True, peak_flops=peak)
+    clock.now += 7.0  # start-up: the first interval gets no rates
+    progress.log(step=10, samples=80, loss=5.0, train_flops=123)
+    clock.now += 2.0
+    progress.log(step=20, samples=160, loss=4.0, train_flops=3 * 10**14)  # 1.5e14 FLOP/s over 2 s
+    progress.log(step=20, samples=160, eval_accuracy=0.5)  # an eval record: no rates
+    progress.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0] == {"step": 10, "samples": 80, "loss": 5.0}
+    want = {"step": 20, "samples": 160, "loss": 4.0, "samples_per_s": 40.0, "tflops": 150.0}
+    if peak:
+        want["mfu"] = 0.375  # 150 / 400
+    assert records[1] == want and records[2] == {"step": 20, "samples": 160, "eval_accuracy": 0.5}
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "samples_per_s=40 tflops=150" in line and ("mfu=0.375" in line) == bool(peak)
+
+
+def test_peak_table_by_device_name_and_precision():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == peak_flops("NVIDIA H100 80GB HBM3", "fp16") == 989.4e12
+    assert peak_flops("NVIDIA H200", "bf16") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp16") == peak_flops("NVIDIA A100 80GB PCIe", "bf16") == 312e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12  # torch's default: no TF32 matmuls
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # fp32 matmuls as TF32 on tensor cores
+        assert peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 156e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert peak_flops("Tesla T4", "fp16") is None
+    assert device_peak_flops(torch.device("cpu"), "fp32") is None
+    assert device_peak_flops(torch.device("cpu"), "bf16", override_tflops=100) == 100e12
