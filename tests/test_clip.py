@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bert.dist.clip as clip_unit
 from bert.dist.clip import ClipAfterAllreduce, Clipper, install_clipping
+from bert.dist.reduce import allreduce_mean
 
 SHAPES = [(24, 32), (32,), (32, 32), (32,), (16, 32), (16,), (40, 16)]
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0, 0.0005]  # some buckets clip, some do not
@@ -42,6 +43,8 @@ CASE_SETUP = {
     "before_f64": ("before", 0.008, 1.0, False, torch.float64),
     "after_f64": ("after", 0.008, 1.0, False, torch.float64),
     "none_f64": ("none", 0.008, 1.0, False, torch.float64),
+    # an explicit Reduce (bert.dist.reduce) instead of DDP's built-in allreduce: the comm-hook path
+    "after_reduce": ("after", 0.004, 1.0, False, torch.float64),
 }
 
 
@@ -80,7 +83,7 @@ def run_case(rank: int, case: str) -> dict:
     clip_unit.bucket_clip_hook = recording(originals[0], layout, index_of)
     clip_unit.clip_before_hook = recording(originals[1], layout, index_of)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
-    clipper = install_clipping(ddp, mode, C, scaler)
+    clipper = install_clipping(ddp, mode, C, scaler, reduce=allreduce_mean() if case.endswith("_reduce") else None)
     clip_unit.bucket_clip_hook, clip_unit.clip_before_hook = originals
     assert isinstance(clipper, ClipAfterAllreduce) == (mode == "after") and isinstance(clipper, Clipper)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # only for the scaler's unscale_ in `after`

@@ -27,6 +27,8 @@ from torch import Tensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bert.dist.reduce import Reduce, allreduce_mean, reduce_hook
+
 LossScale = Callable[[], Tensor | float]  # the current fp16 loss scale; 1.0 without scaling
 
 
@@ -74,7 +76,7 @@ class BucketClipState:
     max_norm: float
     num_buckets: Callable[[], int]
     loss_scale: LossScale
-    group: dist.ProcessGroup | None = None
+    reduce: Reduce = field(default_factory=allreduce_mean)
 
 
 def bucket_clip_hook(state: BucketClipState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -82,16 +84,15 @@ def bucket_clip_hook(state: BucketClipState, bucket: dist.GradBucket) -> Future[
     grad = bucket.buffer()
     limit = state.max_norm / math.sqrt(state.num_buckets())
     factor = _clip_factor(local_norm(grad), limit, state.loss_scale)
-    grad.mul_(factor / dist.get_world_size(state.group))
-    work = dist.all_reduce(grad, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    grad.mul_(factor)
+    return state.reduce(grad)
 
 
 @dataclass
 class BeforeClipState:
     max_norm: float
     loss_scale: LossScale
-    group: dist.ProcessGroup | None = None
+    reduce: Reduce = field(default_factory=allreduce_mean)
     pending: list[tuple[Tensor, Future]] = field(default_factory=list)
 
 
@@ -103,9 +104,9 @@ def clip_before_hook(state: BeforeClipState, bucket: dist.GradBucket) -> Future[
         return result
     grads = [g for g, _ in state.pending]
     norm = torch.linalg.vector_norm(torch.stack([local_norm(g) for g in grads]))
-    factor = _clip_factor(norm, state.max_norm, state.loss_scale) / dist.get_world_size(state.group)
-    flat = torch.cat(grads).mul_(factor.to(grads[0].dtype))  # one allreduce: nothing is left to overlap with
-    dist.all_reduce(flat, group=state.group)
+    factor = _clip_factor(norm, state.max_norm, state.loss_scale)
+    flat = torch.cat(grads).mul_(factor.to(grads[0].dtype))  # one reduction: nothing is left to overlap with
+    flat = state.reduce(flat).wait()
     # Results go back into the buckets' own buffers: DDP reads a result by absolute storage offset,
     # so views into `flat` would be misread.
     for (g, fut), part in zip(state.pending, flat.split([g.numel() for g in grads])):
@@ -140,24 +141,28 @@ def loss_scale_of(scaler: torch.amp.GradScaler | None) -> LossScale:
     return scaler._get_scale_async
 
 
-Installer = Callable[[DDP, float, LossScale], Clipper]
+Installer = Callable[[DDP, float, LossScale, Reduce | None], Clipper]
 
 
-def _install_none(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+def _install_none(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
+    if reduce is not None:  # otherwise DDP's own allreduce
+        ddp.register_comm_hook(None, reduce_hook(reduce))
     return Clipper()
 
 
-def _install_after(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
+def _install_after(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
+    _install_none(ddp, max_norm, loss_scale, reduce)
     return ClipAfterAllreduce(ddp.parameters(), max_norm)
 
 
-def _install_before(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
-    ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale), clip_before_hook)
+def _install_before(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
+    ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale, reduce or allreduce_mean()), clip_before_hook)
     return Clipper()
 
 
-def _install_bucket(ddp: DDP, max_norm: float, loss_scale: LossScale) -> Clipper:
-    ddp.register_comm_hook(BucketClipState(max_norm, DdpBucketCount(ddp), loss_scale), bucket_clip_hook)
+def _install_bucket(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
+    state = BucketClipState(max_norm, DdpBucketCount(ddp), loss_scale, reduce or allreduce_mean())
+    ddp.register_comm_hook(state, bucket_clip_hook)
     return Clipper()
 
 
@@ -169,8 +174,11 @@ CLIP_MODES: dict[str, Installer] = {
 }
 
 
-def install_clipping(ddp: DDP, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None) -> Clipper:
-    """Set up clipping `mode` on `ddp` once (a comm hook for before/bucket); returns the step-side Clipper."""
+def install_clipping(ddp: DDP, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None,
+                     reduce: Reduce | None = None) -> Clipper:
+    """Set up clipping `mode` on `ddp` once and return the step-side Clipper. `reduce` is how gradients are
+    averaged (`bert.dist.reduce`); None keeps DDP's flat allreduce. DDP takes one comm hook, so this is
+    the one place that registers it."""
     if mode not in CLIP_MODES:
         raise ValueError(f"grad_clip must be one of {', '.join(CLIP_MODES)}, got {mode!r}")
-    return CLIP_MODES[mode](ddp, max_norm, loss_scale_of(scaler))
+    return CLIP_MODES[mode](ddp, max_norm, loss_scale_of(scaler), reduce)

@@ -1,0 +1,38 @@
+"""How a gradient buffer is averaged over the ranks: the `Reduce` that every gradient comm hook ends in.
+
+A `Reduce` takes a flat gradient tensor (one DDP bucket, or all of them at once) and returns a Future
+of that same tensor holding the mean over the world. Clipping (`bert.dist.clip`) decides *what* is
+sent and when; a Reduce decides *how* it travels. Keeping the two apart lets every clipping mode
+compose with every reduction strategy.
+
+    allreduce_mean   the flat allreduce DDP itself runs (ring/tree inside NCCL or gloo)
+"""
+
+# No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+Reduce = Callable[[Tensor], Future[Tensor]]
+Hook = Callable[[object, dist.GradBucket], Future[Tensor]]
+
+
+def allreduce_mean(group: dist.ProcessGroup | None = None) -> Reduce:
+    """Divide by the world size, then one asynchronous allreduce over `group` (default: the world)."""
+
+    def reduce(flat: Tensor) -> Future[Tensor]:
+        flat.div_(dist.get_world_size(group))
+        return dist.all_reduce(flat, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+    return reduce
+
+
+def reduce_hook(reduce: Reduce) -> Hook:
+    """A DDP comm hook that only averages each bucket with `reduce` (no clipping inside the hook)."""
+
+    def hook(state: object, bucket: dist.GradBucket) -> Future[Tensor]:
+        return reduce(bucket.buffer())
+
+    return hook
