@@ -8,6 +8,7 @@ import random
 import numpy as np
 import torch
 
+from bert.data.manifest import check_data_for_division
 from bert.data.pipeline import TrainLoader, eval_batches
 from bert.dist.clip import LossScale
 from bert.dist.ddp import apply_ddp
@@ -53,6 +54,7 @@ def loss_scale_of(scaler: torch.amp.GradScaler) -> LossScale:
 
 
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
+    check_data_for_division(cfg.division, cfg.input_dir, cfg.eval_dir)
     seed_everything(cfg.seed)
     model = build_model(cfg, device)
     torch.manual_seed(cfg.seed + env.rank)  # dropout differs across ranks, as it does across the global batch
