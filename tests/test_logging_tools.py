@@ -172,12 +172,29 @@ def test_submission_converging_too_fast_needs_the_labelled_bypass(tmp_path):
     logs = ten_logs(tmp_path, evals=3)  # 450k samples: far below any reference convergence point
     strict = make_submission(logs, tmp_path / "strict")
     assert strict.returncode == 1
-    assert "package_checker 5.0.0: FAIL" in strict.stdout and "rcp_checker 5.0.0: FAIL\n" in strict.stdout
+    assert "package_checker 5.0.0: FAIL: RCP Test Failed: RCP found" in strict.stdout
+    assert "rcp_checker 5.0.0: FAIL: RCP found, RCP test FAILED" in strict.stdout
+    assert "INFO -" not in strict.stdout  # the reasons, not the checkers' whole logs
     bypassed = make_submission(logs, tmp_path / "bypassed", "--rcp-bypass")
     assert bypassed.returncode == 0, bypassed.stdout
     assert "package_checker 5.0.0: PASS (RCP check bypassed: --rcp-bypass)" in bypassed.stdout
     assert "rcp_checker 5.0.0: FAIL -- BYPASSED with --rcp-bypass" in bypassed.stdout
     assert score(bypassed.stdout) == pytest.approx(olympic_mean_minutes(logs), rel=1e-9)
+
+
+def test_submission_fails_on_a_failed_rcp_check_unless_bypassed(tmp_path):
+    # Open division: the package checker skips the RCP check, so only rcp_checker's own verdict catches it.
+    logs = [write_log(tmp_path / f"run{k}.txt", (0.4, 0.55, 0.7207), division="open", seed=7 + k, step_s=30 + k)
+            for k in range(10)]
+    strict = make_submission(logs, tmp_path / "strict")
+    assert "package_checker 5.0.0: PASS\n" in strict.stdout
+    assert strict.returncode == 1, strict.stdout
+    assert "rcp_checker 5.0.0: FAIL: RCP found, RCP test FAILED" in strict.stdout  # the checker's reason
+    assert "make_submission: rcp_checker failed" in strict.stderr
+    bypassed = make_submission(logs, tmp_path / "bypassed", "--rcp-bypass")
+    assert bypassed.returncode == 0, bypassed.stdout + bypassed.stderr
+    assert "rcp_checker 5.0.0: FAIL -- BYPASSED with --rcp-bypass" in bypassed.stdout
+    assert "RCP test FAILED" in bypassed.stdout
 
 
 def test_submission_refuses_an_existing_folder(tmp_path):

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 
 from corpus_sources import GENSIM_WIKI_DUMP, package_file  # noqa: E402
+from wordpiece import default_vocab_path  # noqa: E402
 
 SLICE = ["--embedded", "--max-documents", "40", "--dupe-factor", "2", "--eval-samples", "100", "--num-shards", "3"]
 
@@ -136,7 +137,8 @@ ENGLISH = "The cat sat on the mat.\nIt was a sunny day.\n\nA second document sta
 
 @pytest.mark.parametrize(
     "case",
-    ["empty_corpus", "no_text_files", "vocab_without_mask", "unrelated_vocab", "truncated_dump", "other_params"],
+    ["empty_corpus", "no_text_files", "vocab_without_mask", "unrelated_vocab", "vocab_is_a_directory",
+     "truncated_dump", "other_params"],
 )
 def test_bad_input_fails_naming_the_culprit(tmp_path, prepared, case):
     out = tmp_path / "out"
@@ -152,6 +154,9 @@ def test_bad_input_fails_naming_the_culprit(tmp_path, prepared, case):
     elif case == "unrelated_vocab":
         vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhund\nkatze\n")
         args, culprit = ["--text-dir", _text_dir(tmp_path, ENGLISH), "--vocab", vocab], f"{vocab}: 100.0% of"
+    elif case == "vocab_is_a_directory":
+        vocab.mkdir()
+        args, culprit = ["--text-dir", _text_dir(tmp_path, ENGLISH), "--vocab", vocab], f"{vocab}: a directory, not"
     elif case == "truncated_dump":
         dump = tmp_path / "enwiki-pages-articles.xml.bz2"
         dump.write_bytes(package_file(*GENSIM_WIKI_DUMP).read_bytes()[:100_000])  # a real dump, cut short
@@ -165,6 +170,54 @@ def test_bad_input_fails_naming_the_culprit(tmp_path, prepared, case):
     assert culprit in result.stderr
     if case != "other_params":
         assert not (out / "manifest.json").exists() and not list(out.rglob("*.hdf5"))
+
+
+@pytest.fixture(scope="module")
+def other_vocab_data(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """Data prepared with a vocab of the right format that is not the MLPerf one (one token appended)."""
+    tmp = tmp_path_factory.mktemp("other_vocab")
+    vocab = tmp / "vocab.txt"
+    vocab.write_text(default_vocab_path().read_text().rstrip("\n") + "\nzzzextratoken\n")
+    args = ["--text-dir", _text_dir(tmp, ENGLISH), "--vocab", vocab, "--max-seq-length", "32", "--dupe-factor", "1",
+            "--eval-samples", "8", "--num-shards", "1", "--workers", "1"]
+    return tmp / "out", vocab, _run("prepare.py", *args, "--out", tmp / "out")
+
+
+def test_a_vocab_other_than_mlperfs_is_accepted_loudly_and_recorded(other_vocab_data, prepared):
+    out, vocab, result = other_vocab_data
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warning) == 1 and f"{vocab}: md5 {_md5(vocab)} is not the MLPerf vocab" in warning[0]
+    assert "open division only" in warning[0]
+    assert json.loads((out / "manifest.json").read_text())["vocab"]["mlperf"] is False
+    assert json.loads((prepared / "manifest.json").read_text())["vocab"]["mlperf"] is True
+
+
+def _driver(data: Path, tmp_path: Path, division: str) -> tuple[subprocess.CompletedProcess, str]:
+    log = tmp_path / f"{division}.txt"
+    evals = json.loads((data / "manifest.json").read_text())["eval_samples"]
+    args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
+                train_batch_size=2, learning_rate=1e-3, max_steps=1, num_eval_examples=evals, eval_batch_size=8,
+                output_dir=tmp_path / division, mlperf_log=log, attention="padded", skip_checkpoint=1)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "MLPERF_DIVISION": division}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"):
+        env.pop(name, None)  # a single process
+    cmd = [sys.executable, str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))]]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    return run, log.read_text() if log.exists() else ""
+
+
+def test_a_closed_run_refuses_data_of_another_vocab(other_vocab_data, tmp_path):
+    out, _, _ = other_vocab_data
+    closed, log = _driver(out, tmp_path, "closed")
+    assert closed.returncode == 2, closed.stderr[-2000:]
+    assert closed.stderr.strip().splitlines() == [
+        f"error: rank 0: {out / 'manifest.json'}: the data set was prepared with a vocab that is not the MLPerf vocab "
+        "(md5 " + json.loads((out / "manifest.json").read_text())["vocab"]["md5"] + "); a closed-division run "
+        "needs the MLPerf vocab (MLPERF_DIVISION=open to use this data)"]
+    assert "run_start" not in log
+    opened, log = _driver(out, tmp_path, "open")  # the open division may use any vocab
+    assert opened.returncode in (0, 1) and '"key": "run_start"' in log, opened.stderr[-2000:]
 
 
 def test_damaged_fixed_part_is_reported_on_resume(copy):

@@ -6,8 +6,10 @@ DGXNNODES*DGXNGPU; the batch script itself has no SLURM_STEP_ID (local_slurm.md,
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,28 @@ pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not shutil.which("sinfo"), r
 
 def pids() -> list[str]:
     return [Path(p).read_text().strip() for p in ("/run/slurmctld.pid", "/run/slurmd.pid")]
+
+
+def slurm_local(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/slurm_local.sh", command], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def daemons() -> dict[str, int]:
+    """PID of each munged/slurmctld/slurmd process alive on this host, from /proc (not from any pid file)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            name = (proc / "comm").read_text().strip()
+        except OSError:
+            continue
+        if name in ("munged", "slurmctld", "slurmd"):
+            found[name] = int(proc.name)
+    return found
+
+
+def munge_works() -> bool:
+    return subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0
 
 
 def test_start_is_idempotent():
@@ -41,3 +65,33 @@ def test_step_environment_seen_by_run_and_time(tmp_path):
                             str(script)], capture_output=True, text=True, timeout=120)
     assert batch.returncode == 0, batch.stderr
     assert (tmp_path / "out").read_text().split() == ["0", "none", "2"]  # the batch script is not a step
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts and stops daemons (root)")
+def test_stop_ends_exactly_the_daemons_start_started():
+    try:
+        assert slurm_local("stop").returncode == 0
+        assert not {"slurmctld", "slurmd"} & set(daemons())
+        if "munged" in daemons():
+            pytest.skip("a munged that slurm_local.sh did not start is running; stop leaves it alone")
+        started = slurm_local("start")
+        assert started.returncode == 0, started.stderr
+        before = daemons()
+        assert set(before) == {"munged", "slurmctld", "slurmd"}
+        assert slurm_local("stop").returncode == 0
+        assert not daemons()  # stop waited for all three to exit
+        # A munged running before `start` (not ours) survives `stop`.
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+        foreign = daemons()["munged"]
+        assert slurm_local("start").returncode == 0
+        assert slurm_local("stop").returncode == 0
+        assert daemons() == {"munged": foreign} and munge_works()
+        os.kill(foreign, 15)  # the test started it
+        for _ in range(50):
+            if "munged" not in daemons():
+                break
+            time.sleep(0.1)
+    finally:
+        restored = slurm_local("start")  # other tests in the session need the cluster
+    assert restored.returncode == 0 and "idle" in restored.stdout, restored.stderr
+    assert set(daemons()) == {"munged", "slurmctld", "slurmd"}

@@ -1,4 +1,4 @@
-"""Data: shard formats (`format`) and the online training input pipeline.
+"""Data: shard formats (`format`), the data set's manifest (`manifest`) and the online training input pipeline.
 
 Pipeline modules, in the order a batch flows through them:
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from bert.config import ModelConfig, TrainConfig
+from bert.data.manifest import check_data_for_division
 from bert.data.pipeline import TrainLoader, eval_batches
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
@@ -50,6 +51,7 @@ def autocast_for(precision: str, device: torch.device):
 
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
     data, seed = cfg.data, cfg.run.seed
+    check_data_for_division(cfg.log.division, data.input_dir, data.eval_dir)
     seed_everything(seed)
     model = build_model(cfg.model, device)
     torch.manual_seed(seed + env.rank)  # dropout differs across ranks, as it does across the global batch
