@@ -113,6 +113,9 @@ class TrainConfig:
                               "is a fraction in (0, 1)")
         if self.learning_rate <= 0:
             raise ConfigError("learning_rate", "LR", self.learning_rate, "must be positive")
+        if self.resume and self.division == "closed":  # training rules: a run result is one contiguous run
+            raise ConfigError("resume", "RESUME", True, "is not allowed in the closed division (a timed run may "
+                              "not be continued); set MLPERF_DIVISION=open to finish it as a non-result")
 
 
 class ConfigError(ValueError):
