@@ -97,6 +97,16 @@ def test_closed_division_cannot_resume():
     from_env_and_args([], environ={**env, "MLPERF_DIVISION": "open"})  # an open-division continuation is fine
 
 
+def test_verifier_refuses_a_labelled_continuation(tmp_path):
+    log = tmp_path / "result_0.txt.resumed-1"
+    log.write_text(SUCCESSFUL + ':::MLLOG {"namespace": "", "time_ms": 1700000000009, "event_type": "POINT_IN_TIME", '
+                   f'"key": "{RESUMED}", "value": 25, "metadata": {{"samples": 400}}}}\n')
+    verified = verifier(log)
+    assert verified.returncode == 1 and verified.stdout.strip().splitlines() == [
+        f"FAIL {log}: not a result: resumed from a checkpoint at step 25 (400 samples); "
+        "a run result is one contiguous timed run"]
+
+
 @pytest.mark.slow
 def test_resumed_run_logs_a_labelled_continuation(synthetic_data, tmp_path):
     log, out = tmp_path / "result_0.txt", tmp_path / "out"
