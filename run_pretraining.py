@@ -18,7 +18,7 @@ from bert.config import ConfigError, from_env_and_args
 from bert.dist.env import compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
-from bert.train.mlperf_log import MLPerfLog
+from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
 from bert.train.record import record_run
 
 
@@ -30,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = read_env()
     device = compute_device(env)
-    log = MLPerfLog(cfg.log.mlperf_log, env.is_main, append=cfg.run.resume)
+    try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines
+        log_file = claim_log_file(cfg.log.mlperf_log, cfg.run.resume) if env.is_main else ""
+    except ResultLogExists as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log = MLPerfLog(log_file, env.is_main)
     log.init_start(cfg.log.cache_cleared)
     init_distributed(env, device, cfg.dist.dist_timeout_s)
     log.submission(cfg, env.world_size)
@@ -38,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         run = build_run(cfg, env, device, log)
         if cfg.run.resume:
             resume(run)
+            log.resumed(run.state.step, run.state.samples)
+            if env.is_main:
+                print(f"resume: continuing from step {run.state.step}; {log_file or 'the log'} is not a result "
+                      "(a run result is one contiguous timed run)", flush=True)
         record_run(run, device)
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit, no traceback
         print(f"error: rank {env.rank}: {e}", file=sys.stderr)

@@ -162,6 +162,9 @@ class TrainConfig:
         value, a non-finite or out-of-bounds number."""
         for section, f in config_fields():
             check_value(f, getattr(getattr(self, section), f.name))
+        if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run
+            raise ConfigError("resume", "RESUME", True, "is not allowed in the closed division (a timed run may "
+                              "not be continued); set MLPERF_DIVISION=open to finish it as a non-result")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}

@@ -4,6 +4,7 @@ The compliance checker passes a log if *any* eval reached 0.720 and never reads 
 status, the eval cadence or what `epoch_num` counts; the RCP checker trusts `status`. This
 tool checks, per log (reference: training rules, "Deprecated benchmarks" / BERT):
 
+* the log is not a continuation (`resumed_from_checkpoint`): a run result times one contiguous run;
 * exactly one `run_start` and one `run_stop` (one logging rank), run_stop carries a status;
 * init (first `init_start` to `init_stop`) under the division's limit: 30 min closed, 240 open;
 * convergence: last `eval_accuracy` before `run_stop` >= target  <=>  status is "success";
@@ -30,6 +31,7 @@ from pathlib import Path
 from result_log import Event, LogError, eval_schedule, read_events, values
 
 INIT_LIMIT_MIN = {"closed": 30, "open": 240}
+RESUMED = "resumed_from_checkpoint"  # bert.train.mlperf_log.RESUMED
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,19 @@ def check_cadence(events: list[Event], gbs: int | None, start: int | None, every
     return []
 
 
+def check_not_resumed(events: list[Event]) -> list[str]:
+    """The driver labels a run continued from a checkpoint; its log times only the continuation."""
+    resumed = next((e for e in events if e.key == RESUMED), None)
+    if resumed is None:
+        return []
+    return [f"not a result: resumed from a checkpoint at step {resumed.value} ({resumed.metadata.get('samples')} "
+            "samples); a run result is one contiguous timed run"]
+
+
 def verify(path: str | Path, expect: Expect) -> list[str]:
     events = read_events(path)
+    if check_not_resumed(events):  # the other checks would only add noise about the missing first part
+        return check_not_resumed(events)
     gbs = (values(events, "global_batch_size") or [None])[0]
     return (check_run_bounds(events) + check_init_time(events) + check_convergence(events, expect.target)
             + check_epoch_nums(events, gbs) + check_sample_counts(events, expect.eval_samples)

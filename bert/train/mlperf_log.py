@@ -1,13 +1,15 @@
 """The MLPerf result log (ruleset 5.0.0, BERT), written by rank 0 only.
 
 Traps handled here: `mllog.config(filename=...)` appends, so the logger gets its own handler that
-truncates the file; values must be plain JSON (no tensors); `metadata.file/lineno` must point at
-the caller (the package checker's seed check reads it), hence `stack_offset`.
+truncates the file (`claim_log_file` has checked that it holds no log); values must be plain JSON (no
+tensors); `metadata.file/lineno` must point at the caller (the package checker's seed check reads it),
+hence `stack_offset`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -16,9 +18,34 @@ from mlperf_logging.mllog import constants as C
 
 from bert.config import TrainConfig
 
+RESUMED = "resumed_from_checkpoint"  # value: the checkpoint's step; logging/verify_result.py refuses such a log
+
+
+class ResultLogExists(FileExistsError):
+    pass
+
+
+def claim_log_file(path: str, resume: bool) -> str:
+    """The file this run logs to. A log already in `path` is never truncated or appended to: a fresh run is
+    refused, a resumed one gets the next free `<path>.resumed-<n>` (created here, atomically). An empty
+    file is free: run.sub claims result_<i>.txt by creating it empty."""
+    if not path or not os.path.exists(path) or os.path.getsize(path) == 0:
+        return path
+    if not resume:
+        raise ResultLogExists(f"--mlperf_log / $MLPERF_LOG: {path} already holds a log; refusing to overwrite it "
+                              "(give a new file; RESUME=1 logs a continuation to a file of its own)")
+    n = 1
+    while True:
+        candidate = f"{path}.resumed-{n}"
+        try:
+            os.close(os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return candidate
+        except FileExistsError:
+            n += 1
+
 
 class MLPerfLog:
-    def __init__(self, path: str, enabled: bool, append: bool = False):
+    def __init__(self, path: str, enabled: bool):
         self.enabled = enabled
         if not enabled:
             return
@@ -29,7 +56,7 @@ class MLPerfLog:
         logger.addHandler(logging.StreamHandler(sys.stdout))
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            logger.addHandler(logging.FileHandler(path, mode="a" if append else "w"))
+            logger.addHandler(logging.FileHandler(path, mode="w"))
         self._ml = mllog.get_mllogger()
         if self._ml.logger is not logger:  # mllog refuses to be configured twice with the same logger
             mllog.config(logger=logger)
@@ -71,6 +98,10 @@ class MLPerfLog:
             (C.OPT_LAMB_LR_DECAY_POLY_POWER, opt.lr_poly_power), ("opt_learning_rate_end", opt.end_learning_rate),
         ]:
             self._log("event", key, value, None)
+
+    def resumed(self, step: int, samples: int) -> None:
+        """Labels a continuation: it is not a run result (the rules time one contiguous run)."""
+        self._log("event", RESUMED, int(step), {"samples": int(samples)})
 
     def eval_result(self, samples: int, accuracy: float) -> None:
         self._log("event", C.EVAL_ACCURACY, float(accuracy), {C.EPOCH_NUM: int(samples)})
