@@ -103,6 +103,8 @@ class DistConfig:
     bucket_cap_mb: float = opt(25.0, "DDP bucket size", env="BUCKET_CAP_MB", low=0.0, low_open=True, high=1e5)
     dist_timeout_s: int = opt(300, "collective timeout: a dead rank ends the job after this", env="DIST_TIMEOUT",
                               low=1, high=10**6)
+    grad_reduce: str = opt("flat", "how gradients are averaged over the ranks", env="GRAD_REDUCE",
+                           registry="bert.dist.reduce:REDUCTIONS")
 
 
 @dataclass

@@ -6,12 +6,18 @@ sent and when; a Reduce decides *how* it travels. Keeping the two apart lets eve
 compose with every reduction strategy.
 
     allreduce_mean   the flat allreduce DDP itself runs (ring/tree inside NCCL or gloo)
+
+`REDUCTIONS` is the registry behind `GRAD_REDUCE` (name -> builder of a Reduce from the config's dist
+section and the rank layout); `build_reduce` returns None for DDP's own flat allreduce, which needs no hook.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from bert.config import DistConfig
+from bert.dist.env import DistEnv
 from torch import Tensor
 from torch.futures import Future
 
@@ -36,3 +42,18 @@ def reduce_hook(reduce: Reduce) -> Hook:
         return reduce(bucket.buffer())
 
     return hook
+
+
+ReduceBuilder = Callable[[DistConfig, DistEnv], Reduce | None]
+
+
+def _flat(cfg: DistConfig, env: DistEnv) -> Reduce | None:
+    return None  # DDP's built-in allreduce (C++), or allreduce_mean inside the clipping hooks
+
+
+REDUCTIONS: dict[str, ReduceBuilder] = {"flat": _flat}
+
+
+def build_reduce(cfg: DistConfig, env: DistEnv) -> Reduce | None:
+    """The gradient reduction `cfg.grad_reduce` for this rank layout (None: DDP's flat allreduce)."""
+    return REDUCTIONS[cfg.grad_reduce](cfg, env)

@@ -14,6 +14,7 @@ from bert.data.pipeline import TrainLoader, eval_batches
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
+from bert.dist.reduce import build_reduce
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
 from bert.optim import build_optimizer, build_schedule
@@ -58,7 +59,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.model.init_loss_scale,
                                   enabled=cfg.model.precision == "fp16")
     ddp = apply_ddp(model, cfg.dist)
-    clipper = install_clipping(ddp, cfg.optim.grad_clip, cfg.optim.max_grad_norm, scaler)
+    clipper = install_clipping(ddp, cfg.optim.grad_clip, cfg.optim.max_grad_norm, scaler,
+                               reduce=build_reduce(cfg.dist, env))
     optimizer = build_optimizer(model, cfg.optim)
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
