@@ -61,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("DEBUG") == "1":
         torchrun.main(argv)
         return 0
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _AGENT_SIGNALS
     signal.signal(signal.SIGTERM, _forward)
     signal.signal(signal.SIGINT, _forward)
     for name in list(logging.root.manager.loggerDict):
@@ -72,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun.run(torchrun.parse_args(argv))  # run(), not main(): main's @record prints the report box
+        args = torchrun.parse_args(argv)
+        args.signals_to_handle = _AGENT_SIGNALS
+        torchrun.run(args)  # run(), not main(): main's @record prints the report box
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
