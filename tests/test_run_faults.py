@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,3 +253,17 @@ def test_abort_log_closes_only_a_log_left_open(tail, appended, tmp_path):
             [("run_stop", "INTERVAL_END", "aborted")]
     else:
         assert added == []
+
+
+def test_unreadable_sample_is_named_by_its_row(synthetic_data, tmp_path):
+    from bert.data.format import ShardError, VarlenShard
+
+    shard = corrupt_copy(synthetic_data, tmp_path / "data")
+    with VarlenShard(shard) as f:
+        with pytest.raises(ShardError) as err:
+            f.read(np.arange(len(f)))
+        row = int(re.search(rf"^{re.escape(str(shard))}: sample (\d+) unreadable \(corrupt shard\?\)", str(err.value))
+                  .group(1))
+        f.read(np.arange(row))  # every row before it reads
+        with pytest.raises(ShardError):
+            f.read([row])
