@@ -4,7 +4,10 @@
 #   srun --ntasks-per-node="$DGXNGPU" ./run_and_time.sh  # Slurm started one task per process: run the driver directly
 # run_pretraining.py reads every setting from the environment; $EXTRA_PARAMS is passed through untouched.
 # Prints STARTING/ENDING TIMING RUN lines and RESULT,bert,<seed>,<seconds>,<user>,<start>, and exits with the
-# driver's status.
+# driver's status: 0 reached the target or pre-empted after a checkpoint, 1 aborted, 2 bad config/path/data.
+# SIGTERM/SIGINT to this script is forwarded to the launcher (pre-emption: the driver checkpoints, exit 0); a
+# failure is one line per rank, tracebacks only with DEBUG=1; a driver that died without `run_stop` gets
+# `run_stop` aborted appended to $MLPERF_LOG.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -47,15 +50,24 @@ start=$(date +%s)
 start_fmt=$(date +'%Y-%m-%d %r')
 main_task && echo "STARTING TIMING RUN AT $start_fmt"
 
-set +e
+# In the background, so that a signal to this script reaches the launcher instead of orphaning it.
 if [ "$launcher" = slurm ]; then
-  "$PYTHON" -u "$HERE/run_pretraining.py" "${extra[@]}"
-else
-  "$PYTHON" -u -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$DGXNGPU" \
-    "$HERE/run_pretraining.py" "${extra[@]}"
+  "$PYTHON" -u "$HERE/run_pretraining.py" "${extra[@]}" &
+else  # bert.dist.launch: torchrun that forwards SIGTERM to the workers and reports a failure in one line
+  "$PYTHON" -u -m bert.dist.launch --standalone --nnodes=1 --nproc_per_node="$DGXNGPU" \
+    "$HERE/run_pretraining.py" "${extra[@]}" &
 fi
-status=$?
-set -e
+pid=$!
+trap 'kill -TERM "$pid" 2>/dev/null || true' TERM INT
+# `wait` returns early when a trapped signal arrives: wait until the launcher is gone, then ask bash for its
+# status (kept for a reaped child, so asking again is safe).
+while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+status=0
+wait "$pid" || status=$?
+trap - TERM INT
+if [ "$status" != 0 ] && [ -n "${MLPERF_LOG:-}" ] && main_task; then
+  "$PYTHON" -m bert.train.abort_log "$MLPERF_LOG" || true
+fi
 
 end=$(date +%s)
 if main_task; then

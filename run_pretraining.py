@@ -4,8 +4,10 @@
         --train_batch_size 16 --learning_rate 1e-3 --max_steps 1000 [--grad_clip bucket] ...
 
 Every flag also reads an environment variable (`python -m bert.train.config --help`). Exit status:
-0 when the target was reached or the job was pre-empted after a checkpoint, 1 when the run was
-aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration, path or data set.
+0 when the target was reached or the job was pre-empted after a checkpoint (SIGTERM), 1 when the
+run was aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration, path or
+data set (a corrupt shard found mid-run included). A failure prints one `error: rank R: ...` line;
+DEBUG=1 adds the traceback.
 """
 
 from __future__ import annotations
@@ -15,11 +17,20 @@ import sys
 import traceback
 
 from bert.config import ConfigError, from_env_and_args
+from bert.data.format import ShardError
 from bert.dist.env import compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
 from bert.train.record import record_run
+
+
+def report(rank: int | str, e: BaseException, suffix: str = "") -> None:
+    """One line naming what failed; the traceback only on request (DEBUG=1)."""
+    if os.environ.get("DEBUG") == "1":
+        traceback.print_exception(e)
+    lines = str(e).strip().splitlines()
+    print(f"error: rank {rank}: {lines[0] if lines else type(e).__name__}{suffix}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,20 +59,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resume: continuing from step {run.state.step}; {log_file or 'the log'} is not a result "
                       "(a run result is one contiguous timed run)", flush=True)
         record_run(run, device)
-    except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit, no traceback
-        print(f"error: rank {env.rank}: {e}", file=sys.stderr)
+    except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit
+        report(env.rank, e)
         return 2
     log.end("init_stop")
     log.start("run_start")
     log.start("block_start", metadata={"first_epoch_num": 1, "epoch_count": 1})
     try:
         status = train(run)
-    except Exception:
-        # A dead rank surfaces here as a failed or timed-out collective; so does a non-finite loss.
-        traceback.print_exc()
+    except Exception as e:
+        # A dead rank surfaces here as a failed or timed-out collective; so do a non-finite loss and a
+        # shard found corrupt by the reader thread.
         log.run_stop(run.state.samples, run.eval_samples, success=False)
-        print(f"rank {env.rank}: run aborted", file=sys.stderr, flush=True)
-        os._exit(1)  # skip process-group teardown, which can block on the dead peer
+        report(env.rank, e, "; run aborted")
+        os._exit(2 if isinstance(e, ShardError) else 1)  # skip process-group teardown: it can block on a dead peer
     if status != PREEMPTED:
         log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
     if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
@@ -72,4 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception as e:  # anything unforeseen (a peer gone during init, ...): still one line
+        report(os.environ.get("RANK", 0), e)
+        sys.exit(1)

@@ -231,8 +231,10 @@ class VarlenShard:
             raise IndexError(f"{self.path}: indices outside 0..{self._len - 1}")
         # h5py fancy indexing needs increasing unique indices; read those, then map back.
         unique, inverse = np.unique(indices, return_inverse=True)
-        with self._reading():
+        try:
             cols = {key: ds[unique] for key, ds in self._ds.items()}
+        except OSError as e:  # a damaged chunk or heap is only found when it is read
+            raise ShardError(f"{self.path}: {self._unreadable(unique)} unreadable (corrupt shard?): {e}") from e
         samples = []
         for j, row in zip(inverse, indices):
             sample = Sample(
@@ -252,6 +254,16 @@ class VarlenShard:
     def __iter__(self) -> Iterator[Sample]:
         for start in range(0, self._len, 1024):
             yield from self.read(np.arange(start, min(start + 1024, self._len)))
+
+    def _unreadable(self, rows: np.ndarray) -> str:
+        """Which of `rows` cannot be read: re-read one at a time (only on the error path)."""
+        for row in rows:
+            try:
+                for ds in self._ds.values():
+                    ds[int(row)]
+            except OSError:
+                return f"sample {row}"
+        return f"one of samples {rows.min()}..{rows.max()}"
 
     @contextmanager
     def _reading(self) -> Iterator[None]:

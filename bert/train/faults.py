@@ -54,4 +54,4 @@ class StopAgreement:
 def check_finite(loss_sum: float, step: int, scaled: bool) -> None:
     """Without fp16 loss scaling nothing skips a bad step, so a non-finite loss ends the run."""
     if not scaled and not torch.isfinite(torch.tensor(loss_sum)):
-        raise NonFiniteLoss(f"non-finite training loss ({loss_sum}) before step {step}; the run is aborted")
+        raise NonFiniteLoss(f"non-finite training loss ({loss_sum}) before step {step}")

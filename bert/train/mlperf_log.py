@@ -45,7 +45,9 @@ def claim_log_file(path: str, resume: bool) -> str:
 
 
 class MLPerfLog:
-    def __init__(self, path: str, enabled: bool):
+    def __init__(self, path: str, enabled: bool, *, append: bool = False):
+        """`append` is for `bert.train.abort_log` alone, which closes a log its dead driver left open; a run
+        never appends (`claim_log_file` gives it a file of its own)."""
         self.enabled = enabled
         if not enabled:
             return
@@ -56,7 +58,7 @@ class MLPerfLog:
         logger.addHandler(logging.StreamHandler(sys.stdout))
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            logger.addHandler(logging.FileHandler(path, mode="w"))
+            logger.addHandler(logging.FileHandler(path, mode="a" if append else "w"))
         self._ml = mllog.get_mllogger()
         if self._ml.logger is not logger:  # mllog refuses to be configured twice with the same logger
             mllog.config(logger=logger)

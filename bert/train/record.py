@@ -62,9 +62,9 @@ def record_run(run: Run, device: torch.device) -> dict[str, Any] | None:
     if not run.env.is_main:
         return None
     record = resolved_record(run, device)
-    text = json.dumps(record, indent=1)
     out = Path(run.cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(text + "\n")
-    print(f"resolved configuration ({out / 'config.json'}):\n{text}", file=sys.stdout, flush=True)
+    (out / "config.json").write_text(json.dumps(record, indent=1) + "\n")
+    # one line on the console: greppable, and it does not bury the lines around it
+    print(f"resolved configuration ({out / 'config.json'}): {json.dumps(record)}", file=sys.stdout, flush=True)
     return record
