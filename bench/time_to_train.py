@@ -238,11 +238,13 @@ def rate_from_model_json(path: Path) -> tuple[float, int, str]:
         raise BadInput(f"model JSON {path} does not exist")
     try:
         report = json.loads(path.read_text())
-        best = max((r for r in report["results"] if r["variant"].startswith("unpadded")),
-                   key=lambda r: r["samples_per_s"])  # fmt: skip
+        unpadded = [r for r in report["results"] if r["variant"].startswith("unpadded")]
         lengths, masked = report["batch_lengths"], report["masked_tokens"]
-    except (json.JSONDecodeError, KeyError, ValueError, TypeError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise BadInput(f"model JSON {path} is not a bench/model.py result ({type(err).__name__}: {err})") from None
+    if not unpadded:
+        raise BadInput(f"model JSON {path} has no unpadded result to take the rate from")
+    best = max(unpadded, key=lambda r: r["samples_per_s"])
     from bert.model.config import NAMED
     from bert.model.flops import StepShape, train_flops
 
@@ -287,10 +289,11 @@ def load_rcps(ruleset: str = RCP_RULESET) -> RCPTable:
 
     logging.getLogger().setLevel(logging.WARNING)
     checker = rcp_checker.RCP_Checker("training", ruleset, "bert", verbose=False)
-    path = checker._construct_json_filename("training", ruleset, "bert")
+    path = Path(checker._construct_json_filename("training", ruleset, "bert"))
+    path = path.relative_to(Path(rcp_checker.__file__).parents[2])  # mlperf_logging/rcp_checker/...: no site path
     pruned = {int(r["BS"]): float(r["RCP Mean"]) for r in checker.pruned_rcp_data.values()}
     full = {int(r["BS"]): float(r["RCP Mean"]) for r in checker.rcp_data.values()}
-    return RCPTable(path, dict(sorted(pruned.items())), dict(sorted(full.items())))
+    return RCPTable(str(path), dict(sorted(pruned.items())), dict(sorted(full.items())))
 
 
 def rules_eval_interval(gbs: int) -> int:
@@ -564,8 +567,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    rcps = load_rcps()
-    cs = calibrations()
     our_c = {"H100": c_from_rate(OUR_H100_RATE, 96, SYSTEMS["H100"])}
     rate_note = f"H100: this harness's driver, {OUR_H100_RATE} samples/s at batch 96 (issue 9)"
     system = get_system(args.system)
@@ -576,6 +577,8 @@ def run(args: argparse.Namespace) -> dict:
     elif args.rate is not None:
         our_c = {system.name: c_from_rate(args.rate, args.rate_batch, system)}
         rate_note = f"{system.name}: --rate {args.rate} samples/s at batch {args.rate_batch}"
+    rcps = load_rcps()
+    cs = calibrations()
     paths = args.configs or sorted(ROOT.glob("config_DGX*_*x*.sh"))
     paths = [p for p in paths if not p.name.endswith("_common.sh")]
     # A link to another listed config (config_DGXA100_128x8.sh) would repeat its row.
