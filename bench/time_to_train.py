@@ -8,7 +8,7 @@ per GPU type (NVIDIA's 1 x DGX A100 and 1 x DGX H100, solved for c through this 
 per-GPU training rate (--rate), or from a `bench/model.py` JSON (--model-json). Every other published
 point is then predicted, not fitted, and its error printed. The terms:
 
-    samples_to_converge  the RCP mean of mlperf-logging's own rcps_bert.json (ruleset 5.0.0), pruned and
+    samples_to_converge  the RCP mean of [MLPerf-logging]'s own rcps_bert.json (ruleset 5.0.0), pruned and
                          linearly interpolated between batch sizes exactly as its rcp_checker does
     imbalance            the load-balance lab's simulation (`bert.balance.lab.simulate`): the most-loaded
                          GPU's tokens / the mean, for the strategy, GPU count and local batch (compute is
@@ -306,7 +306,7 @@ def rules_eval_interval(gbs: int) -> int:
 
 @dataclass(frozen=True)
 class Published:
-    """A published MLPerf BERT result (/work/shared/reference, section 4) and the techniques its code ran."""
+    """A published MLPerf BERT result [MLPerf-results] (olympic mean of 10 runs) and the techniques its code ran."""
 
     name: str
     system: str
@@ -401,13 +401,12 @@ def config_rows(paths: list[Path], cs: dict[str, float], rcps: RCPTable, our_c: 
             raise BadInput(f"{path}: missing or bad setting ({err})") from None
         # This harness: DDP (overlapped all-reduce), GRAD_REDUCE, replicated optimizer (no sharding setting yet).
         tech = Technique(env.get("BALANCE", "global"), env.get("GRAD_REDUCE", "flat"), "replicated").check()
-        reduce_known = tech.reduce
         samples, how = rcps.samples(gpus * local)
         run = Run(system, gpus, local, samples, interval)
         nv = predict(cs[system], run, tech)
         row = {"config": path.name, "system": system, "gpus": gpus, "local_batch": local, "gbs": run.gbs,
                "eval_interval": interval, "rcp_samples": samples, "rcp": how, "technique": asdict(tech),
-               "reduce": reduce_known, "minutes_published_rate": nv.minutes, "step_ms": nv.step_s * 1e3,
+               "minutes_published_rate": nv.minutes, "step_ms": nv.step_s * 1e3,
                "imbalance": nv.imbalance, "exposed_comm_ms": nv.exposed_comm_s * 1e3,
                "optimizer_ms": nv.optimizer_s * 1e3, "eval_s": nv.eval_s}  # fmt: skip
         if system in our_c:
