@@ -14,8 +14,9 @@ import os
 import sys
 import traceback
 
-from bert.config import ConfigError, from_env_and_args
-from bert.dist.env import compute_device, init_distributed, read_env
+from bert.config import ConfigError, TrainConfig, from_env_and_args
+from bert.dist import ps
+from bert.dist.env import DistEnv, compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
@@ -28,7 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    env = read_env()
+    job = read_env()
+    try:
+        server = ps.is_server(job, cfg.dist)
+    except ValueError as e:  # a rank layout that cannot hold the parameter servers
+        print(f"error: rank {job.rank}: {e}", file=sys.stderr)
+        return 2
+    if server:  # a CPU process that only sums gradient shards: no model, no log
+        return ps.serve(job, cfg.dist)
+    status = train_worker(cfg, job)
+    ps.disconnect()  # the servers stop once every worker has said so (nothing without servers)
+    return status
+
+
+def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
+    env = ps.worker_env(job, cfg.dist)  # the job itself, or its workers when it holds parameter servers
     device = compute_device(env)
     try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines
         log_file = claim_log_file(cfg.log.mlperf_log, cfg.run.resume) if env.is_main else ""
@@ -37,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = MLPerfLog(log_file, env.is_main)
     log.init_start(cfg.log.cache_cleared)
-    init_distributed(env, device, cfg.dist.dist_timeout_s)
+    init_distributed(env, device, cfg.dist.dist_timeout_s, store=ps.connect_worker(job, cfg.dist))
     log.submission(cfg, env.world_size)
     try:
         run = build_run(cfg, env, device, log)
