@@ -208,3 +208,18 @@ def test_driver_with_a_parameter_server_trains_like_flat(tmp_path, synthetic_dat
     assert weights[0].keys() == weights[1].keys()
     for name, w in weights[0].items():
         torch.testing.assert_close(w, weights[1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"GRAD_REDUCE": "ps", "PS_SERVERS": "0"}, "$PS_SERVERS"),
+    ({"GRAD_REDUCE": "ps", "EXTRA_PARAMS": "--ps_servers 2"}, "not in EXTRA_PARAMS"),
+    ({"EXTRA_PARAMS": "--grad_reduce ps"}, "not in EXTRA_PARAMS"),
+], ids=["zero-servers", "servers-in-extra-params", "ps-in-extra-params"])
+def test_launcher_refuses_a_server_count_it_cannot_honour(overrides, message):
+    """run_and_time.sh counts the processes from GRAD_REDUCE/PS_SERVERS: it stops before starting anything."""
+    from test_harness import config_env
+
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], env=config_env("config_CPU_1x2.sh", **overrides),
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "STARTING TIMING RUN" not in out.stdout
