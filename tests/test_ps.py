@@ -13,9 +13,12 @@ The whole driver under torchrun (2 workers + 1 server) is checked against a flat
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,13 +84,17 @@ def process(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)  # 5 processes on 2 cores
     job = DistEnv(rank, world, rank, world, "127.0.0.1", port)
     cfg = from_flat(grad_reduce="ps", ps_servers=SERVERS, dist_timeout_s=120).dist
-    if ps.is_server(job, cfg):
-        me = ps.layout(job, cfg.ps_servers)
-        _, group = ps.join(job, me, cfg.dist_timeout_s)
-        torch.save({"served": ps.serve_loop(group, me), "index": me.index}, f"{out}.{rank}")
+    if ps.is_server(job, cfg):  # the driver's entry point; its report line goes to a file
+        Path(f"{out}.pid{rank}").write_text(str(os.getpid()))
+        with open(f"{out}.log{rank}", "w") as sys.stderr:
+            torch.save({"status": ps.serve(job, cfg), "index": ps.layout(job, cfg.ps_servers).index},
+                       f"{out}.{rank}")
         return
     env = ps.worker_env(job, cfg)
     init_distributed(env, torch.device("cpu"), cfg.dist_timeout_s, store=ps.connect_worker(job, cfg))
+    if env.rank == 0:  # a pre-emption signal: the servers must outlive it (the workers stop them)
+        for server in range(WORKERS, world):
+            os.kill(int(Path(f"{out}.pid{server}").read_text()), signal.SIGTERM)
     reduce = build_reduce(cfg, env)
     result: dict = {"env": env}
     sent = [buffer(env.rank, n) for n in SIZES]
@@ -115,10 +122,11 @@ def test_ps_equals_flat_allreduce_for_raw_buffers_and_every_clip_mode(tmp_path):
     results = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     workers, servers = results[:WORKERS], results[WORKERS:]
     assert [w["env"].rank for w in workers] == [0, 1, 2] and {w["env"].world_size for w in workers} == {WORKERS}
-    assert [s["index"] for s in servers] == [0, 1]
+    assert [(s["index"], s["status"]) for s in servers] == [(0, 0), (1, 0)]  # SIGTERM did not end them
     # every buffer reached both servers, nothing went around them
-    sent = {w["buffers_sent"] for w in workers}
-    assert len(sent) == 1 and [s["served"] for s in servers] == [sent.pop()] * SERVERS
+    (sent,) = {w["buffers_sent"] for w in workers}
+    for s in range(SERVERS):
+        assert served(Path(f"{out}.log{WORKERS + s}").read_text(), WORKERS, server=s) == sent
     tight = dict(rtol=1e-12, atol=1e-15)
     for n, *got in zip(SIZES, *[w["raw"] for w in workers]):
         want = sum(buffer(r, n) for r in range(WORKERS)) / WORKERS
@@ -191,8 +199,9 @@ def short_run_env(data: Path, out: Path, reduce: str, gpus: int) -> dict[str, st
                       OMP_NUM_THREADS="1", EXTRA_PARAMS="")
 
 
-def served(stderr: str, workers: int) -> int:
-    found = re.search(rf"ps server 0: (\d+) buffers from {workers} workers, stopped cleanly", stderr)
+def served(stderr: str, workers: int, server: int = 0) -> int:
+    """The buffer count in a server's last line."""
+    found = re.search(rf"ps server {server}: (\d+) buffers from {workers} workers, stopped cleanly", stderr)
     assert found, stderr[-3000:]
     return int(found.group(1))
 

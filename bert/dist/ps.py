@@ -26,7 +26,9 @@ header (`disconnect`); a server returns once all workers have stopped.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
+import os
 import queue
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -224,6 +226,12 @@ def serve_loop(group: dist.ProcessGroup, me: Layout) -> int:
 
 def serve(job: DistEnv, cfg: DistConfig) -> int:
     """A server process's whole life: join, serve until the workers stop, exit status 0."""
+    # Pre-emption (SIGTERM to every task) is the workers' to handle: they finish the step, checkpoint, then
+    # stop the servers, which must still be there for that step. A dead worker still ends a server (its
+    # connection closes); the launcher's SIGKILL too.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "OMP_NUM_THREADS" not in os.environ:  # srun sets no thread count: share the cores as the workers do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.local_world_size))
     me = layout(job, cfg.ps_servers)
     _, group = join(job, me, cfg.dist_timeout_s)
     served = serve_loop(group, me)
