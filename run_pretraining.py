@@ -3,6 +3,9 @@
     torchrun --nproc_per_node 2 run_pretraining.py --input_dir D --eval_dir E --bert_config_path tiny \\
         --train_batch_size 16 --learning_rate 1e-3 --max_steps 1000 [--grad_clip bucket] ...
 
+With GRAD_REDUCE=ps the last PS_SERVERS local ranks of every node are parameter servers (`bert.dist.ps`):
+they branch off at the top of `main`, build no model and write no log.
+
 Every flag also reads an environment variable (`python -m bert.train.config --help`). Exit status:
 0 when the target was reached or the job was pre-empted after a checkpoint, 1 when the run was
 aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration, path or data set.

@@ -135,28 +135,29 @@ class Client:
         while (job := self._jobs.get()) is not None:
             flat, host, result = job
             try:
-                self._exchange(BUCKET, host)
-                result.set_result(flat.copy_(host))  # the mean goes back into the bucket itself
+                result.set_result(flat.copy_(self._exchange(BUCKET, host)))  # into the bucket itself
             except Exception as e:  # noqa: BLE001 - DDP re-raises it in the training thread
                 result.set_exception(e)
 
-    def _exchange(self, kind: int, host: Tensor) -> None:
-        shards = host.split(shard_sizes(host.numel(), self.me.servers))
-        pending, keep = [], []
-        for s, shard in enumerate(shards):
-            server = self.me.workers + s
-            header = _header(self.seq, kind, shard.numel(), host.dtype)
-            keep.append(header)
-            pending.append(self.group.send([header], server, HEADER))
+    def _exchange(self, kind: int, host: Tensor) -> Tensor:
+        """Shard s of `host` to server s; returns the means. Every server gets a header, even for an empty
+        shard, so that all servers see every sequence number."""
+        sizes = shard_sizes(host.numel(), self.me.servers)
+        mean = torch.empty_like(host)
+        works, headers = [], []  # the headers must live until their sends are done
+        # Receives first: a server can answer as soon as the last worker's shard is in.
+        for s, part in enumerate(mean.split(sizes)):
+            if part.numel():
+                works.append(self.group.recv([part], self.me.workers + s, RESULT))
+        for s, shard in enumerate(host.split(sizes)):
+            headers.append(_header(self.seq, kind, shard.numel(), host.dtype))
+            works.append(self.group.send([headers[-1]], self.me.workers + s, HEADER))
             if shard.numel():
-                pending.append(self.group.send([shard], server, DATA))
-        for work in pending:
-            work.wait()
-        receiving = [self.group.recv([shard], self.me.workers + s, RESULT)
-                     for s, shard in enumerate(shards) if shard.numel()]
-        for work in receiving:
+                works.append(self.group.send([shard], self.me.workers + s, DATA))
+        for work in works:
             work.wait()
         self.seq += 1
+        return mean
 
     def close(self) -> None:
         """Wait for the buffers in flight, then tell every server this worker is done."""
@@ -169,7 +170,7 @@ _client: Client | None = None
 
 
 def connect_worker(job: DistEnv, cfg: DistConfig) -> dist.Store | None:
-    """For a worker of a PS job: join the PS group, keep the client for `ps_reduce`, and return the store of
+    """For a worker of a PS job: join the PS group, keep the client that GRAD_REDUCE=ps reduces with, and return the store of
     the workers' default group (for `init_distributed`). None without parameter servers."""
     global _client
     if not uses_ps(cfg):
