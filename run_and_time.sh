@@ -2,6 +2,8 @@
 # One timed MLPerf BERT run. The config is already in the environment; this script sources nothing:
 #   source config_CPU_1x2.sh && ./run_and_time.sh      # one node: torchrun --standalone, DGXNGPU processes
 #   srun --ntasks-per-node="$DGXNGPU" ./run_and_time.sh  # Slurm started one task per process: run the driver directly
+# With GRAD_REDUCE=ps every node runs PS_SERVERS (default 1) more processes, the parameter servers:
+# torchrun starts DGXNGPU + PS_SERVERS, and under Slurm --ntasks-per-node must be DGXNGPU + PS_SERVERS (run.sub).
 # run_pretraining.py reads every setting from the environment; $EXTRA_PARAMS is passed through untouched.
 # Prints STARTING/ENDING TIMING RUN lines and RESULT,bert,<seed>,<seconds>,<user>,<start>, and exits with the
 # driver's status: 0 reached the target or pre-empted after a checkpoint, 1 aborted, 2 bad config/path/data.
@@ -26,7 +28,17 @@ need_positive_int() {  # NAME...: shell-only variables the driver does not read
 }
 
 need_positive_int DGXNNODES DGXNGPU
-nprocs=$((DGXNNODES * DGXNGPU))
+# GRAD_REDUCE=ps: PS_SERVERS parameter-server processes per node on top of the GPUs' (bert/dist/ps.py).
+per_node=$DGXNGPU
+if [ "${GRAD_REDUCE:-flat}" = ps ]; then
+  PS_SERVERS=${PS_SERVERS:-1}
+  need_positive_int PS_SERVERS
+  per_node=$((DGXNGPU + PS_SERVERS))
+fi
+case " ${EXTRA_PARAMS:-} " in *" --grad_reduce"* | *" --ps_servers"*)
+  fail "set GRAD_REDUCE and PS_SERVERS in the environment, not in EXTRA_PARAMS: they decide how many processes start" ;;
+esac
+nprocs=$((DGXNNODES * per_node))
 # Slurm started the processes iff we are inside a job step with one task per process.
 if [ -n "${SLURM_STEP_ID:-}" ] && [ "${SLURM_NTASKS:-0}" = "$nprocs" ]; then
   launcher=slurm
@@ -54,7 +66,7 @@ main_task && echo "STARTING TIMING RUN AT $start_fmt"
 if [ "$launcher" = slurm ]; then
   "$PYTHON" -u "$HERE/run_pretraining.py" "${extra[@]}" &
 else  # bert.dist.launch: torchrun that forwards SIGTERM to the workers and reports a failure in one line
-  "$PYTHON" -u -m bert.dist.launch --standalone --nnodes=1 --nproc_per_node="$DGXNGPU" \
+  "$PYTHON" -u -m bert.dist.launch --standalone --nnodes=1 --nproc_per_node="$per_node" \
     "$HERE/run_pretraining.py" "${extra[@]}" &
 fi
 pid=$!

@@ -3,6 +3,9 @@
     torchrun --nproc_per_node 2 run_pretraining.py --input_dir D --eval_dir E --bert_config_path tiny \\
         --train_batch_size 16 --learning_rate 1e-3 --max_steps 1000 [--grad_clip bucket] ...
 
+With GRAD_REDUCE=ps the last PS_SERVERS local ranks of every node are parameter servers (`bert.dist.ps`):
+they branch off at the top of `main`, build no model and write no log.
+
 Every flag also reads an environment variable (`python -m bert.train.config --help`). Exit status:
 0 when the target was reached or the job was pre-empted after a checkpoint (SIGTERM), 1 when the
 run was aborted (limit reached, non-finite loss, a dead rank), 2 for a bad configuration, path or
@@ -16,9 +19,10 @@ import os
 import sys
 import traceback
 
-from bert.config import ConfigError, from_env_and_args
+from bert.config import ConfigError, TrainConfig, from_env_and_args
 from bert.data.format import ShardError
-from bert.dist.env import compute_device, init_distributed, read_env
+from bert.dist import ps
+from bert.dist.env import DistEnv, compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
@@ -39,7 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    env = read_env()
+    job = read_env()
+    try:
+        server = ps.is_server(job, cfg.dist)
+    except ValueError as e:  # a rank layout that cannot hold the parameter servers
+        report(job.rank, e)
+        return 2
+    if server:  # a CPU process that only sums gradient shards: no model, no log
+        return ps.serve(job, cfg.dist)
+    status = train_worker(cfg, job)
+    ps.disconnect()  # the servers stop once every worker has said so (nothing without servers)
+    return status
+
+
+def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
+    env = ps.worker_env(job, cfg.dist)  # the job itself, or its workers when it holds parameter servers
     device = compute_device(env)
     try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines
         log_file = claim_log_file(cfg.log.mlperf_log, cfg.run.resume) if env.is_main else ""
@@ -48,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = MLPerfLog(log_file, env.is_main)
     log.init_start(cfg.log.cache_cleared)
-    init_distributed(env, device, cfg.dist.dist_timeout_s)
+    init_distributed(env, device, cfg.dist.dist_timeout_s, store=ps.connect_worker(job, cfg.dist))
     log.submission(cfg, env.world_size)
     try:
         run = build_run(cfg, env, device, log)

@@ -105,6 +105,8 @@ class DistConfig:
                               low=1, high=10**6)
     grad_reduce: str = opt("flat", "how gradients are averaged over the ranks", env="GRAD_REDUCE",
                            registry="bert.dist.reduce:REDUCTIONS")
+    ps_servers: int = opt(1, "parameter-server processes per node with GRAD_REDUCE=ps (launched on top of DGXNGPU)",
+                          env="PS_SERVERS", low=1, high=64)
 
 
 @dataclass

@@ -84,13 +84,16 @@ def compute_device(env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float) -> None:
-    """Join the process group. The timeout bounds how long survivors wait for a dead rank."""
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float, store: dist.Store | None = None) -> None:
+    """Join the process group. The timeout bounds how long survivors wait for a dead rank. `store`: a
+    rendezvous already made (the workers' part of a job with parameter servers, `bert.dist.ps`)."""
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     # A single process still gets a (trivial) group so that DDP and its clipping hooks run unchanged.
     where = {"init_method": f"tcp://{env.master_addr}:{env.master_port}"} if env.distributed else {
         "store": dist.HashStore()}
+    if store is not None:
+        where = {"store": store}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None, **where)

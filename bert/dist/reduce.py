@@ -6,6 +6,7 @@ sent and when; a Reduce decides *how* it travels. Keeping the two apart lets eve
 compose with every reduction strategy.
 
     allreduce_mean   the flat allreduce DDP itself runs (ring/tree inside NCCL or gloo)
+    ps               parameter servers sum the shards of every buffer (`bert.dist.ps`, Herring [003] §III-A)
 
 `REDUCTIONS` is the registry behind `GRAD_REDUCE` (name -> builder of a Reduce from the config's dist
 section and the rank layout); `build_reduce` returns None for DDP's own flat allreduce, which needs no hook.
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from bert.config import DistConfig
+from bert.dist import ps
 from bert.dist.env import DistEnv
 from torch import Tensor
 from torch.futures import Future
@@ -51,7 +53,11 @@ def _flat(cfg: DistConfig, env: DistEnv) -> Reduce | None:
     return None  # DDP's built-in allreduce (C++), or allreduce_mean inside the clipping hooks
 
 
-REDUCTIONS: dict[str, ReduceBuilder] = {"flat": _flat}
+def _ps(cfg: DistConfig, env: DistEnv) -> Reduce | None:
+    return ps.client().reduce  # the client the driver connected in init (`ps.connect_worker`)
+
+
+REDUCTIONS: dict[str, ReduceBuilder] = {"flat": _flat, "ps": _ps}
 
 
 def build_reduce(cfg: DistConfig, env: DistEnv) -> Reduce | None:
