@@ -96,7 +96,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.total = sum(self.sizes)
         self.shard_len = -(-self.total // self.world)
         lo, hi = self.rank * self.shard_len, min((self.rank + 1) * self.shard_len, self.total)
-        self.flat = torch.empty(self.world * self.shard_len, dtype=first.dtype, device=first.device)
+        # The shard is kept (the pieces' .grad are views of it); the flat N*L buffer lives only inside a step,
+        # so on a GPU its memory is reused by the activations of the next forward pass.
         self.shard = torch.zeros(self.shard_len, dtype=first.dtype, device=first.device)  # grads in, weights out
         self.spans: list[tuple[int, int]] = []  # this rank's [a, b) inside each tensor
         pieces, start = [], 0
@@ -125,13 +126,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norms = squares.sqrt().to(params[0].dtype)
         return norms[:len(params)], norms[len(params):]
 
-    def _reduce_scatter_mean(self) -> None:
+    def _flat(self) -> Tensor:
+        return self.shard.new_zeros(self.world * self.shard_len)
+
+    def _reduce_scatter_mean(self, flat: Tensor) -> None:
         if any(p.grad is None for p in self.params):
             raise RuntimeError("sharded update: a parameter has no gradient (every rank must send every one)")
-        torch.cat([p.grad.reshape(-1) for p in self.params], out=self.flat[:self.total])
-        self.flat[self.total:].zero_()
-        self.flat.div_(self.world)  # as DDP's allreduce: divide, then sum
-        _REDUCE_SCATTER(self.shard, self.flat, group=self.process_group)
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:self.total])
+        flat.div_(self.world)  # as DDP's allreduce: divide, then sum
+        _REDUCE_SCATTER(self.shard, flat, group=self.process_group)
 
     def _clip_after(self, max_norm: float) -> None:
         """clip_grad_norm_ on the averaged gradient, computed from the shards."""
@@ -140,25 +143,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm = square.sqrt().to(torch.promote_types(self.shard.dtype, torch.float32))
         self.shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0).to(self.shard.dtype))
 
-    def _all_gather_weights(self) -> None:
+    def _all_gather_weights(self, flat: Tensor) -> None:
         own = [piece for piece in self.pieces if piece.numel()]
         if own:
             torch.cat(own, out=self.shard[:self.owned])
-        _ALL_GATHER(self.flat, self.shard, group=self.process_group)
-        whole = [t.view_as(p) for t, p in zip(self.flat[:self.total].split(self.sizes), self.params)]
+        _ALL_GATHER(flat, self.shard, group=self.process_group)
+        whole = [t.view_as(p) for t, p in zip(flat[:self.total].split(self.sizes), self.params)]
         torch._foreach_copy_(self.params, whole)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure")
-        self._reduce_scatter_mean()
+        flat = self._flat()
+        self._reduce_scatter_mean(flat)
         if self.clip_after is not None:
             self._clip_after(self.clip_after)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.inner.step()
-        self._all_gather_weights()
+        self._all_gather_weights(flat)
 
     # -- whole checkpoints
     def _per_element(self, index: int, value: object, shape: torch.Size) -> bool:
@@ -170,14 +174,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = {i: dict(s) for i, s in inner["state"].items()}
         keys = sorted({k for i, s in state.items() for k, v in s.items()
                        if self._per_element(i, v, self.pieces[i].shape)})
+        flat = self._flat() if keys else None
         for key in keys:
-            self.flat.zero_()
             own = [state[i][key] for i, piece in enumerate(self.pieces) if piece.numel() and i in state]
             mine = torch.zeros_like(self.shard)
             if own:
                 torch.cat(own, out=mine[:self.owned])
-            _ALL_GATHER(self.flat, mine, group=self.process_group)
-            for i, (t, p) in enumerate(zip(self.flat[:self.total].split(self.sizes), self.params)):
+            _ALL_GATHER(flat, mine, group=self.process_group)
+            for i, (t, p) in enumerate(zip(flat[:self.total].split(self.sizes), self.params)):
                 if i in state:
                     state[i][key] = t.view_as(p).clone()
         groups = [{**{k: v for k, v in outer.items() if k != "params"}, "params": g["params"]}
