@@ -96,6 +96,8 @@ class OptimConfig:
     grad_clip: str = opt("after", "where gradients are clipped", env="GRAD_CLIP",
                          registry="bert.dist.clip:CLIP_MODES")
     max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
+    optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
+                                   "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
 
 
 @dataclass
@@ -166,6 +168,13 @@ class TrainConfig:
         value, a non-finite or out-of-bounds number."""
         for section, f in config_fields():
             check_value(f, getattr(getattr(self, section), f.name))
+        if self.optim.optimizer_sharding and self.dist.grad_reduce != "flat":  # its reduce-scatter is the reduction
+            raise ConfigError("grad_reduce", "GRAD_REDUCE", self.dist.grad_reduce, "cannot be combined with "
+                              "OPTIMIZER_SHARDING=1 (the sharded update reduce-scatters the gradients itself)")
+        shardable = registry_names("bert.optim.sharded:SHARDABLE") if self.optim.optimizer_sharding else ()
+        if self.optim.optimizer_sharding and self.optim.optimizer not in shardable:
+            raise ConfigError("optimizer", "OPTIMIZER", self.optim.optimizer,
+                              f"cannot be sharded (OPTIMIZER_SHARDING=1 supports {', '.join(shardable)})")
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run
             raise ConfigError("resume", "RESUME", True, "is not allowed in the closed division (a timed run may "
                               "not be continued); set MLPERF_DIVISION=open to finish it as a non-result")

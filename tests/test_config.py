@@ -39,7 +39,7 @@ ENV_NAMES = {
     "GRAD_CLIP", "MAX_GRAD_NORM", "BUCKET_CAP_MB", "SEED", "MAX_SAMPLES_TERMINATION", "EVAL_ITER_START_SAMPLES",
     "EVAL_ITER_SAMPLES", "TARGET_MLM_ACCURACY", "LOG_FREQ", "CHECKPOINT_EVERY", "SKIP_CHECKPOINT", "RESUME",
     "STEPS_THIS_JOB", "DIST_TIMEOUT", "MLPERF_LOG", "CACHE_CLEARED", "MLPERF_DIVISION", "MLPERF_ORG", "DGXSYSTEM",
-    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "PS_SERVERS",
+    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "PS_SERVERS", "OPTIMIZER_SHARDING",
 }
 
 
@@ -76,6 +76,7 @@ def test_selector_choices_are_the_registries():
     ({"GRAD_REDUCE": "hierarchicl"}, "$GRAD_REDUCE"),
     ({"GRAD_REDUCE": "ps", "PS_SERVERS": "0"}, "$PS_SERVERS"),
     ({"PRECISION": "bf61"}, "$PRECISION"),
+    ({"OPTIMIZER_SHARDING": "maybe"}, "$OPTIMIZER_SHARDING"),
     ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),
     ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),
     ({"BATCHSIZE": "nan"}, "$BATCHSIZE"),
@@ -93,6 +94,18 @@ def test_bad_values_are_config_errors_naming_the_variable(env, culprit):
     with pytest.raises(ConfigError) as e:
         parse(**env)
     assert culprit in str(e.value) and "\n" not in str(e.value)
+
+
+def test_optimizer_sharding_refuses_another_gradient_reduction(monkeypatch):
+    """The sharded update's reduce-scatter is the reduction: GRAD_REDUCE must stay flat."""
+    import bert.dist.reduce
+
+    monkeypatch.setitem(bert.dist.reduce.REDUCTIONS, "hierarchical", lambda cfg, env: None)
+    assert parse(OPTIMIZER_SHARDING="1", OPTIMIZER="adam").optim.optimizer_sharding is True
+    assert parse(GRAD_REDUCE="hierarchical").dist.grad_reduce == "hierarchical"
+    with pytest.raises(ConfigError) as e:
+        parse(OPTIMIZER_SHARDING="1", GRAD_REDUCE="hierarchical")
+    assert "$GRAD_REDUCE" in str(e.value) and "OPTIMIZER_SHARDING" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_check_env_fails_on_the_issues_typos_with_one_line_and_exit_2():

@@ -34,9 +34,14 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lamb": _lamb, "a
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule."""
+    """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule.
+    With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded)."""
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
+    if cfg.optimizer_sharding:
+        from bert.optim.sharded import build_sharded  # needs torch.distributed initialised
+
+        return build_sharded(groups, cfg, lr)
     return OPTIMIZERS[cfg.optimizer](groups, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
                                      next(model.parameters()).is_cuda)
 

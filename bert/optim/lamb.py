@@ -11,20 +11,32 @@ biases and LayerNorm parameters take a plain Adam step. Gradient clipping is not
 `after` clip mode (bert.dist.clip) clips the averaged gradient by its global norm beforehand,
 which is the same as FusedLAMB's `max_grad_norm`. Written with torch's foreach kernels; the
 learning rate is a device tensor so the schedule never copies a host value per step.
+
+`tensor_norms` computes (||p||, ||u||) per tensor; the sharded update (bert.optim.sharded) passes
+one that completes the norms of tensors split across ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+TensorNorms = Callable[[list[Tensor], list[Tensor]], tuple[Tensor, Tensor]]
+
+
+def local_tensor_norms(params: list[Tensor], update: list[Tensor]) -> tuple[Tensor, Tensor]:
+    return torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
 
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: Tensor | float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, tensor_norms: TensorNorms = local_tensor_norms):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"LAMB betas must be in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.tensor_norms = tensor_norms
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -58,7 +70,7 @@ class Lamb(torch.optim.Optimizer):
         lr = torch.as_tensor(group["lr"], device=params[0].device)
         if group["weight_decay"] != 0.0:
             torch._foreach_add_(update, params, alpha=group["weight_decay"])
-            p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
+            p_norm, u_norm = self.tensor_norms(params, update)
             trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
             torch._foreach_mul_(update, list((-lr * trust).unbind()))
         else:

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bert.config import ModelConfig, TrainConfig
 from bert.data.manifest import check_data_for_division
@@ -18,6 +19,7 @@ from bert.dist.reduce import build_reduce
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
 from bert.optim import build_optimizer, build_schedule
+from bert.optim.sharded import hook_clip_mode, local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
@@ -56,11 +58,12 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     seed_everything(seed)
     model = build_model(cfg.model, device)
     torch.manual_seed(seed + env.rank)  # dropout differs across ranks, as it does across the global batch
-    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.model.init_loss_scale,
-                                  enabled=cfg.model.precision == "fp16")
+    sharded = cfg.optim.optimizer_sharding  # the optimizer reduce-scatters; every rank must agree on fp16 skips
+    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
+        device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
     ddp = apply_ddp(model, cfg.dist)
-    clipper = install_clipping(ddp, cfg.optim.grad_clip, cfg.optim.max_grad_norm, scaler,
-                               reduce=build_reduce(cfg.dist, env))
+    clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
+                               reduce=local_only() if sharded else build_reduce(cfg.dist, env))
     optimizer = build_optimizer(model, cfg.optim)
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,

@@ -52,10 +52,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
     _barrier()
     states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rank_parts.items()}
     torch.save({**states, "rng": _rng_state()}, where / f"rank_{rank:05d}.pt")
+    # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
+    shared = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
     if rank == 0:
         save_weights(model, where / "model.safetensors")
-        torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()},
-                   where / "train_state.pt")
+        torch.save(shared, where / "train_state.pt")
     _barrier()
     if rank == 0:
         tmp = root / f".{LATEST}.tmp"
