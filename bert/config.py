@@ -105,6 +105,8 @@ class DistConfig:
                               low=1, high=10**6)
     grad_reduce: str = opt("flat", "how gradients are averaged over the ranks", env="GRAD_REDUCE",
                            registry="bert.dist.reduce:REDUCTIONS")
+    grad_buckets: str = opt("ddp", "gradient buckets: DDP's, or equal-size fusion buffers (Herring [003] §III-1)",
+                            env="GRAD_BUCKETS", registry="bert.dist.ddp:GRAD_BUCKETS")
 
 
 @dataclass
