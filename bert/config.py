@@ -109,6 +109,8 @@ class DistConfig:
                            registry="bert.dist.reduce:REDUCTIONS")
     ps_servers: int = opt(1, "parameter-server processes per node with GRAD_REDUCE=ps (launched on top of DGXNGPU)",
                           env="PS_SERVERS", low=1, high=64)
+    grad_buckets: str = opt("ddp", "gradient buckets: DDP's, or equal-size fusion buffers (Herring [003] §III-1)",
+                            env="GRAD_BUCKETS", registry="bert.dist.ddp:GRAD_BUCKETS")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from bert.config import (
     registry_names,
 )
 from bert.dist.clip import CLIP_MODES
+from bert.dist.ddp import GRAD_BUCKETS
 from bert.dist.reduce import REDUCTIONS
 from bert.model.attention import BACKENDS
 from bert.optim import OPTIMIZERS
@@ -39,7 +40,7 @@ ENV_NAMES = {
     "GRAD_CLIP", "MAX_GRAD_NORM", "BUCKET_CAP_MB", "SEED", "MAX_SAMPLES_TERMINATION", "EVAL_ITER_START_SAMPLES",
     "EVAL_ITER_SAMPLES", "TARGET_MLM_ACCURACY", "LOG_FREQ", "CHECKPOINT_EVERY", "SKIP_CHECKPOINT", "RESUME",
     "STEPS_THIS_JOB", "DIST_TIMEOUT", "MLPERF_LOG", "CACHE_CLEARED", "MLPERF_DIVISION", "MLPERF_ORG", "DGXSYSTEM",
-    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "PS_SERVERS", "OPTIMIZER_SHARDING",
+    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "PS_SERVERS", "OPTIMIZER_SHARDING", "GRAD_BUCKETS",
 }
 
 
@@ -64,6 +65,7 @@ def test_selector_choices_are_the_registries():
     assert set(registry_names(by_env["OPTIMIZER"].metadata["registry"])) == set(OPTIMIZERS)
     assert set(registry_names(by_env["GRAD_CLIP"].metadata["registry"])) == set(CLIP_MODES)
     assert set(registry_names(by_env["GRAD_REDUCE"].metadata["registry"])) == set(REDUCTIONS)
+    assert set(registry_names(by_env["GRAD_BUCKETS"].metadata["registry"])) == set(GRAD_BUCKETS)
     for name in [*STRATEGIES]:
         assert parse(BALANCE=name).data.balance == name
 
@@ -75,6 +77,7 @@ def test_selector_choices_are_the_registries():
     ({"GRAD_CLIP": "bukcet"}, "$GRAD_CLIP"),
     ({"GRAD_REDUCE": "hierarchicl"}, "$GRAD_REDUCE"),
     ({"GRAD_REDUCE": "ps", "PS_SERVERS": "0"}, "$PS_SERVERS"),
+    ({"GRAD_BUCKETS": "balnced"}, "$GRAD_BUCKETS"),
     ({"PRECISION": "bf61"}, "$PRECISION"),
     ({"OPTIMIZER_SHARDING": "maybe"}, "$OPTIMIZER_SHARDING"),
     ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),

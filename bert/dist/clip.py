@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bert.dist.fusion import FusedDataParallel
 from bert.dist.reduce import Reduce, allreduce_mean, reduce_hook
 
 LossScale = Callable[[], Tensor | float]  # the current fp16 loss scale; 1.0 without scaling
@@ -161,7 +162,9 @@ def _install_before(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Re
 
 
 def _install_bucket(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
-    state = BucketClipState(max_norm, DdpBucketCount(ddp), loss_scale, reduce or allreduce_mean())
+    # Balanced fusion buffers (bert.dist.fusion) have a constant B; DDP's may change once, at its rebuild.
+    count = ddp.num_buckets if isinstance(ddp, FusedDataParallel) else DdpBucketCount(ddp)
+    state = BucketClipState(max_norm, count, loss_scale, reduce or allreduce_mean())
     ddp.register_comm_hook(state, bucket_clip_hook)
     return Clipper()
 
@@ -174,7 +177,7 @@ CLIP_MODES: dict[str, Installer] = {
 }
 
 
-def install_clipping(ddp: DDP, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None,
+def install_clipping(ddp: DDP | FusedDataParallel, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None,
                      reduce: Reduce | None = None) -> Clipper:
     """Set up clipping `mode` on `ddp` once and return the step-side Clipper. `reduce` is how gradients are
     averaged (`bert.dist.reduce`); None keeps DDP's flat allreduce. DDP takes one comm hook, so this is

@@ -1,15 +1,33 @@
-"""Data parallelism: wrap the model in DDP (clipping is installed on it by `bert.dist.clip.install_clipping`)."""
+"""Data parallelism: wrap the model in DDP, or in balanced fusion buffers (`bert.dist.fusion`); clipping is
+installed on the wrapper by `bert.dist.clip.install_clipping`. `GRAD_BUCKETS` is the registry."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.config import DistConfig
+from bert.dist.fusion import FusedDataParallel
 
 
-def apply_ddp(model: torch.nn.Module, cfg: DistConfig) -> DDP:
-    """DDP with `cfg.bucket_cap_mb` buckets; gradients are views into the buckets."""
+def _ddp(model: torch.nn.Module, cfg: DistConfig) -> DDP:
     # device_ids=None: batches arrive on the device already, and DDP must not re-build the Batch dataclass.
     return DDP(model, device_ids=None, bucket_cap_mb=cfg.bucket_cap_mb,
                gradient_as_bucket_view=True)  # no second copy of the gradients; Samsung did the same
+
+
+def _balanced(model: torch.nn.Module, cfg: DistConfig) -> FusedDataParallel:
+    return FusedDataParallel(model, cfg.bucket_cap_mb)
+
+
+GRAD_BUCKETS: dict[str, Callable[[torch.nn.Module, DistConfig], DDP | FusedDataParallel]] = {
+    "ddp": _ddp,  # whole parameters per bucket, up to bucket_cap_mb each
+    "balanced": _balanced,  # ceil(total / bucket_cap_mb) slices of equal size (Herring [003] §III-1)
+}
+
+
+def apply_ddp(model: torch.nn.Module, cfg: DistConfig) -> DDP | FusedDataParallel:
+    """The data-parallel wrapper `cfg.grad_buckets`; gradients are views into its buckets."""
+    return GRAD_BUCKETS[cfg.grad_buckets](model, cfg)

@@ -1,0 +1,55 @@
+"""bench/comm.py: the BERT-large bucket report (Herring [003] §III-1) and one tiny end-to-end run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert.dist.ddp import GRAD_BUCKETS
+from bert.dist.reduce import REDUCTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bert_large_ddp_buckets_against_balanced_ones():
+    report = load("comm").bucket_report(25.0)
+    assert report["tensors"] == 398  # "BERT-large contains 398 trainable variables" (Herring §III-1)
+    ddp, balanced = report["ddp"], report["balanced"]
+    # The word embedding's gradient, ready last, makes the last bucket five caps big (Herring §III-1, Table II).
+    assert ddp["bytes"][-1] == ddp["max_bytes"] >= 30528 * 1024 * 4
+    assert ddp["spread"] > 4 and sum(ddp["bytes"]) == report["params"] * 4
+    assert balanced["max_bytes"] - balanced["min_bytes"] <= 4 and balanced["max_bytes"] <= 25 * 2**20
+    assert balanced["buckets"] == -(-report["params"] * 4 // (25 * 2**20))
+
+
+@pytest.mark.slow
+def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
+    out, png = tmp_path / "comm.json", tmp_path / "comm.png"
+    cmd = [sys.executable, str(ROOT / "bench" / "comm.py"), "--scale", "32", "--world", "2", "--local-world", "1",
+           "--bucket-cap-mb", "200", "--steps", "1", "--out", str(out),
+           "--plot", str(png)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {f"{r}/{b}" for r in REDUCTIONS for b in GRAD_BUCKETS}
+    params = result["setup"]["params"]
+    flat = result["runs"]["flat/ddp"]
+    assert flat["median_step_ms"] > 0 and flat["bytes_sent_per_rank"] == pytest.approx(2 * 1 / 2 * params * 4)
+    assert result["runs"]["flat/balanced"]["buckets_count"] == result["bert_large_buckets"]["balanced"]["buckets"]
+    at_1024 = {name: rows[-1] for name, rows in result["model"]["predictions"]["H100"].items()}
+    assert at_1024["flat"]["inter_bytes_per_gpu"] > 8 * at_1024["hierarchical"]["inter_bytes_per_gpu"]
+    assert png.stat().st_size > 10_000
