@@ -13,7 +13,14 @@ Bucket sizes are odd, so the hierarchical reduce-scatter pads.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +214,41 @@ def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_pat
         assert torch.equal(HierarchicalMean(1)(flat).wait(), torch.arange(5.0))  # a world of one: the identity
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_launchers_form_nodes_from_their_local_ranks(tmp_path):
+    """2 launchers x 2 ranks: the nodes are the launchers' ranks, and the mean is right (float64, and bf16)."""
+    script = Path(__file__).parent / "multiproc" / "reduce_ranks.py"
+    port = free_port()
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+         "2", "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in launchers]
+    finally:  # a launcher left waiting for its peer must not outlive the test
+        for p in launchers:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(logs)
+    sys.path.insert(0, str(script.parent))
+    from reduce_ranks import rank_values
+
+    records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
+    assert sorted(records) == [0, 1, 2, 3]
+    values = [rank_values(r) for r in range(4)]
+    mean = sum(values) / 4
+    scale = sum(v.abs() for v in values) / 4
+    for rank, record in records.items():
+        assert record["intra"] == ([0, 1] if rank < 2 else [2, 3]) and record["inter"] == [rank % 2, rank % 2 + 2]
+        torch.testing.assert_close(torch.tensor(record["fp32"], dtype=torch.float64), mean, rtol=1e-12, atol=1e-15)
+        err = (torch.tensor(record["bf16"], dtype=torch.float64) - mean).abs()
+        assert (err <= 5 * UNIT_ROUNDOFF["bf16"] * scale).all() and err.max() > 0, rank
