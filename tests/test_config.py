@@ -23,6 +23,7 @@ from bert.config import (
     registry_names,
 )
 from bert.dist.clip import CLIP_MODES
+from bert.dist.compress import COMM_DTYPES
 from bert.dist.reduce import REDUCTIONS
 from bert.model.attention import BACKENDS
 from bert.optim import OPTIMIZERS
@@ -39,7 +40,7 @@ ENV_NAMES = {
     "GRAD_CLIP", "MAX_GRAD_NORM", "BUCKET_CAP_MB", "SEED", "MAX_SAMPLES_TERMINATION", "EVAL_ITER_START_SAMPLES",
     "EVAL_ITER_SAMPLES", "TARGET_MLM_ACCURACY", "LOG_FREQ", "CHECKPOINT_EVERY", "SKIP_CHECKPOINT", "RESUME",
     "STEPS_THIS_JOB", "DIST_TIMEOUT", "MLPERF_LOG", "CACHE_CLEARED", "MLPERF_DIVISION", "MLPERF_ORG", "DGXSYSTEM",
-    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE",
+    "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "GRAD_COMM_DTYPE", "GRAD_REDUCE_NODE_SIZE",
 }
 
 
@@ -64,6 +65,7 @@ def test_selector_choices_are_the_registries():
     assert set(registry_names(by_env["OPTIMIZER"].metadata["registry"])) == set(OPTIMIZERS)
     assert set(registry_names(by_env["GRAD_CLIP"].metadata["registry"])) == set(CLIP_MODES)
     assert set(registry_names(by_env["GRAD_REDUCE"].metadata["registry"])) == set(REDUCTIONS)
+    assert set(registry_names(by_env["GRAD_COMM_DTYPE"].metadata["registry"])) == set(COMM_DTYPES)
     for name in [*STRATEGIES]:
         assert parse(BALANCE=name).data.balance == name
 
@@ -74,6 +76,9 @@ def test_selector_choices_are_the_registries():
     ({"OPTIMIZER": "lamb2"}, "$OPTIMIZER"),
     ({"GRAD_CLIP": "bukcet"}, "$GRAD_CLIP"),
     ({"GRAD_REDUCE": "hierarchicl"}, "$GRAD_REDUCE"),
+    ({"GRAD_COMM_DTYPE": "bf8"}, "$GRAD_COMM_DTYPE"),
+    ({"GRAD_REDUCE_NODE_SIZE": "-2"}, "$GRAD_REDUCE_NODE_SIZE"),
+    ({"GRAD_REDUCE": "hierarchical", "GRAD_REDUCE_NODE_SIZE": "3", "WORLD_SIZE": "4"}, "$GRAD_REDUCE_NODE_SIZE"),
     ({"PRECISION": "bf61"}, "$PRECISION"),
     ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),
     ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),
