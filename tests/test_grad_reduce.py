@@ -50,6 +50,8 @@ REDUCES = {
     "flat_fp16": ("flat", "fp16", torch.float32),
     "hierarchical_bf16": ("hierarchical", "bf16", torch.float32),
     "hierarchical_fp16": ("hierarchical", "fp16", torch.float32),
+    # the NCCL path (reduce_scatter / all_gather) on gloo; gloo's own default exchanges by send/receive
+    "hierarchical_collective_f64": ("hierarchical", "fp32", torch.float64),
 }
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 SUBNORMAL_STEP = {"bf16": 2.0**-133, "fp16": 2.0**-24}
@@ -106,6 +108,9 @@ def worker(rank: int, store: str, out: str) -> None:
     for name, (strategy, comm, dtype) in REDUCES.items():
         cfg = from_flat(grad_reduce=strategy, grad_comm_dtype=comm).dist
         reduce = build_reduce(cfg, env)  # process groups built once per reduction, reused by every mode
+        if "collective" in name:
+            reduce = HierarchicalMean(NODE, exchange="collective")
+        assert getattr(reduce, "exchange", None) in (None, "collective" if "collective" in name else "p2p")
         assert (reduce is None) == (name in ("flat", "flat_f64"))
         for mode in MODES:
             results[name, mode] = run(mode, recorded(reduce, sizes[name, mode]) if reduce else None, dtype, rank)
@@ -142,8 +147,9 @@ def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
         for mode in MODES:
             where = f"{mode} step {step}"
-            for g, f in zip(res["hierarchical_f64", mode][step], res["flat_f64", mode][step]):
-                torch.testing.assert_close(g, f, rtol=1e-12, atol=1e-15, msg=where)
+            for name in ("hierarchical_f64", "hierarchical_collective_f64"):
+                for g, f in zip(res[name, mode][step], res["flat_f64", mode][step]):
+                    torch.testing.assert_close(g, f, rtol=1e-12, atol=1e-15, msg=f"{name} {where}")
             flat = res["flat", mode][step]
             for g, f, s in zip(res["hierarchical", mode][step], flat, scale):
                 assert g.dtype == torch.float32

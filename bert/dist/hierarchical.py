@@ -41,19 +41,57 @@ def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[
     return intra, inter
 
 
-class HierarchicalMean:
-    """A `Reduce` (bert.dist.reduce): the world mean of a flat tensor, in place, by steps 1-3 above."""
+class _Job:
+    """One buffer on its way through the three steps; `work` is the step in flight."""
 
-    def __init__(self, node_size: int):
-        world = dist.get_world_size()
+    def __init__(self, flat: Tensor, padded: Tensor, shard: Tensor, work: "_Pending"):
+        self.flat, self.padded, self.shard, self.work = flat, padded, shard, work
+        self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
+
+    def finish(self) -> None:
+        if self.padded is not self.flat:
+            self.flat.copy_(self.padded[:self.flat.numel()])
+        self.result.set_result(self.flat)
+
+
+class _Pending:
+    """Collectives or sends/receives in flight, and what to do once they are done."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = works, then
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+
+
+class HierarchicalMean:
+    """A `Reduce` (bert.dist.reduce): the world mean of a flat tensor, in place, by steps 1-3 above.
+
+    `exchange` is how steps 1 and 3 move data inside the node: "collective" (reduce_scatter / all_gather,
+    the NCCL default) or "p2p" (each rank sends every node peer its chunk and sums what it receives, the
+    gloo default: gloo's reduce-scatter, all-to-all and all-gather cost about twice the CPU per byte of
+    its ring allreduce, and its sends/receives about as much; bench/grad_reduce.py).
+    """
+
+    def __init__(self, node_size: int, exchange: str | None = None):
+        world, rank = dist.get_world_size(), dist.get_rank()
         intra, inter = node_groups(world, node_size)
         self.world, self.node_size = world, node_size
         # Three enumerations, every rank in the same order: each returns this rank's group.
         self.scatter_group, _ = dist.new_subgroups_by_enumeration(intra)
         self.inter_group, _ = dist.new_subgroups_by_enumeration(inter)
         self.gather_group, _ = dist.new_subgroups_by_enumeration(intra)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self.node_ranks = intra[rank // node_size]
+        self.local = rank % node_size
+        self.exchange = exchange or ("p2p" if dist.get_backend() == "gloo" else "collective")
+        if self.exchange not in ("p2p", "collective"):
+            raise ValueError(f"exchange must be p2p or collective, got {self.exchange!r}")
+        self._to_inter: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_gather: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
         flat.div_(self.world)
@@ -61,28 +99,71 @@ class HierarchicalMean:
         padded = flat if flat.numel() % n == 0 else torch.cat(  # equal shards need a multiple of n
             [flat, flat.new_zeros(n - flat.numel() % n)])
         shard = padded.new_empty(padded.numel() // n)
-        scatter = dist.reduce_scatter_single(shard, padded, group=self.scatter_group, async_op=True)
-        result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
-        self._start_thread()
-        self._jobs.put((flat, padded, shard, scatter, result))
-        return result
+        job = _Job(flat, padded, shard, self._reduce_scatter(padded, shard))
+        self._start_threads()
+        self._to_inter.put(job)
+        return job.result
 
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hierarchical-reduce", daemon=True)
-            self._thread.start()
+    def _peers(self):
+        return [(j, r) for j, r in enumerate(self.node_ranks) if j != self.local]
 
-    def _run(self) -> None:
+    def _reduce_scatter(self, padded: Tensor, shard: Tensor) -> _Pending:
+        group = self.scatter_group
+        if self.exchange == "collective":
+            return _Pending([dist.reduce_scatter_single(shard, padded, group=group, async_op=True)])
+        chunks = padded.view(self.node_size, -1)
+        received = padded.new_empty(self.node_size - 1, shard.numel())
+        works = []
+        for k, (j, peer) in enumerate(self._peers()):
+            works.append(dist.irecv(received[k], src=peer, group=group))
+            works.append(dist.isend(chunks[j], dst=peer, group=group))
+        return _Pending(works, lambda: torch.add(chunks[self.local], received.sum(0), out=shard))
+
+    def _all_gather(self, padded: Tensor, shard: Tensor) -> _Pending:
+        group = self.gather_group
+        if self.exchange == "collective":
+            return _Pending([dist.all_gather_single(padded, shard, group=group, async_op=True)])
+        chunks = padded.view(self.node_size, -1)
+        works = []
+        for j, peer in self._peers():
+            works.append(dist.irecv(chunks[j], src=peer, group=group))
+            works.append(dist.isend(shard, dst=peer, group=group))
+        chunks[self.local].copy_(shard)
+        return _Pending(works)
+
+    def _start_threads(self) -> None:
+        if not self._threads:
+            self._threads = [threading.Thread(target=run, name=f"hierarchical-{run.__name__}", daemon=True)
+                             for run in (self._inter_steps, self._gather_steps)]
+            for t in self._threads:
+                t.start()
+
+    def _inter_steps(self) -> None:
+        """Step 2 for every buffer in arrival order: one thread, so every rank issues them alike."""
         while True:
-            flat, padded, shard, scatter, result = self._jobs.get()
+            job = self._to_inter.get()
             try:
-                with torch.cuda.device(flat.device) if flat.is_cuda else nullcontext():
-                    scatter.wait()
-                    dist.all_reduce(shard, group=self.inter_group, async_op=True).wait()
-                    dist.all_gather_single(padded, shard, group=self.gather_group, async_op=True).wait()
-                    if padded is not flat:
-                        flat.copy_(padded[:flat.numel()])
-                result.set_result(flat)
+                with _on_device(job.flat):
+                    job.work.wait()
+                    job.work = _Pending([dist.all_reduce(job.shard, group=self.inter_group, async_op=True)])
             except Exception as e:  # DDP's wait on the future raises it in the training thread
-                result.set_exception(e)
+                job.result.set_exception(e)
+                continue
+            self._to_gather.put(job)
 
+    def _gather_steps(self) -> None:
+        """Step 3 in arrival order; the buffer is handed back when its all-gather is done."""
+        while True:
+            job = self._to_gather.get()
+            try:
+                with _on_device(job.flat):
+                    job.work.wait()
+                    self._all_gather(job.padded, job.shard).wait()
+                    job.finish()
+            except Exception as e:
+                job.result.set_exception(e)
+
+
+def _on_device(t: Tensor):
+    """The comm threads issue collectives on the tensor's GPU (a new thread starts on GPU 0)."""
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
