@@ -8,7 +8,8 @@ clipping mode with every reduction, built by `build_reduce` from a config as the
       clipping before the reduction only shrinks |g_r|), and in the 2-norm for `after` (clipping the mean
       is a projection onto a ball, which is 1-Lipschitz);
   and the compression really rounds (the error exceeds what fp32 could produce).
-Bucket sizes are odd, so the hierarchical reduce-scatter pads.
+Bucket sizes are odd: uneven chunks for the send/receive exchange (gloo's default), padding for the
+reduce_scatter/all_gather exchange (NCCL's default, run here on gloo in float64).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from bert.dist.hierarchical import HierarchicalMean, node_groups
 from bert.dist.reduce import build_reduce
 
 WORLD, NODE = 4, 2
-SHAPES = [(7, 13), (33,), (16, 9), (5,), (21, 3), (1,)]  # odd sizes: padded shards
+SHAPES = [(7, 13), (33,), (16, 9), (5,), (21, 3), (1,)]  # odd sizes: uneven or padded shards
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0]
 C, STEPS, CAP_MB = 1.0, 2, 0.0002  # 200-byte buckets: several per model
 MODES = ("none", "after", "before", "bucket")
@@ -130,7 +131,7 @@ def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}")[0] for r in range(WORLD)]
     sizes = torch.load(f"{out}.0")[1]
-    # the cases the test is for: several buckets once DDP rebuilt them (step 1), some of odd size (padded shards)
+    # the cases the test is for: several buckets once DDP rebuilt them (step 1), some of odd size
     assert len(sizes["hierarchical", "bucket"]) >= 1 + 3 and any(n % NODE for n in sizes["hierarchical", "none"])
     assert len(sizes["hierarchical", "before"]) == STEPS  # clip-before: one concatenated reduction per step
     for rank in range(1, WORLD):  # every rank holds the same mean

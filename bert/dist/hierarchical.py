@@ -12,12 +12,18 @@ Ranks are laid out node by node: node k holds ranks k*n .. k*n+n-1, which is wha
 block distribution give (`DistEnv.local_world_size` = n, or `GRAD_REDUCE_NODE_SIZE` to simulate nodes).
 The process groups are built once, on every rank in the same order (`dist.new_group` is collective).
 
-Ordering. Collectives on one group must be issued in the same order on every rank. The reduce-scatter
-is issued by the hook itself (DDP calls hooks in bucket order on every rank); steps 2-3 run on one
-communication thread per reduction that takes the buckets in that same order, so bucket k's inter-node
-allreduce overlaps the backward pass and bucket k+1's reduce-scatter. Steps 1 and 3 use two distinct
-intra-node groups: one shared group would see the hook thread's reduce-scatters and the comm thread's
-all-gathers interleaved differently on different ranks.
+Inside the node, steps 1 and 3 exchange chunks either by reduce_scatter/all_gather (NCCL's default; the
+buffer is zero-padded to a multiple of n) or by sends and receives to every node peer (gloo's default:
+gloo's reduce-scatter and all-gather cost about twice the CPU per byte of its ring allreduce; chunks may
+then differ in size, so nothing is padded).
+
+Ordering and overlap. Collectives (and sends) on one group must be issued in the same order on every rank.
+Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order
+on every rank). Step 2 runs on one thread and step 3 on another, each taking the buckets in that same
+order, and each of the three steps has its own group (two intra-node groups: one shared group would see
+the hook's and the step-3 thread's exchanges interleaved differently on different ranks). So bucket k's
+inter-node allreduce overlaps the backward pass, bucket k+1's reduce-scatter and bucket k-1's all-gather;
+the future DDP waits on is completed by the step-3 thread.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
@@ -44,8 +50,8 @@ def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[
 class _Job:
     """One buffer on its way through the three steps; `work` is the step in flight."""
 
-    def __init__(self, flat: Tensor, padded: Tensor, shard: Tensor, work: "_Pending"):
-        self.flat, self.padded, self.shard, self.work = flat, padded, shard, work
+    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending"):
+        self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
         self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
 
     def finish(self) -> None:
@@ -96,10 +102,12 @@ class HierarchicalMean:
     def __call__(self, flat: Tensor) -> Future[Tensor]:
         flat.div_(self.world)
         n = self.node_size
-        padded = flat if flat.numel() % n == 0 else torch.cat(  # equal shards need a multiple of n
+        # Sends and receives take chunks of unequal size; reduce_scatter/all_gather need n equal ones (pad).
+        padded = flat if self.exchange == "p2p" or flat.numel() % n == 0 else torch.cat(
             [flat, flat.new_zeros(n - flat.numel() % n)])
-        shard = padded.new_empty(padded.numel() // n)
-        job = _Job(flat, padded, shard, self._reduce_scatter(padded, shard))
+        chunks = padded.tensor_split(n)
+        shard = padded.new_empty(chunks[self.local].numel())
+        job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard))
         self._start_threads()
         self._to_inter.put(job)
         return job.result
@@ -107,23 +115,27 @@ class HierarchicalMean:
     def _peers(self):
         return [(j, r) for j, r in enumerate(self.node_ranks) if j != self.local]
 
-    def _reduce_scatter(self, padded: Tensor, shard: Tensor) -> _Pending:
+    def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.scatter_group
         if self.exchange == "collective":
             return _Pending([dist.reduce_scatter_single(shard, padded, group=group, async_op=True)])
-        chunks = padded.view(self.node_size, -1)
-        received = padded.new_empty(self.node_size - 1, shard.numel())
+        received = [torch.empty_like(shard) for _ in self._peers()]
         works = []
-        for k, (j, peer) in enumerate(self._peers()):
-            works.append(dist.irecv(received[k], src=peer, group=group))
+        for buf, (j, peer) in zip(received, self._peers()):
+            works.append(dist.irecv(buf, src=peer, group=group))
             works.append(dist.isend(chunks[j], dst=peer, group=group))
-        return _Pending(works, lambda: torch.add(chunks[self.local], received.sum(0), out=shard))
 
-    def _all_gather(self, padded: Tensor, shard: Tensor) -> _Pending:
+        def node_sum() -> None:
+            shard.copy_(chunks[self.local])
+            for buf in received:
+                shard.add_(buf)
+
+        return _Pending(works, node_sum)
+
+    def _all_gather(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.gather_group
         if self.exchange == "collective":
             return _Pending([dist.all_gather_single(padded, shard, group=group, async_op=True)])
-        chunks = padded.view(self.node_size, -1)
         works = []
         for j, peer in self._peers():
             works.append(dist.irecv(chunks[j], src=peer, group=group))
@@ -158,7 +170,7 @@ class HierarchicalMean:
             try:
                 with _on_device(job.flat):
                     job.work.wait()
-                    self._all_gather(job.padded, job.shard).wait()
+                    self._all_gather(job.padded, job.chunks, job.shard).wait()
                     job.finish()
             except Exception as e:
                 job.result.set_exception(e)
