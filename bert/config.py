@@ -3,7 +3,7 @@
     cfg.data    where the shards are, batch sizes, load balancing      (bert.data, bert.balance)
     cfg.model   the network, its weights, attention, precision         (bert.model)
     cfg.optim   optimizer, schedule, gradient clipping, accumulation   (bert.optim, bert.dist.clip)
-    cfg.dist    DDP buckets, collective timeout                        (bert.dist)
+    cfg.dist    DDP buckets, collective timeout, gradient reduction    (bert.dist)
     cfg.run     output folder, seed, eval cadence, stop, checkpoints   (bert.train)
     cfg.log     the MLPerf result log and the submission fields        (bert.train.mlperf_log)
 
