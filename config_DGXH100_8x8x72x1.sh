@@ -15,6 +15,11 @@ export WEIGHT_DECAY_RATE=0.1
 export WARMUP_STEPS=200330
 export START_WARMUP_STEP=-200000
 export MAX_STEPS=700
+# NVIDIA's distributed LAMB reduces intra-node reduce-scatter -> inter-node allreduce -> all-gather; the same
+# 2-D reduction here (Herring [003] §III-A, TPU [004] §3.3), in bf16 as TPU [004] §3.3 sums BERT's gradients
+# (bf16 keeps fp32's range: no loss scale needed).
+export GRAD_REDUCE=hierarchical
+export GRAD_COMM_DTYPE=bf16
 export EVAL_ITER_START_SAMPLES=200000
 export EVAL_ITER_SAMPLES=200000
 export MAX_SAMPLES_TERMINATION=4500000

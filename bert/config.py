@@ -3,7 +3,7 @@
     cfg.data    where the shards are, batch sizes, load balancing      (bert.data, bert.balance)
     cfg.model   the network, its weights, attention, precision         (bert.model)
     cfg.optim   optimizer, schedule, gradient clipping, accumulation   (bert.optim, bert.dist.clip)
-    cfg.dist    DDP buckets, collective timeout                        (bert.dist)
+    cfg.dist    DDP buckets, collective timeout, gradient reduction    (bert.dist)
     cfg.run     output folder, seed, eval cadence, stop, checkpoints   (bert.train)
     cfg.log     the MLPerf result log and the submission fields        (bert.train.mlperf_log)
 
@@ -111,6 +111,11 @@ class DistConfig:
                           env="PS_SERVERS", low=1, high=64)
     grad_buckets: str = opt("ddp", "gradient buckets: DDP's, or equal-size fusion buffers (Herring [003] §III-1)",
                             env="GRAD_BUCKETS", registry="bert.dist.ddp:GRAD_BUCKETS")
+    grad_reduce_node_size: int = opt(0, "ranks per node for GRAD_REDUCE=hierarchical (0 = the launcher's "
+                                     "LOCAL_WORLD_SIZE / Slurm tasks per node / DGXNGPU)",
+                                     env="GRAD_REDUCE_NODE_SIZE", low=0, high=65536)
+    grad_comm_dtype: str = opt("fp32", "dtype the gradients travel in (fp32 = no cast)", env="GRAD_COMM_DTYPE",
+                               registry="bert.dist.compress:COMM_DTYPES")
 
 
 @dataclass
@@ -165,24 +170,66 @@ class TrainConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> None:
+    def validate(self, environ: Mapping[str, str] | None = None) -> None:
         """Raise ConfigError for the first bad value: a selector not in its registry, a missing required
-        value, a non-finite or out-of-bounds number."""
+        value, a non-finite or out-of-bounds number, a node size that does not divide the launcher's world
+        (checked when `environ` states the layout)."""
         for section, f in config_fields():
             check_value(f, getattr(getattr(self, section), f.name))
         if self.optim.optimizer_sharding and self.dist.grad_reduce != "flat":  # its reduce-scatter is the reduction
             raise ConfigError("grad_reduce", "GRAD_REDUCE", self.dist.grad_reduce, "cannot be combined with "
                               "OPTIMIZER_SHARDING=1 (the sharded update reduce-scatters the gradients itself)")
+        if self.optim.optimizer_sharding and self.dist.grad_comm_dtype != "fp32":
+            raise ConfigError("grad_comm_dtype", "GRAD_COMM_DTYPE", self.dist.grad_comm_dtype, "cannot be combined "
+                              "with OPTIMIZER_SHARDING=1 (its reduce-scatter sends the gradients' own dtype)")
         shardable = registry_names("bert.optim.sharded:SHARDABLE") if self.optim.optimizer_sharding else ()
         if self.optim.optimizer_sharding and self.optim.optimizer not in shardable:
             raise ConfigError("optimizer", "OPTIMIZER", self.optim.optimizer,
                               f"cannot be sharded (OPTIMIZER_SHARDING=1 supports {', '.join(shardable)})")
+        if environ is not None:
+            check_node_size(self.dist, environ)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run
             raise ConfigError("resume", "RESUME", True, "is not allowed in the closed division (a timed run may "
                               "not be continued); set MLPERF_DIVISION=open to finish it as a non-result")
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}
+
+
+def _count(environ: Mapping[str, str], name: str) -> int | None:
+    """A positive count from the launcher ('4(x2)', Slurm's tasks per node, counts as 4); None if absent or
+    malformed (the launcher scripts report those)."""
+    digits = environ.get(name, "").split("(")[0].split(",")[0].strip()
+    return int(digits) if digits.isdigit() and int(digits) > 0 else None
+
+
+def launcher_layout(environ: Mapping[str, str]) -> tuple[tuple[int, str], tuple[int, str]] | None:
+    """((world size, variable), (ranks per node, variable)) as the launcher states them: torchrun's
+    WORLD_SIZE/LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS/SLURM_NTASKS_PER_NODE, or, before the launch
+    (`run_and_time.sh` runs the check first), the shell config's DGXNNODES x DGXNGPU. None if unknown."""
+    for world_var, node_var in (("WORLD_SIZE", "LOCAL_WORLD_SIZE"), ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")):
+        world, node = _count(environ, world_var), _count(environ, node_var)
+        if world:
+            return (world, f"${world_var}"), (node or world, f"${node_var if node else world_var}")
+    nodes, gpus = _count(environ, "DGXNNODES"), _count(environ, "DGXNGPU")
+    if nodes and gpus:
+        return (nodes * gpus, "$DGXNNODES x $DGXNGPU"), (gpus, "$DGXNGPU")
+    return None
+
+
+def check_node_size(dist: DistConfig, environ: Mapping[str, str]) -> None:
+    """Hierarchical reduction splits the world into nodes of equal size: the node size must divide it."""
+    layout = launcher_layout(environ)
+    if layout is None or (dist.grad_reduce != "hierarchical" and not dist.grad_reduce_node_size):
+        return
+    (world, world_var), (launcher_node, node_var) = layout
+    node = dist.grad_reduce_node_size or launcher_node
+    if world % node:
+        what = "" if dist.grad_reduce_node_size else f"means the launcher's {launcher_node} ranks per node " \
+            f"({node_var}), which "
+        raise ConfigError("grad_reduce_node_size", "GRAD_REDUCE_NODE_SIZE", dist.grad_reduce_node_size,
+                          f"{what}does not divide the world size {world} ({world_var}) into equal nodes "
+                          f"for GRAD_REDUCE={dist.grad_reduce}")
 
 
 class ConfigError(ValueError):
@@ -272,7 +319,7 @@ def from_env_and_args(argv: list[str] | None = None, environ: Mapping[str, str] 
         section, f = by_name[name]
         values[section][name] = parse_value(f, raw, f"--{name}")
     cfg = TrainConfig(**{s: SECTIONS[s](**kw) for s, kw in values.items()})
-    cfg.validate()
+    cfg.validate(environ)
     return cfg
 
 

@@ -23,6 +23,7 @@ from bert.config import (
     registry_names,
 )
 from bert.dist.clip import CLIP_MODES
+from bert.dist.compress import COMM_DTYPES
 from bert.dist.ddp import GRAD_BUCKETS
 from bert.dist.reduce import REDUCTIONS
 from bert.model.attention import BACKENDS
@@ -41,6 +42,7 @@ ENV_NAMES = {
     "EVAL_ITER_SAMPLES", "TARGET_MLM_ACCURACY", "LOG_FREQ", "CHECKPOINT_EVERY", "SKIP_CHECKPOINT", "RESUME",
     "STEPS_THIS_JOB", "DIST_TIMEOUT", "MLPERF_LOG", "CACHE_CLEARED", "MLPERF_DIVISION", "MLPERF_ORG", "DGXSYSTEM",
     "MLPERF_STATUS", "PEAK_TFLOPS", "GRAD_REDUCE", "PS_SERVERS", "OPTIMIZER_SHARDING", "GRAD_BUCKETS",
+    "GRAD_COMM_DTYPE", "GRAD_REDUCE_NODE_SIZE",
 }
 
 
@@ -66,6 +68,7 @@ def test_selector_choices_are_the_registries():
     assert set(registry_names(by_env["GRAD_CLIP"].metadata["registry"])) == set(CLIP_MODES)
     assert set(registry_names(by_env["GRAD_REDUCE"].metadata["registry"])) == set(REDUCTIONS)
     assert set(registry_names(by_env["GRAD_BUCKETS"].metadata["registry"])) == set(GRAD_BUCKETS)
+    assert set(registry_names(by_env["GRAD_COMM_DTYPE"].metadata["registry"])) == set(COMM_DTYPES)
     for name in [*STRATEGIES]:
         assert parse(BALANCE=name).data.balance == name
 
@@ -78,8 +81,12 @@ def test_selector_choices_are_the_registries():
     ({"GRAD_REDUCE": "hierarchicl"}, "$GRAD_REDUCE"),
     ({"GRAD_REDUCE": "ps", "PS_SERVERS": "0"}, "$PS_SERVERS"),
     ({"GRAD_BUCKETS": "balnced"}, "$GRAD_BUCKETS"),
+    ({"GRAD_COMM_DTYPE": "bf8"}, "$GRAD_COMM_DTYPE"),
+    ({"GRAD_REDUCE_NODE_SIZE": "-2"}, "$GRAD_REDUCE_NODE_SIZE"),
+    ({"GRAD_REDUCE": "hierarchical", "GRAD_REDUCE_NODE_SIZE": "3", "WORLD_SIZE": "4"}, "$GRAD_REDUCE_NODE_SIZE"),
     ({"PRECISION": "bf61"}, "$PRECISION"),
     ({"OPTIMIZER_SHARDING": "maybe"}, "$OPTIMIZER_SHARDING"),
+    ({"OPTIMIZER_SHARDING": "1", "GRAD_COMM_DTYPE": "bf16"}, "$GRAD_COMM_DTYPE"),
     ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),
     ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),
     ({"BATCHSIZE": "nan"}, "$BATCHSIZE"),

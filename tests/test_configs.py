@@ -110,6 +110,14 @@ def test_config_matches_published_recipe_and_rules(system):
     assert int(env["NUM_EVAL_EXAMPLES"]) == 10000
 
 
+@pytest.mark.parametrize("system", ["DGXA100_128x8x16x1", "DGXH100_8x8x72x1"])
+def test_multinode_configs_state_their_gradient_reduction(system):
+    """The Samsung config and one H100 config choose the 2-D reduction and the dtype buckets travel in."""
+    env = sourced(ROOT / f"config_{system}.sh")
+    assert env["GRAD_REDUCE"] == "hierarchical" and env["GRAD_COMM_DTYPE"] in ("fp16", "bf16")
+    assert (env["GRAD_COMM_DTYPE"] == "fp16") == (env["PRECISION"] == "fp16")  # fp16 only under loss scaling
+
+
 def test_walltime_scales_with_nexp():
     one = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="1")["WALLTIME"]
     ten = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="10")["WALLTIME"]
@@ -139,8 +147,9 @@ def run_and_time(config: Path, unset: tuple[str, ...] = (), **overrides: str) ->
     ((), {"DGXNNODES": "two"}, "$DGXNNODES"),
     ((), {"BALANCE": "samsnug"}, "$BALANCE"),
     ((), {"BATCHSIZE": "inf"}, "$BATCHSIZE"),
+    ((), {"GRAD_REDUCE": "hierarchical", "GRAD_REDUCE_NODE_SIZE": "3"}, "$GRAD_REDUCE_NODE_SIZE"),
 ], ids=["missing-LR", "malformed-LR", "fractional-MAX_STEPS", "unknown-OPTIMIZER", "missing-DATADIR", "missing-DGXNGPU",
-        "malformed-DGXNNODES", "misspelled-BALANCE", "infinite-BATCHSIZE"])
+        "malformed-DGXNNODES", "misspelled-BALANCE", "infinite-BATCHSIZE", "node-size-not-dividing-world"])
 def test_bad_config_fails_before_training_naming_the_variable(unset, overrides, culprit):
     out = run_and_time(ROOT / "config_CPU_1x2.sh", unset, **overrides)
     assert out.returncode == 2

@@ -132,7 +132,8 @@ def test_text_like_run_loss_falls_and_a_short_run_is_aborted(tmp_path):
     run = torchrun(common_args(data, out, train_batch_size=16, learning_rate=5e-3, max_steps=40, warmup_steps=0,
                                eval_iter_start_samples=400, eval_iter_samples=500, num_eval_examples=128,
                                eval_batch_size=64, division="open", grad_clip="bucket",
-                               grad_buckets="balanced"))  # the driver on balanced fusion buffers (bert.dist.fusion)
+                               # the trainer path of bert.dist.fusion / hierarchical / compress (one node of 2 here)
+                               grad_buckets="balanced", grad_reduce="hierarchical", grad_comm_dtype="bf16"))
     assert run.returncode == 1, run.stderr[-3000:]  # aborted: max_steps reached before the target
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]

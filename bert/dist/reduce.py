@@ -5,8 +5,12 @@ of that same tensor holding the mean over the world. Clipping (`bert.dist.clip`)
 sent and when; a Reduce decides *how* it travels. Keeping the two apart lets every clipping mode
 compose with every reduction strategy.
 
-    allreduce_mean   the flat allreduce DDP itself runs (ring/tree inside NCCL or gloo)
-    ps               parameter servers sum the shards of every buffer (`bert.dist.ps`, Herring [003] §III-A)
+    allreduce_mean     the flat allreduce DDP itself runs (ring/tree inside NCCL or gloo)
+    HierarchicalMean   intra-node reduce-scatter, inter-node allreduce, intra-node all-gather
+                       (`bert.dist.hierarchical`)
+    ps                 parameter servers sum the shards of every buffer (`bert.dist.ps`, Herring [003] §III-A)
+
+`GRAD_COMM_DTYPE` wraps whichever one is chosen in a bf16/fp16 cast (`bert.dist.compress`).
 
 `REDUCTIONS` is the registry behind `GRAD_REDUCE` (name -> builder of a Reduce from the config's dist
 section and the rank layout); `build_reduce` returns None for DDP's own flat allreduce, which needs no hook.
@@ -19,7 +23,9 @@ import torch.distributed as dist
 
 from bert.config import DistConfig
 from bert.dist import ps
+from bert.dist.compress import COMM_DTYPES, compressed
 from bert.dist.env import DistEnv
+from bert.dist.hierarchical import HierarchicalMean
 from torch import Tensor
 from torch.futures import Future
 
@@ -53,13 +59,22 @@ def _flat(cfg: DistConfig, env: DistEnv) -> Reduce | None:
     return None  # DDP's built-in allreduce (C++), or allreduce_mean inside the clipping hooks
 
 
+def _hierarchical(cfg: DistConfig, env: DistEnv) -> Reduce | None:
+    return HierarchicalMean(cfg.grad_reduce_node_size or env.local_world_size)
+
+
 def _ps(cfg: DistConfig, env: DistEnv) -> Reduce | None:
     return ps.client().reduce  # the client the driver connected in init (`ps.connect_worker`)
 
 
-REDUCTIONS: dict[str, ReduceBuilder] = {"flat": _flat, "ps": _ps}
+REDUCTIONS: dict[str, ReduceBuilder] = {"flat": _flat, "hierarchical": _hierarchical, "ps": _ps}
 
 
 def build_reduce(cfg: DistConfig, env: DistEnv) -> Reduce | None:
-    """The gradient reduction `cfg.grad_reduce` for this rank layout (None: DDP's flat allreduce)."""
-    return REDUCTIONS[cfg.grad_reduce](cfg, env)
+    """The gradient reduction `cfg.grad_reduce` for this rank layout, sent in `cfg.grad_comm_dtype`
+    (None: DDP's flat allreduce in the gradients' own dtype)."""
+    reduce = REDUCTIONS[cfg.grad_reduce](cfg, env)
+    dtype = COMM_DTYPES[cfg.grad_comm_dtype]
+    if dtype == COMM_DTYPES["fp32"]:
+        return reduce
+    return compressed(reduce or allreduce_mean(), dtype)

@@ -1,0 +1,261 @@
+"""Gradient reduction strategies (GRAD_REDUCE) and compressed communication (GRAD_COMM_DTYPE) through DDP.
+
+One spawn of 4 gloo processes laid out as 2 simulated nodes x 2 ranks (an explicit DistEnv) runs every
+clipping mode with every reduction, built by `build_reduce` from a config as the trainer does:
+  hierarchical == flat to float32 round-off (float64: to 1e-12, and equal to the float64 mean by hand);
+  bf16/fp16 communication stays within the bound of bert.dist.compress against the fp32 result:
+      |compressed - fp32| <= (N+1)(u + 2 u32) mean_r |g_r| + (N+1) eta   elementwise (none/before/bucket:
+      clipping before the reduction only shrinks |g_r|), and in the 2-norm for `after` (clipping the mean
+      is a projection onto a ball, which is 1-Lipschitz);
+  and the compression really rounds (the error exceeds what fp32 could produce).
+Bucket sizes are odd: uneven chunks for the send/receive exchange (gloo's default), padding for the
+reduce_scatter/all_gather exchange (NCCL's default, run here on gloo in float64).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bert.config import ConfigError, from_env_and_args, from_flat, launcher_layout
+from bert.dist.clip import install_clipping
+from bert.dist.env import DistEnv
+from bert.dist.hierarchical import HierarchicalMean, node_groups
+from bert.dist.reduce import build_reduce
+
+WORLD, NODE = 4, 2
+SHAPES = [(7, 13), (33,), (16, 9), (5,), (21, 3), (1,)]  # odd sizes: uneven or padded shards
+SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0]
+C, STEPS, CAP_MB = 1.0, 2, 0.0002  # 200-byte buckets: several per model
+MODES = ("none", "after", "before", "bucket")
+# name: (GRAD_REDUCE, GRAD_COMM_DTYPE, gradient dtype)
+REDUCES = {
+    "flat": ("flat", "fp32", torch.float32),
+    "hierarchical": ("hierarchical", "fp32", torch.float32),
+    "flat_f64": ("flat", "fp32", torch.float64),
+    "hierarchical_f64": ("hierarchical", "fp32", torch.float64),
+    "flat_bf16": ("flat", "bf16", torch.float32),
+    "flat_fp16": ("flat", "fp16", torch.float32),
+    "hierarchical_bf16": ("hierarchical", "bf16", torch.float32),
+    "hierarchical_fp16": ("hierarchical", "fp16", torch.float32),
+    # the NCCL path (reduce_scatter / all_gather) on gloo; gloo's own default exchanges by send/receive
+    "hierarchical_collective_f64": ("hierarchical", "fp32", torch.float64),
+}
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+SUBNORMAL_STEP = {"bf16": 2.0**-133, "fp16": 2.0**-24}
+U32 = 2.0**-24
+
+
+class FixedGrad(nn.Module):
+    """loss = sum_i <p_i, G_i>: the gradient of p_i is exactly G_i."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(s, dtype=dtype)) for s in SHAPES])
+
+    def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.ps, gs))
+
+
+def fixed_grads(rank: int, step: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return [(torch.randn(s, generator=gen, dtype=torch.float64) * k * (1 + rank)).to(dtype)
+            for s, k in zip(SHAPES, SCALES)]
+
+
+def run(mode: str, reduce, dtype: torch.dtype, rank: int) -> list[list[torch.Tensor]]:
+    model = FixedGrad(dtype)
+    ddp = DDP(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
+    clipper = install_clipping(ddp, mode, C, None, reduce=reduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    steps = []
+    for step in range(STEPS):  # step 0 on DDP's first buckets, step 1 on the rebuilt ones
+        model.zero_grad(set_to_none=True)
+        ddp(fixed_grads(rank, step, dtype)).backward()
+        clipper.before_step(optimizer, scaler)
+        steps.append([p.grad.detach().clone() for p in model.ps])
+    return steps
+
+
+def recorded(reduce, sizes: list[int]):
+    """The reduction, noting the size of every buffer it is handed."""
+
+    def wrapped(flat: torch.Tensor):
+        sizes.append(flat.numel())
+        return reduce(flat)
+
+    return wrapped
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    env = DistEnv(rank, WORLD, rank % NODE, NODE, "localhost", 0)  # 2 nodes x 2 ranks on one host
+    results, sizes = {}, {(name, mode): [] for name in REDUCES for mode in MODES}
+    for name, (strategy, comm, dtype) in REDUCES.items():
+        cfg = from_flat(grad_reduce=strategy, grad_comm_dtype=comm).dist
+        reduce = build_reduce(cfg, env)  # process groups built once per reduction, reused by every mode
+        if "collective" in name:
+            reduce = HierarchicalMean(NODE, exchange="collective")
+        assert getattr(reduce, "exchange", None) in (None, "collective" if "collective" in name else "p2p")
+        assert (reduce is None) == (name in ("flat", "flat_f64"))
+        for mode in MODES:
+            results[name, mode] = run(mode, recorded(reduce, sizes[name, mode]) if reduce else None, dtype, rank)
+    torch.save((results, sizes), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def mean_abs(step: int) -> list[torch.Tensor]:
+    """mean_r |g_r|, in float64: the scale every rounding error of the mean is relative to."""
+    per_rank = [fixed_grads(r, step, torch.float32) for r in range(WORLD)]
+    return [sum(gs[i].double().abs() for gs in per_rank) / WORLD for i in range(len(SHAPES))]
+
+
+@pytest.mark.slow
+def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
+    out = str(tmp_path / "grads")
+    mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
+    results = [torch.load(f"{out}.{r}")[0] for r in range(WORLD)]
+    sizes = torch.load(f"{out}.0")[1]
+    # the cases the test is for: several buckets once DDP rebuilt them (step 1), some of odd size
+    assert len(sizes["hierarchical", "bucket"]) >= 1 + 3 and any(n % NODE for n in sizes["hierarchical", "none"])
+    assert len(sizes["hierarchical", "before"]) == STEPS  # clip-before: one concatenated reduction per step
+    for rank in range(1, WORLD):  # every rank holds the same mean
+        for key, steps in results[rank].items():
+            for got, want in zip(steps, results[0][key]):
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (key, rank)
+    res = results[0]
+    for step in range(STEPS):
+        scale = mean_abs(step)
+        # An independent reference for the unclipped float64 case: the mean by hand.
+        per_rank = [fixed_grads(r, step, torch.float64) for r in range(WORLD)]
+        by_hand = [sum(gs[i] for gs in per_rank) / WORLD for i in range(len(SHAPES))]
+        for g, w in zip(res["hierarchical_f64", "none"][step], by_hand):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
+        for mode in MODES:
+            where = f"{mode} step {step}"
+            for name in ("hierarchical_f64", "hierarchical_collective_f64"):
+                for g, f in zip(res[name, mode][step], res["flat_f64", mode][step]):
+                    torch.testing.assert_close(g, f, rtol=1e-12, atol=1e-15, msg=f"{name} {where}")
+            flat = res["flat", mode][step]
+            for g, f, s in zip(res["hierarchical", mode][step], flat, scale):
+                assert g.dtype == torch.float32
+                assert ((g.double() - f.double()).abs() <= 4 * (WORLD + 1) * U32 * (s + f.double().abs())).all(), where
+            for comm in ("bf16", "fp16"):
+                u, eta = UNIT_ROUNDOFF[comm], SUBNORMAL_STEP[comm]
+                for strategy in ("flat", "hierarchical"):
+                    got = res[f"{strategy}_{comm}", mode][step]
+                    err = [(g.double() - f.double()).abs() for g, f in zip(got, flat)]
+                    bound = [(WORLD + 1) * ((u + 2 * U32) * s + eta) for s in scale]
+                    what = f"{strategy} {comm} {where}"
+                    assert all(g.dtype == torch.float32 for g in got), what
+                    if mode == "after":
+                        norm = lambda ts: math.sqrt(sum(float((t * t).sum()) for t in ts))  # noqa: E731
+                        assert norm(err) <= norm(bound), what
+                    else:
+                        assert all((e <= b).all() for e, b in zip(err, bound)), what
+                    # the cast really happened: fp32 alone could not be off by this much
+                    rel = max(float((e / f.double().abs().clamp(min=1e-30)).max()) for e, f in zip(err, flat))
+                    assert rel > u / 16, what
+
+
+def test_node_groups_are_blocks_and_strided_peers():
+    assert node_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert node_groups(4, 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="does not divide"):
+        node_groups(6, 4)
+
+
+def test_launcher_layout_from_torchrun_slurm_or_shell_config():
+    assert launcher_layout({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == ((16, "$WORLD_SIZE"),
+                                                                              (8, "$LOCAL_WORLD_SIZE"))
+    assert launcher_layout({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8(x2)"})[1] == (
+        8, "$SLURM_NTASKS_PER_NODE")
+    assert launcher_layout({"DGXNNODES": "128", "DGXNGPU": "8"}) == ((1024, "$DGXNNODES x $DGXNGPU"), (8, "$DGXNGPU"))
+    assert launcher_layout({}) is None
+
+
+BASE = {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
+        "MAX_STEPS": "10"}
+
+
+@pytest.mark.parametrize("env", [
+    {"GRAD_REDUCE": "hierarchical", "GRAD_REDUCE_NODE_SIZE": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+    {"GRAD_REDUCE": "hierarchical", "GRAD_REDUCE_NODE_SIZE": "16", "DGXNNODES": "1", "DGXNGPU": "8"},
+    {"GRAD_REDUCE": "hierarchical", "SLURM_NTASKS": "7", "SLURM_NTASKS_PER_NODE": "4,3"},
+])
+def test_node_size_that_does_not_divide_the_world_fails_at_parse_time(env):
+    with pytest.raises(ConfigError) as e:
+        from_env_and_args([], {**BASE, **env})
+    assert "$GRAD_REDUCE_NODE_SIZE" in str(e.value) and "does not divide" in str(e.value), str(e.value)
+
+
+def test_valid_layouts_parse():
+    for env in ({"GRAD_REDUCE": "hierarchical", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"},
+                {"GRAD_REDUCE": "hierarchical", "DGXNNODES": "128", "DGXNGPU": "8", "GRAD_REDUCE_NODE_SIZE": "4"},
+                {"GRAD_REDUCE": "flat", "SLURM_NTASKS": "7", "SLURM_NTASKS_PER_NODE": "4,3"}):  # flat has no nodes
+        from_env_and_args([], {**BASE, **env})
+
+
+def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_path):
+    """The run-time check behind the parse-time one (a layout the config could not see)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="does not divide"):
+            HierarchicalMean(2)
+        flat = torch.arange(5.0)
+        assert torch.equal(HierarchicalMean(1)(flat).wait(), torch.arange(5.0))  # a world of one: the identity
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_launchers_form_nodes_from_their_local_ranks(tmp_path):
+    """2 launchers x 2 ranks: the nodes are the launchers' ranks, and the mean is right (float64, and bf16)."""
+    script = Path(__file__).parent / "multiproc" / "reduce_ranks.py"
+    port = free_port()
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+         "2", "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for node in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in launchers]
+    finally:  # a launcher left waiting for its peer must not outlive the test
+        for p in launchers:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(logs)
+    sys.path.insert(0, str(script.parent))
+    from reduce_ranks import rank_values
+
+    records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
+    assert sorted(records) == [0, 1, 2, 3]
+    values = [rank_values(r) for r in range(4)]
+    mean = sum(values) / 4
+    scale = sum(v.abs() for v in values) / 4
+    for rank, record in records.items():
+        assert record["intra"] == ([0, 1] if rank < 2 else [2, 3]) and record["inter"] == [rank % 2, rank % 2 + 2]
+        torch.testing.assert_close(torch.tensor(record["fp32"], dtype=torch.float64), mean, rtol=1e-12, atol=1e-15)
+        err = (torch.tensor(record["bf16"], dtype=torch.float64) - mean).abs()
+        assert (err <= 5 * UNIT_ROUNDOFF["bf16"] * scale).all() and err.max() > 0, rank
