@@ -7,7 +7,8 @@ vocabulary 30528, positions 512; 24 layers kept): 1/scale^2 of the bytes, the sa
 the bucket cap is scaled with it, the same number of buckets as BERT-large at 25 MB. The backward pass
 is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the training driver runs it:
 `apply_ddp` (GRAD_BUCKETS: ddp or balanced) + `install_clipping(..., reduce=build_reduce(...))`, for every
-name in `REDUCTIONS` at run time and both bucketings. Variants run one after another.
+name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, and bf16 communication.
+Variants run one after another.
 
 Recorded per variant: median (and fastest) time per step; bytes sent per rank *computed* from the bucket sizes with
 each algorithm's formula (`bert.dist.comm_model`, not counted on the wire); the α-β prediction for this
@@ -148,32 +149,41 @@ def fit_local_link(world: int) -> dict:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": gamma, "allreduce_s": dict(zip(sizes, t))}
 
 
+def timed_variants() -> list[tuple[str, str, str]]:
+    """(GRAD_REDUCE, GRAD_BUCKETS, GRAD_COMM_DTYPE) to time: every registered reduction but `ps`, whose server
+    processes this in-process bench does not start (tests/test_ps.py checks it; the model prices it), on both
+    bucketings in fp32, and each in bf16 on DDP's buckets."""
+    names = [r for r in REDUCTIONS if r != "ps"]
+    return [(r, b, "fp32") for r in names for b in GRAD_BUCKETS] + [(r, "ddp", "bf16") for r in names]
+
+
 def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)
     env = DistEnv(rank, args.world, rank % args.local_world, args.local_world, "localhost", 0)
     fit = fit_local_link(args.world)
     results = {}
-    for reduce_name in REDUCTIONS:  # whatever is registered at run time
-        for buckets in GRAD_BUCKETS:
-            cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb)
-            model = Gradients(shapes, rank)
-            wrapper = apply_ddp(model, cfg.dist)
-            install_clipping(wrapper, "none", 1.0, None, reduce=build_reduce(cfg.dist, env))
+    for reduce_name, buckets, comm_dtype in timed_variants():
+        cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb,
+                        grad_comm_dtype=comm_dtype)
+        model = Gradients(shapes, rank)
+        wrapper = apply_ddp(model, cfg.dist)
+        install_clipping(wrapper, "none", 1.0, None, reduce=build_reduce(cfg.dist, env))
 
-            def step(wrapper=wrapper, model=model) -> None:
-                wrapper().backward()
-                model.zero_grad(set_to_none=True)
+        def step(wrapper=wrapper, model=model) -> None:
+            wrapper().backward()
+            model.zero_grad(set_to_none=True)
 
-            for _ in range(args.warmup):
-                step()
-            if buckets == "ddp":
-                sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
-            else:
-                sizes = [b.numel() for b in wrapper.buffers]
-            results[f"{reduce_name}/{buckets}"] = {"reduce": reduce_name, "buckets": buckets, "bucket_elements": sizes,
-                                                   "step_s": [timed(step, 1) for _ in range(args.steps)]}
-            del wrapper, model
+        for _ in range(args.warmup):
+            step()
+        if buckets == "ddp":
+            sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
+        else:
+            sizes = [b.numel() for b in wrapper.buffers]
+        name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
+        results[f"{name}/{buckets}"] = {"reduce": name, "buckets": buckets, "bucket_elements": sizes,
+                                        "step_s": [timed(step, 1) for _ in range(args.steps)]}
+        del wrapper, model
     if rank == 0:
         torch.save({"fit": fit, "runs": results}, out)
     dist.destroy_process_group()
