@@ -20,6 +20,7 @@ from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
 from bert.train.record import record_run
+from bert.train.warmup import compile_before_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resume: continuing from step {run.state.step}; {log_file or 'the log'} is not a result "
                       "(a run result is one contiguous timed run)", flush=True)
         record_run(run, device)
+        compile_before_run(run, log, device)  # untimed: the rules' initialisation ends at init_stop
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit, no traceback
         print(f"error: rank {env.rank}: {e}", file=sys.stderr)
         return 2
