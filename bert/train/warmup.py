@@ -25,10 +25,10 @@ from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
 
 
-def warmup_batch(sequences: int, max_len: int, device: torch.device, seed: int = 0) -> Batch:
+def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0) -> Batch:
     """`sequences` random lengths in [2, max_len] (no 0/1 sizes, which compile would specialise on)."""
     lengths = np.random.default_rng(seed).integers(2, max_len + 1, size=max(sequences, 2))
-    return random_batch(lengths, seed=seed).to(device)
+    return random_batch(lengths, seed=seed, vocab_size=vocab_size).to(device)
 
 
 def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractContextManager]) -> float:
@@ -58,10 +58,12 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
     model_cfg, data = run.cfg.model, run.cfg.data
     if model_cfg.compile == "off":
         return None
-    batch = warmup_batch(data.train_batch_size, data.max_seq_length, device, seed=run.cfg.run.seed)
+    model = run.ddp.module
+    batch = warmup_batch(data.train_batch_size, min(data.max_seq_length, model.config.max_position_embeddings),
+                         device, model.config.real_vocab_size, seed=run.cfg.run.seed)
     if model_cfg.static_tokens:
         batch = pad_to_buckets(batch, model_cfg.static_tokens, MASKED_BUCKET)
-    seconds = warm_up(run.ddp.module, batch, run.autocast)
+    seconds = warm_up(model, batch, run.autocast)
     log.event("model_compile_seconds", round(seconds, 3), metadata={"compile": model_cfg.compile})
     if run.env.is_main:
         print(f"compile: COMPILE={model_cfg.compile}: first forward+backward took {seconds:.1f} s "
