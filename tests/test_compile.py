@@ -7,6 +7,7 @@ same check with inductor.
 """
 
 import os
+import subprocess
 from dataclasses import replace
 
 import pytest
@@ -86,14 +87,17 @@ def compiled_equals_eager(name: str, atol: float) -> None:
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    graphs = []
     for i in range(len(LENGTH_SETS)):
         want_loss, want_grads = loss_and_grads(eager, batch(i))
         got_loss, got_grads = loss_and_grads(compiled, batch(i))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=atol)
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=0, atol=atol)
-    # one graph for every token count: dynamic over T (and M), no recompilation per batch
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # the graphs of the first batch serve every token count: dynamic over T (and M), no recompilation
+    # (two graphs: the attention planner is host work, left out of the graph)
+    assert graphs == [2] * len(LENGTH_SETS)
 
 
 @pytest.mark.slow
@@ -106,3 +110,25 @@ def test_compiled_equals_eager_on_every_token_count():
 def test_inductor_compiled_equals_eager_on_every_token_count():
     assert COMPILE_MODES["default"] == ("inductor", "default")
     compiled_equals_eager("default", atol=1e-5)
+
+
+@pytest.mark.slow
+def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, synthetic_data):
+    """One rank, COMPILE=debug and STATIC_TOKENS=128: the compile time is printed and logged inside the
+    untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log."""
+    from test_train import PY, ROOT, checker, common_args, free_port, mllog
+
+    out = tmp_path / "run"
+    args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,
+                       eval_iter_samples=32, num_eval_examples=32, eval_batch_size=32, compile="debug",
+                       static_tokens=128, skip_checkpoint=1)
+    run = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                          str(free_port()), str(ROOT / "run_pretraining.py"), *args],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: max_steps before the target (aborted)
+    assert run.stdout.count("compile: COMPILE=debug: first forward+backward took") == 1
+    keys = [e["key"] for e in mllog(out / "result_0.txt")]
+    assert keys.index("init_start") < keys.index("model_compile_seconds") < keys.index("init_stop")
+    assert "eval_accuracy" in keys and "run_stop" in keys
+    cc = checker(out / "result_0.txt", tmp_path)
+    assert cc.returncode == 0, cc.stdout + cc.stderr

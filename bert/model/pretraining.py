@@ -76,7 +76,9 @@ class BertForPreTraining(nn.Module):
         super().__init__()
         self.config = cfg
         self.attention = resolve_backend(attention, device)
-        self.plan_attention = BACKENDS[self.attention]
+        # Planning is host work (numpy, Python lists): under torch.compile it stays eager, so a new batch's
+        # lengths do not recompile the graph; the plan's tensors and sizes enter the graph as inputs.
+        self.plan_attention = torch.compiler.disable(BACKENDS[self.attention])
         self.bert = BertModel(cfg)
         self.cls = BertPreTrainingHeads(cfg)
         self.apply(self._init_weights)
