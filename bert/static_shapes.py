@@ -22,6 +22,8 @@ The eval does not pad: it runs the unpadded eval batches (the same shapes at eve
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from bert.batch import Batch, SeqLayout
@@ -35,9 +37,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int) -> Batch:
+def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_bound: int = 512) -> Batch:
     """`batch` plus one padding sequence (T -> a multiple of `token_bucket`, at least T + 1) and padding
-    masked rows (M -> a multiple of `masked_bucket`). Shapes come from the host: no device sync."""
+    masked rows (M -> a multiple of `masked_bucket`). Shapes come from the host: no device sync.
+    `max_seqlen` is raised to `seqlen_bound` (an upper bound is all flash attention needs), so it is one
+    more value that stays the same from batch to batch (a CUDA graph bakes it in)."""
     if token_bucket < 1 or masked_bucket < 1:
         raise ValueError(f"buckets must be positive, got token_bucket={token_bucket}, masked_bucket={masked_bucket}")
     tokens, masked = batch.num_tokens, batch.masked_labels.numel()
@@ -46,6 +50,7 @@ def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int) -> Batch
     dev = batch.input_ids.device
     fill = lambda n, value, like: torch.full((n,), value, dtype=like.dtype, device=dev)  # noqa: E731
     seq = SeqLayout.from_lengths((*batch.seq.lengths, extra), device=batch.seq.cu_seqlens.device)
+    seq = replace(seq, max_seqlen=max(seq.max_seqlen, seqlen_bound))
     return Batch(
         input_ids=torch.cat([batch.input_ids, fill(extra, PAD_ID, batch.input_ids)]),
         segment_ids=torch.cat([batch.segment_ids, fill(extra, 0, batch.segment_ids)]),

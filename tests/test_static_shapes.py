@@ -17,6 +17,8 @@ def test_padded_batch_has_bucketed_shapes_and_one_ignored_sequence():
     batch = random_batch(LENGTHS, seed=0)
     padded = pad_to_buckets(batch, token_bucket=128, masked_bucket=16)
     assert padded.num_tokens == 384 and padded.seq.lengths == (*LENGTHS, 384 - 326)
+    assert padded.seq.max_seqlen == 512  # the bound, the same for every batch
+    assert padded.seq.cu_seqlens.tolist() == [0, 37, 42, 170, 172, 236, 326, 384]
     assert padded.masked_labels.numel() % 16 == 0 and padded.masked_labels.numel() >= batch.masked_labels.numel()
     assert padded.nsp_labels.tolist() == [*batch.nsp_labels.tolist(), IGNORE]
     extra = padded.masked_labels.numel() - batch.masked_labels.numel()
