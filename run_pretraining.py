@@ -27,6 +27,7 @@ from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
 from bert.train.record import record_run
+from bert.train.warmup import compile_before_run
 
 
 def report(rank: int | str, e: BaseException, suffix: str = "") -> None:
@@ -77,6 +78,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
                 print(f"resume: continuing from step {run.state.step}; {log_file or 'the log'} is not a result "
                       "(a run result is one contiguous timed run)", flush=True)
         record_run(run, device)
+        compile_before_run(run, log, device)  # untimed: the rules' initialisation ends at init_stop
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit
         report(env.rank, e)
         return 2

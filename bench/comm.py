@@ -2,7 +2,8 @@
 
 Four gloo processes stand for 2 nodes x 2 GPUs (each gets a DistEnv with local_world_size=2, so the
 hierarchical and PS reductions form their node groups as on a cluster). They average the gradients of a
-model with BERT-large's 398 gradient tensors, every dimension divided by --scale (hidden 1024, FFN 4096,
+model with BERT-large's 302 gradient tensors (Herring's 398 with Q, K, V fused), every dimension divided
+by --scale (hidden 1024, FFN 4096,
 vocabulary 30528, positions 512; 24 layers kept): 1/scale^2 of the bytes, the same tensor mix and, since
 the bucket cap is scaled with it, the same number of buckets as BERT-large at 25 MB. The backward pass
 is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the training driver runs it:

@@ -17,7 +17,14 @@ between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
     unpadded/<name>   our model on the concatenated tokens with attention backend <name>
+    static<N>/<name>  unpadded/<name> on the batch padded to a multiple of N tokens (`--static-tokens N`,
+                      bert.static_shapes), charged for the padding it computes
+    compiled/<name>   unpadded/<name> under torch.compile (`--compile MODE`, bert.model.compile; compiled in
+                      the untimed warm-up step); compiled-static<N>/<name> with both
     hf                transformers BertForPreTraining (SDPA), padded, MLM head on every token
+
+Our model computes Q, K and V with one fused GEMM (`attention.self.qkv`); results written before that
+change (results/bench/*.json of earlier commits) measured three separate projections.
 
 CPU default: BERT-base width (768, 12 heads, 3072) with 2 layers, fp32, batch 16. CUDA default:
 BERT-large, bf16 autocast, batch 56.
@@ -25,6 +32,7 @@ BERT-large, bf16 autocast, batch 56.
     .venv/bin/python bench/model.py                      # writes results/bench/model_cpu.json
     .venv/bin/python bench/model.py --threads 1 --clock cpu   # on a busy machine
     python bench/model.py --device cuda                  # writes results/bench/model_cuda.json
+    python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ from bert.batch import Batch
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
+from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
 from bert.model.padding import PadLayout, pad
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
 
 
@@ -67,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; default: torch's choice)")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU time (CPU only)")
     p.add_argument("--json", type=Path, help="default: results/bench/model_<device>.json")
+    p.add_argument("--compile", default="off", help="COMPILE mode for the compiled/* variants (off: none; "
+                   "on the CPU inductor takes minutes: try debug)")
+    p.add_argument("--static-tokens", type=int, default=0, help="token bucket of the static<N>/* variants (0: none)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.config = args.config or ("large" if cuda else "base")
@@ -77,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--candidates must be at least 1")
     if cuda and args.clock == "cpu":
         p.error("--clock cpu is for CPU runs")
+    if args.compile not in COMPILE_MODES:
+        p.error(f"--compile must be one of {', '.join(COMPILE_MODES)}")
+    if args.static_tokens < 0:
+        p.error("--static-tokens must be 0 (none) or a positive token bucket")
     return args
 
 
@@ -116,28 +133,42 @@ def hf_step_inputs(batch: Batch) -> dict:
             "next_sentence_label": batch.nsp_labels}
 
 
-def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None) -> dict:
+def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None, compile: str = "off",
+                   static_tokens: int = 0) -> dict:
     """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
     is charged for the rows and attention pairs it computes, padding included)."""
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
     T, B, L = sum(lengths), len(lengths), max(lengths)
     grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
     backends = ["loop", "grouped", "padded"] + (["varlen"] if device == "cuda" else [])
-    specs = {"padded": ("loop", lambda m: m.forward_padded(batch).loss, B * L, B * L * L, M)}
+    specs = {"padded": ("loop", lambda m: m.forward_padded(batch).loss, B * L, B * L * L, M, B, False)}
     for name in backends:
         pairs = {"grouped": grouped_pairs, "padded": B * L * L}.get(name, sum(n * n for n in lengths))
-        specs[f"unpadded/{name}"] = (name, lambda m: m(batch).loss, T, pairs, M)
-    specs["hf"] = (None, None, B * L, B * L * L, B * L)
+        specs[f"unpadded/{name}"] = (name, lambda m: m(batch).loss, T, pairs, M, B, False)
+    fast = "varlen" if device == "cuda" else "loop"
+    if static_tokens:
+        static = pad_to_buckets(batch, static_tokens, MASKED_BUCKET)
+        extra = static.seq.lengths[-1]
+        static_spec = (fast, lambda m: m(static).loss, static.num_tokens, sum(n * n for n in lengths) + extra**2,
+                       len(static.masked_labels), B + 1)
+        specs[f"static{static_tokens}/{fast}"] = (*static_spec, False)
+    if compile != "off":
+        specs[f"compiled/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
+        if static_tokens:
+            specs[f"compiled-static{static_tokens}/{fast}"] = (*static_spec, True)
+    specs["hf"] = (None, None, B * L, B * L * L, B * L, B, False)
     variants = {}
-    for name, (backend, loss_fn, tokens, pairs, head_rows) in specs.items():
+    for name, (backend, loss_fn, tokens, pairs, head_rows, sequences, compiled) in specs.items():
         if names and name not in names:
             continue
         torch.manual_seed(0)
         if backend is None:
             model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
         else:
-            model = BertForPreTraining(cfg, attention=backend, device=device)
-        shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=B, head_rows=head_rows)
+            model = BertForPreTraining(cfg, attention=backend, device=device).to(device)
+            if compiled:  # compiles on its first call: the untimed warm-up step
+                compile_model(model, compile, torch.device(device))
+        shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows)
         variants[name] = (model.to(device).train(), loss_fn, train_flops(cfg, shape))
     return variants
 
@@ -213,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths = draw_lengths(args.batch_size, args.draw, np.random.default_rng(args.seed), args.candidates)
     batch = random_batch(lengths, seed=args.seed).to(args.device)
     mean_length = LengthPMF.from_mix(WIKI_PHASE2).mean
-    variants = build_variants(cfg, batch, args.device, args.variants)
+    try:
+        check_compile(args.compile, torch.device(args.device))
+    except ValueError as e:
+        print(f"bench/model.py: {e}", file=sys.stderr)
+        return 2
+    variants = build_variants(cfg, batch, args.device, args.variants, args.compile, args.static_tokens)
     steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
     matmul, matmul_flops = make_matmul(args.device)
     steps["matmul"] = matmul
@@ -249,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "fill": int(sum(lengths)) / (len(lengths) * int(max(lengths))),
         "mix_mean_length": mean_length, "mix_expected_fill": mean_length / WIKI_PHASE2.edges[-1],
         "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "clock": args.clock,
+        "compile": args.compile, "static_tokens": args.static_tokens, "qkv": "fused",
         "matmul_flops_per_s": matmul_rate,
         "results": rows,
     }
@@ -268,10 +305,10 @@ def print_table(report: dict) -> None:
           f"matmul {report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
     print(f"{report['draw']} batch: {report['draw_rule']}")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"
-    print(f"{'variant':<18}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
+    print(f"{'variant':<26}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
           f"{'GFLOP/s':>9}{'/matmul':>9}")
     for r in report["results"]:
-        print(f"{r['variant']:<18}{r['median_s']:>8.3f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
+        print(f"{r['variant']:<26}{r['median_s']:>8.3f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
               f"{ratio(r['vs_padded']):>11}{ratio(r['vs_hf']):>8}{r['achieved_flops'] / 1e9:>9.1f}"
               f"{r['fraction_of_matmul']:>9.2f}")
 

@@ -70,6 +70,11 @@ class ModelConfig:
                          registry="bert.model.attention:ATTENTION_CHOICES")
     precision: str = opt("fp32", "compute precision", env="PRECISION", choices=PRECISIONS)
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
+    compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
+                       registry="bert.model.compile:COMPILE_MODES")
+    static_tokens: int = opt(0, "pad each training batch's tokens to a multiple of this (one padding sequence; "
+                             "masked rows to a multiple of 64) for few shapes; 0 = off", env="STATIC_TOKENS",
+                             low=0, high=65536)
 
 
 @dataclass

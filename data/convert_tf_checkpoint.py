@@ -6,6 +6,7 @@
 TensorFlow is needed only here, to read the checkpoint. Names map as in NVIDIA's loader:
 `layer_N` -> `layer.N`, `kernel` -> `weight` (transposed: TF stores (in, out)), `gamma`/`beta` ->
 `weight`/`bias`, `output_bias`/`output_weights` -> `bias`/`weight`; optimizer slots are skipped.
+Loading then concatenates each layer's query, key and value into the fused `qkv` (`bert.model.checkpoint`).
 The 30522-row vocabulary is zero-padded to the config's 30528 when loaded into the model, which
 also checks that every tensor is present and has the right shape.
 """

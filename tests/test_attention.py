@@ -13,8 +13,10 @@ CPU_BACKENDS = ("loop", "grouped", "padded")
 
 
 def reference_attention(q, k, v, lengths):
-    """softmax(q k^T / sqrt(d)) v over all T tokens, with cross-sequence scores masked out."""
-    seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    """softmax(q k^T / sqrt(d)) v over all T tokens, with cross-sequence scores masked out (the mask is
+    built on q's device: masked_fill wants both on one)."""
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                     torch.tensor(lengths, device=q.device), output_size=sum(lengths))
     same = seq_id[:, None] == seq_id[None, :]  # (T, T)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     probs = scores.masked_fill(~same, float("-inf")).softmax(-1)
@@ -67,6 +69,13 @@ def test_backend_names():
         resolve_backend("nope")
     with pytest.raises(ValueError, match="CUDA"):
         BACKENDS["varlen"](SeqLayout.from_lengths([3, 4]))
+
+
+def test_reference_runs_on_the_device_of_its_inputs():
+    """On the CPU, the meta device stands in for CUDA: a mask left on the CPU fails here as it did on a GPU
+    ("expected self and mask to be on the same device")."""
+    q = torch.empty(sum(LENGTHS), 2, 8, device="meta")
+    assert reference_attention(q, q, q, LENGTHS).device.type == "meta"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.checkpoint import load_pretrained, load_state, load_weights, save_weights
+from bert.model.checkpoint import export_state, load_pretrained, load_state, load_weights, save_weights
 from bert.synthetic import random_batch
 
 spec = importlib.util.spec_from_file_location("convert_tf_checkpoint",
@@ -42,10 +42,54 @@ def test_save_and_load_roundtrip(tmp_path):
 
 
 def test_nvidia_style_pt_with_module_prefix_loads(tmp_path):
+    """NVIDIA's checkpoints: HF names with separate query/key/value under `module.`, wrapped in {"model": ...}."""
     src, dst = tiny(0), tiny(1)
-    torch.save({"model": {"module." + k: v for k, v in src.state_dict().items()}}, tmp_path / "ckpt.pt")
+    state = export_state(src, real_vocab=False)
+    assert "bert.encoder.layer.0.attention.self.value.weight" in state
+    torch.save({"model": {"module." + k: v for k, v in state.items()}}, tmp_path / "ckpt.pt")
     load_pretrained(dst, tmp_path / "ckpt.pt")
     assert_same_weights(src, dst)
+
+
+def test_fused_qkv_holds_query_key_value_in_order_and_export_import_is_exact(tmp_path):
+    src, dst = tiny(0), tiny(1)
+    state = export_state(src, real_vocab=False)
+    qkv = src.bert.encoder.layer[1].attention.self.qkv
+    h = src.config.hidden_size
+    for i, part in enumerate(("query", "key", "value")):  # each source tensor is one known slice
+        assert torch.equal(state[f"bert.encoder.layer.1.attention.self.{part}.weight"], qkv.weight[i * h:(i + 1) * h])
+        assert torch.equal(state[f"bert.encoder.layer.1.attention.self.{part}.bias"], qkv.bias[i * h:(i + 1) * h])
+    assert not any(".qkv." in name for name in state)
+    assert len(state) == len(src.state_dict()) + 4 * src.config.num_hidden_layers  # 2 tensors become 6 per layer
+    load_state(dst, state, pad_vocab_rows=False)
+    assert_same_weights(src, dst)
+
+
+def test_our_older_files_with_separate_qkv_still_load(tmp_path):
+    """Before the fusion, save_weights wrote query/key/value separately: such a file loads unchanged."""
+    src, dst = tiny(0), tiny(1)
+    save_file(export_state(src, real_vocab=False), str(tmp_path / "old.safetensors"))
+    load_weights(dst, tmp_path / "old.safetensors")
+    assert_same_weights(src, dst)
+    batch = random_batch((30, 9), seed=0)
+    torch.testing.assert_close(dst(batch).loss, src(batch).loss, rtol=0, atol=0)
+
+
+def test_partial_or_doubled_qkv_is_named():
+    state = export_state(tiny(0), real_vocab=False)
+    del state["bert.encoder.layer.1.attention.self.key.bias"]
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*layer\.1\.attention\.self\.key\.bias"):
+        load_state(tiny(1), state, pad_vocab_rows=False)
+    state = export_state(tiny(0), real_vocab=False)
+    state["bert.encoder.layer.0.attention.self.qkv.weight"] = tiny(0).state_dict()[
+        "bert.encoder.layer.0.attention.self.qkv.weight"]
+    with pytest.raises(ValueError, match=r"both bert\.encoder\.layer\.0\.attention\.self\.qkv\.weight"):
+        load_state(tiny(1), state, pad_vocab_rows=False)
+    state = export_state(tiny(0), real_vocab=False)
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    state[name] = state[name][:7]
+    with pytest.raises(ValueError, match=r"layer\.0\.attention\.self: query/key/value\.weight shapes differ"):
+        load_state(tiny(1), state, pad_vocab_rows=False)
 
 
 @pytest.fixture
@@ -62,8 +106,8 @@ def rewrite(path, state):
 
 def test_missing_tensor_is_named(saved):
     path, state = saved
-    del state["bert.encoder.layer.1.attention.self.key.bias"]
-    with pytest.raises(ValueError, match=r"layer\.1\.attention\.self\.key\.bias"):
+    del state["bert.encoder.layer.1.attention.self.qkv.bias"]
+    with pytest.raises(ValueError, match=r"layer\.1\.attention\.self\.qkv\.bias"):
         load_pretrained(tiny(1), rewrite(path, state))
 
 
@@ -137,7 +181,7 @@ TF_OTHER = {
 
 def fake_tf_variables(model):
     """The TF checkpoint `model` would come from: Google's names, kernels stored (in, out), vocab 30522."""
-    ours = model.state_dict()
+    ours = export_state(model, real_vocab=False)
     names = dict(TF_OTHER)
     for i in range(model.config.num_hidden_layers):
         names.update({f"bert/encoder/layer_{i}/{tf}": f"bert.encoder.layer.{i}.{hf}" for tf, hf in TF_LAYER.items()})

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from bert.dist.ddp import GRAD_BUCKETS
 from bert.dist.reduce import REDUCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,11 +25,13 @@ def load(name: str):
 
 def test_bert_large_ddp_buckets_against_balanced_ones():
     report = load("comm").bucket_report(25.0)
-    assert report["tensors"] == 398  # "BERT-large contains 398 trainable variables" (Herring §III-1)
+    # "BERT-large contains 398 trainable variables" (Herring §III-1), with separate query, key and value; our fused
+    # QKV holds each layer's three weights and three biases in one weight and one bias: 4 fewer per layer.
+    assert report["tensors"] == 398 - 4 * 24
     ddp, balanced = report["ddp"], report["balanced"]
     # The word embedding's gradient, ready last, makes the last bucket five caps big (Herring §III-1, Table II).
     assert ddp["bytes"][-1] == ddp["max_bytes"] >= 30528 * 1024 * 4
-    assert ddp["spread"] > 4 and sum(ddp["bytes"]) == report["params"] * 4
+    assert ddp["spread"] > 3 and sum(ddp["bytes"]) == report["params"] * 4  # 125 MB vs the smallest of ~25-33 MB
     assert balanced["max_bytes"] - balanced["min_bytes"] <= 4 and balanced["max_bytes"] <= 25 * 2**20
     assert balanced["buckets"] == -(-report["params"] * 4 // (25 * 2**20))
 
@@ -45,7 +46,7 @@ def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    timed = {f"{r}/{b}" if d == "fp32" else f"{r}+{d}/{b}" for r, b, d in comm_bench.timed_variants()}
+    timed = {f"{r}/{b}" if d == "fp32" else f"{r}+{d}/{b}" for r, b, d in load("comm").timed_variants()}
     assert set(result["runs"]) == timed and {r for r in REDUCTIONS if r != "ps"} <= {k.split("/")[0] for k in timed}
     params = result["setup"]["params"]
     flat = result["runs"]["flat/ddp"]

@@ -63,7 +63,7 @@ def test_bert_large_is_6_flops_per_weight_and_token_plus_attention():
         model = BertForPreTraining(cfg, attention="loop")
     n, m = 512, 76
     encoder = sum(p.numel() for name, p in model.bert.encoder.named_parameters() if name.endswith("dense.weight")
-                  or name.endswith(("query.weight", "key.weight", "value.weight")))
+                  or name.endswith("qkv.weight"))
     pooler_nsp = model.bert.pooler.dense.weight.numel() + model.cls.seq_relationship.weight.numel()
     mlm = model.cls.predictions.transform.dense.weight.numel() + model.bert.embeddings.word_embeddings.weight.numel()
     want = 6 * (encoder * n + pooler_nsp + mlm * m) + 3 * cfg.num_hidden_layers * 4 * n * n * cfg.hidden_size

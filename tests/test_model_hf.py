@@ -9,7 +9,7 @@ import torch
 
 from bert.batch import Sample, collate
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.checkpoint import load_pretrained
+from bert.model.checkpoint import export_state, load_pretrained
 from bert.model.padding import PadLayout, pad
 from bert.synthetic import random_batch
 
@@ -58,6 +58,29 @@ def test_equals_hf_bert_for_pretraining(tmp_path):
     torch.testing.assert_close(got.nsp_logits, want.seq_relationship_logits, rtol=0, atol=1e-10)
     torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=1e-10)
     assert ours.bert.embeddings.word_embeddings.weight.shape[0] == 30528 and masked_hf_logits.shape[1] == 30522
+
+
+def test_export_loads_into_hf_and_gives_our_outputs():
+    """Our fused-QKV weights exported under HF names: HF's BertForPreTraining takes every tensor (only the
+    decoder, tied to the word embeddings, is not in the file) and computes our logits, float64."""
+    cfg = BertConfig.load("tiny")
+    torch.manual_seed(2)
+    ours = BertForPreTraining(cfg.with_dropout(0.0), attention="loop").double().eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf = transformers.BertForPreTraining(hf_config(cfg)).double().eval()
+    result = hf.load_state_dict(export_state(ours), strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+    batch = random_batch((9, 200, 1, 64), seed=2)
+    inputs, layout = hf_inputs(batch)
+    with torch.no_grad():
+        want = hf(**inputs)
+        got = ours(batch)
+    masked_hf_logits = want.prediction_logits.flatten(0, 1)[layout.slots[batch.masked_positions]]
+    torch.testing.assert_close(got.mlm_logits, masked_hf_logits, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got.nsp_logits, want.seq_relationship_logits, rtol=0, atol=1e-10)
 
 
 def test_loads_a_bare_hf_bert_model_from_bin(tmp_path):

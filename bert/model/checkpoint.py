@@ -6,11 +6,18 @@ and the decoder (tied to the word embeddings) is dropped. A checkpoint with the 
 (30522) is zero-padded to the model's (30528), as MLPerf's converter does (the MLM head leaves the
 padding rows out of its softmax: `BertConfig.real_vocab_size`). Anything else that does not fit
 raises `ValueError` naming the tensor.
+
+Fused QKV: our attention has one `attention.self.qkv` Linear where every other BERT (Google's TF,
+Hugging Face, NVIDIA, and our own files before the fusion) has `query`, `key` and `value`. Import
+concatenates the three along the output rows, in that order (`layers.QKV_PARTS`), so each source
+tensor lands in one known slice; `export_state` cuts them out again. Our files store the model's own
+state (fused), so saving and resuming need no mapping; files with the separate tensors still load.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,11 +26,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from bert.model.config import pad_vocab
+from bert.model.layers import QKV_PARTS
 
 VOCAB_ROWS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")  # first dim is the vocabulary
 TIED = {"cls.predictions.decoder.weight": VOCAB_ROWS[0], "cls.predictions.decoder.bias": VOCAB_ROWS[1]}
 IGNORED = ("bert.embeddings.position_ids",)  # a buffer older HF versions saved
 HEADS_PREFIX = "cls."
+SEPARATE_QKV = re.compile(r"^(?P<block>.+\.attention\.self)\.(?P<part>query|key|value)\.(?P<leaf>weight|bias)$")
 
 
 def save_weights(model: nn.Module, path: str | Path) -> None:
@@ -82,6 +91,7 @@ def load_state(model: nn.Module, state: Mapping[str, Tensor], strict_heads: bool
             del renamed[tied]
     for name in IGNORED:
         renamed.pop(name, None)
+    renamed = fuse_qkv(renamed)
 
     expected = model.state_dict()
     missing = [n for n in expected if n not in renamed and (strict_heads or not n.startswith(HEADS_PREFIX))]
@@ -93,6 +103,50 @@ def load_state(model: nn.Module, state: Mapping[str, Tensor], strict_heads: bool
     fitted = {n: _fit(n, t, expected[n], pad_vocab_rows) for n, t in renamed.items()}
     model.load_state_dict(fitted, strict=False)
     return sorted(fitted)
+
+
+def fuse_qkv(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Separate `...attention.self.{query,key,value}.{weight,bias}` -> one `...attention.self.qkv.*`
+    (rows: query, key, value); every other tensor passes through. A partial triple is an error naming
+    the missing tensor."""
+    fused: dict[str, Tensor] = {}
+    triples: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in state.items():
+        match = SEPARATE_QKV.match(name)
+        if match is None:
+            fused[name] = tensor
+        else:
+            triples.setdefault(f"{match['block']}.qkv.{match['leaf']}", {})[match["part"]] = tensor
+    for name, parts in triples.items():
+        block, leaf = name.rsplit(".qkv.", 1)
+        if name in fused:
+            raise ValueError(f"checkpoint has both {name} and separate {block}.query/key/value.{leaf}")
+        lacking = [f"{block}.{p}.{leaf}" for p in QKV_PARTS if p not in parts]
+        if lacking:
+            raise ValueError(f"checkpoint lacks {len(lacking)} tensor(s): {', '.join(lacking)}")
+        shapes = {p: tuple(parts[p].shape) for p in QKV_PARTS}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"{block}: query/key/value.{leaf} shapes differ: {shapes}")
+        fused[name] = torch.cat([parts[p] for p in QKV_PARTS])
+    return fused
+
+
+def export_state(model: nn.Module, real_vocab: bool = True) -> dict[str, Tensor]:
+    """The weights under Hugging Face `BertForPreTraining` names (also Google's and NVIDIA's layout):
+    `qkv` split back into `query`, `key`, `value`. `real_vocab` cuts the vocabulary rows to the
+    tokenizer's (30522), as those checkpoints have them; the padding rows are never used."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        if name.endswith(("attention.self.qkv.weight", "attention.self.qkv.bias")):
+            block, leaf = name.rsplit(".qkv.", 1)
+            for part, piece in zip(QKV_PARTS, tensor.chunk(len(QKV_PARTS))):
+                state[f"{block}.{part}.{leaf}"] = piece.clone()
+            continue
+        if real_vocab and name in VOCAB_ROWS:
+            tensor = tensor[: model.config.real_vocab_size]
+        state[name] = tensor.clone()
+    return state
 
 
 def _fit(name: str, tensor: Tensor, target: Tensor, pad_vocab_rows: bool) -> Tensor:

@@ -76,7 +76,9 @@ class BertForPreTraining(nn.Module):
         super().__init__()
         self.config = cfg
         self.attention = resolve_backend(attention, device)
-        self.plan_attention = BACKENDS[self.attention]
+        # Planning is host work (numpy, Python lists): under torch.compile it stays eager, so a new batch's
+        # lengths do not recompile the graph; the plan's tensors and sizes enter the graph as inputs.
+        self.plan_attention = torch.compiler.disable(BACKENDS[self.attention])
         self.bert = BertModel(cfg)
         self.cls = BertPreTrainingHeads(cfg)
         self.apply(self._init_weights)
@@ -115,12 +117,14 @@ class BertForPreTraining(nn.Module):
     def _heads(self, masked_rows: Tensor, cls_rows: Tensor, batch: Batch) -> PretrainOutput:
         mlm_logits = self.cls.predictions(masked_rows, self.bert.embeddings.word_embeddings.weight)
         nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
-        masked = batch.masked_labels.numel()  # a shape: no device sync
-        # A sum over max(M, 1), so a batch without masked tokens has MLM loss 0, not the NaN of an empty mean.
-        mlm_loss = F.cross_entropy(_at_least_fp32(mlm_logits), batch.masked_labels, reduction="sum") / max(masked, 1)
+        # Labels of -100 (cross_entropy's ignore_index) are padding rows (`bert.static_shapes`): out of both
+        # losses, the accuracy and the count. The count is a device tensor (no sync); the MLM loss is a sum
+        # over max(count, 1), so a batch without masked tokens has loss 0, not the NaN of an empty mean.
+        total = (batch.masked_labels >= 0).sum()
+        mlm_sum = F.cross_entropy(_at_least_fp32(mlm_logits), batch.masked_labels, reduction="sum")
+        mlm_loss = mlm_sum / total.clamp(min=1)
         nsp_loss = F.cross_entropy(_at_least_fp32(nsp_logits), batch.nsp_labels)
         correct = (mlm_logits.argmax(-1) == batch.masked_labels).sum()
-        total = torch.full((), masked, dtype=torch.int64, device=correct.device)
         return PretrainOutput(mlm_loss + nsp_loss, mlm_loss, nsp_loss, correct, total, mlm_logits, nsp_logits)
 
 

@@ -18,6 +18,7 @@ from bert.dist.env import DistEnv
 from bert.dist.reduce import build_reduce
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
+from bert.model.compile import check_compile, compile_model
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.sharded import hook_clip_mode, local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -39,11 +40,13 @@ def seed_everything(seed: int) -> None:
 
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights are fp32 masters; bf16/fp16 come from autocast. The same seed on every rank gives the
-    same initialisation (DDP broadcasts rank 0's weights anyway)."""
+    same initialisation (DDP broadcasts rank 0's weights anyway). COMPILE compiles the forward in place
+    (it runs on the first call: see `bert.train.warmup`)."""
+    check_compile(cfg.compile, device)  # before any work: COMPILE that cannot run here is a config error
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
     if cfg.init_checkpoint:
         load_pretrained(model, cfg.init_checkpoint)
-    return model.to(device)
+    return compile_model(model.to(device), cfg.compile, device)
 
 
 def autocast_for(precision: str, device: torch.device):

@@ -20,6 +20,7 @@ from bert.config import TrainConfig
 from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
 from bert.optim import WarmupPolyDecay
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite
@@ -103,7 +104,9 @@ def train(run: Run) -> str:
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
     flops = FlopMeter(run.ddp.module.config)  # for the progress line's tflops and mfu
-    batches = flops.counting(iter(run.loader))
+    batches = flops.counting(iter(run.loader))  # counts the real tokens: padding is not useful work
+    if run.cfg.model.static_tokens:
+        batches = (pad_to_buckets(b, run.cfg.model.static_tokens, MASKED_BUCKET) for b in batches)
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
         # --- one optimizer step

@@ -1,0 +1,159 @@
+"""COMPILE (bert.model.compile) and the compile warm-up before run_start (bert.train.warmup).
+
+The compiled model is checked against the eager one on several token counts with one captured graph
+(dynamic over T). The CI uses COMPILE=debug (dynamo + AOT autograd, run eagerly): inductor's CPU code
+generation takes ~4 minutes for a 1-layer model on the 2-core CI machine; BERT_TEST_INDUCTOR=1 runs the
+same check with inductor.
+"""
+
+import os
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.compile import COMPILE_MODES, _cxx_compiler, check_compile, compile_model
+from bert.synthetic import random_batch
+from bert.train.warmup import warm_up, warmup_batch
+
+CPU = torch.device("cpu")
+LENGTH_SETS = [(37, 5, 128, 2), (64, 9, 33, 100), (12, 300, 7, 40)]  # same B, different T and M
+
+
+def small_config(layers: int = 1, dropout: float = 0.0) -> BertConfig:
+    cfg = replace(BertConfig.load("tiny"), vocab_size=2000, real_vocab_size=1998, num_hidden_layers=layers)
+    return cfg.with_dropout(dropout)
+
+
+def batch(i: int):
+    return random_batch(LENGTH_SETS[i % len(LENGTH_SETS)], seed=i, vocab_size=1998)
+
+
+def loss_and_grads(model, b):
+    model.zero_grad(set_to_none=True)
+    out = model(b)
+    out.loss.backward()
+    return out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_compile_that_cannot_run_here_is_one_line_naming_the_setting(monkeypatch):
+    check_compile("off", CPU)
+    check_compile("debug", CPU)
+    with pytest.raises(ValueError, match=r"^COMPILE=reduce-overhead captures CUDA graphs and needs a CUDA device"):
+        check_compile("reduce-overhead", CPU)
+    with pytest.raises(ValueError, match="COMPILE='fast' is not one of off, default"):
+        check_compile("fast", CPU)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(ValueError, match=r"^COMPILE=default on the CPU needs a C\+\+ compiler") as e:
+        check_compile("default", CPU)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match=r"^COMPILE=max-autotune on CUDA needs Triton"):
+        check_compile("max-autotune", torch.device("cuda"))
+
+
+def test_warm_up_leaves_training_bit_identical():
+    """Warm-up (forward and backward with dropout) then a training step == the same step without it."""
+    def trained(warm: bool):
+        torch.manual_seed(0)
+        model = BertForPreTraining(small_config(layers=2, dropout=0.1), attention="loop")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if warm:
+            no_autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+            assert warm_up(model.eval(), warmup_batch(4, 64, CPU, vocab_size=1998), no_autocast) > 0
+            assert model.training is False  # the mode is restored
+            assert all(p.grad is None for p in model.parameters())  # no gradient left to leak into step 1
+            model.train()
+        for i in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            model(batch(i)).loss.backward()
+            optimizer.step()
+        return model.state_dict(), torch.get_rng_state()
+
+    (cold, cold_rng), (warm, warm_rng) = trained(False), trained(True)
+    assert torch.equal(cold_rng, warm_rng)
+    for name in cold:
+        assert torch.equal(cold[name], warm[name]), name
+
+
+def compiled_equals_eager(name: str, atol: float) -> None:
+    torch.manual_seed(0)
+    eager = BertForPreTraining(small_config(), attention="loop")
+    compiled = BertForPreTraining(small_config(), attention="loop")
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_model(compiled, name, CPU) is compiled  # in place: names and type unchanged
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    graphs = []
+    for i in range(len(LENGTH_SETS)):
+        want_loss, want_grads = loss_and_grads(eager, batch(i))
+        got_loss, got_grads = loss_and_grads(compiled, batch(i))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=atol)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=0, atol=atol)
+    # the graphs of the first batch serve every token count: dynamic over T (and M), no recompilation
+    # (two graphs: the attention planner is host work, left out of the graph)
+    assert graphs == [2] * len(LENGTH_SETS)
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_on_every_token_count():
+    compiled_equals_eager("debug", atol=0)
+
+
+@pytest.mark.skipif(not os.environ.get("BERT_TEST_INDUCTOR"), reason="set BERT_TEST_INDUCTOR=1 (~4 min on 2 cores)")
+@pytest.mark.skipif(_cxx_compiler() is None, reason="inductor on the CPU needs a C++ compiler")
+def test_inductor_compiled_equals_eager_on_every_token_count():
+    assert COMPILE_MODES["default"] == ("inductor", "default")
+    compiled_equals_eager("default", atol=1e-5)
+
+
+@pytest.mark.slow
+def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, synthetic_data):
+    """One rank, COMPILE=debug and STATIC_TOKENS=128: the compile time is printed and logged inside the
+    untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log."""
+    from test_train import PY, ROOT, checker, common_args, free_port, mllog
+
+    out = tmp_path / "run"
+    args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,
+                       eval_iter_samples=32, num_eval_examples=32, eval_batch_size=32, compile="debug",
+                       static_tokens=128, skip_checkpoint=1)
+    run = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                          str(free_port()), str(ROOT / "run_pretraining.py"), *args],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: max_steps before the target (aborted)
+    assert run.stdout.count("compile: COMPILE=debug: first forward+backward took") == 1
+    keys = [e["key"] for e in mllog(out / "result_0.txt")]
+    assert keys.index("init_start") < keys.index("model_compile_seconds") < keys.index("init_stop")
+    assert "eval_accuracy" in keys and "run_stop" in keys
+    cc = checker(out / "result_0.txt", tmp_path)
+    assert cc.returncode == 0, cc.stdout + cc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name, static", [("default", 0), ("reduce-overhead", 512)])
+def test_cuda_compiled_equals_eager_in_bf16(name, static):
+    """BERT-tiny with flash varlen under bf16 autocast: compiled (with CUDA graphs for reduce-overhead, on
+    static shapes) against eager, on several token counts."""
+    from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+
+    cuda = torch.device("cuda")
+    torch.manual_seed(0)
+    eager = BertForPreTraining(small_config(layers=2), attention="varlen", device=cuda).to(cuda)
+    compiled = BertForPreTraining(small_config(layers=2), attention="varlen", device=cuda).to(cuda)
+    compiled.load_state_dict(eager.state_dict())
+    compile_model(compiled, name, cuda)
+    for i in range(2 * len(LENGTH_SETS)):  # every shape twice: CUDA graphs record, then replay
+        b = batch(i).to(cuda)
+        if static:
+            b = pad_to_buckets(b, static, MASKED_BUCKET)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want_loss, want_grads = loss_and_grads(eager, b)
+            got_loss, got_grads = loss_and_grads(compiled, b)
+        torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-2)
+        for g, w in zip(got_grads, want_grads):
+            assert (g - w).norm() <= 5e-2 * w.norm() + 1e-6
