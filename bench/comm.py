@@ -12,7 +12,7 @@ name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, a
 Variants run one after another.
 
 Recorded per variant: median (and fastest) time per step; bytes sent per rank *computed* from the bucket sizes with
-each algorithm's formula (`bert.dist.comm_model`, not counted on the wire); the α-β prediction for this
+each algorithm's formula (`bert.balance.lab.comm_model`, not counted on the wire); the α-β prediction for this
 run from α, β fitted to timed gloo allreduces of two sizes and γ from a timed local add (the fastest of
 9 each: the least disturbed by other load; compare the model with the fastest step); then the model
 for BERT-large (336M fp32 gradients, one buffer) on 8...1024 A100s and H100s. Also the bucket-size
@@ -38,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from bert.balance.lab.comm_model import CLUSTERS, STRATEGIES, Cluster, Link, base_strategy, predict
 from bert.config import from_flat
 from bert.dist.clip import install_clipping
-from bert.dist.comm_model import CLUSTERS, STRATEGIES, Cluster, Link, base_strategy, predict
 from bert.dist.ddp import GRAD_BUCKETS, apply_ddp
 from bert.dist.env import DistEnv
 from bert.dist.fusion import MB, balanced_bounds, bucket_count, ddp_bucket_bytes
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"world": args.world, "local_world": args.local_world, "scale": args.scale, "params": params,
                   "bucket_cap_mb_scaled": cap_mb, "steps": args.steps, "warmup": args.warmup, "backend": "gloo",
                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-                  "bytes_sent": "computed from bucket sizes with bert.dist.comm_model's formulas, not counted"},
+                  "bytes_sent": "computed from bucket sizes with bert.balance.lab.comm_model's formulas, not counted"},
         "bert_large_buckets": report,
         "local_fit": fit,
         "runs": runs,

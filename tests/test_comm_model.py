@@ -1,4 +1,4 @@
-"""The α-β model of gradient reduction (bert/dist/comm_model.py) against Herring's own numbers.
+"""The α-β model of gradient reduction (bert/balance/lab/comm_model.py) against Herring's own numbers.
 
 Quoted from Herring [003]:
   §IV-A   "when 100 MB is all-reduced across 64 nodes, data transferred is 2 * 63 * 100/64 = 196.8 MB";
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from bert.dist.comm_model import (
+from bert.balance.lab.comm_model import (
     A100,
     CLUSTERS,
     STRATEGIES,

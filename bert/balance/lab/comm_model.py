@@ -129,7 +129,8 @@ def predict(strategy: str, params: int, gpus: int, cluster: Cluster, dtype_bytes
         link = cluster.intra if nodes == 1 else cluster.inter
         sent = ring_bytes_sent(n, gpus)
         return Prediction(ring_allreduce_seconds(n, gpus, link, cluster.gamma), sent if nodes > 1 else 0.0, sent)
-    intra = reduce_scatter_seconds(n, g, cluster.intra, cluster.gamma) + modelled_all_gather_seconds(n, g, cluster.intra)
+    intra = (reduce_scatter_seconds(n, g, cluster.intra, cluster.gamma)
+             + modelled_all_gather_seconds(n, g, cluster.intra))
     intra_bytes = 2 * (g - 1) * n / g  # reduce-scatter and all-gather, each (g−1)/g·n
     if family == "hierarchical":
         inter = ring_allreduce_seconds(n / g, nodes, cluster.inter, cluster.gamma)
