@@ -111,6 +111,20 @@ def test_resume_continues_with_the_identical_batches(wiki_dir):
         x.close()
 
 
+def test_resume_at_another_world_size_carries_the_sample_count(wiki_dir, capsys):
+    ld = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    take(ld, 5)  # 5 steps x 16 = 80 samples
+    state = ld.state_dict()
+    for world, per_node, step in ((1, 1, 10), (4, 2, 3)):  # 80 / 8 = 10; ceil(80 / 32) = 3
+        other = TrainLoader(wiki_dir, 8, world, 0, per_node, strategy="samsung", seed=3, shuffle_buffer=10)
+        other.load_state_dict(state)
+        assert other.step == step and other.samples_seen >= 80 > other.samples_seen - other.plan.global_batch_size
+        assert f"plan made for 2 ranks on {world}" in capsys.readouterr().out
+        assert batch_ids(next(other)) == batch_ids(other._batch(step))  # it trains on from there
+        other.close()
+    ld.close()
+
+
 def test_eval_slices_partition_the_eval_set(wiki_dir):
     slices = [eval_batches(wiki_dir, 6, 3, rank, 100) for rank in range(3)]
     ids = [[g for b in batches for g in batch_ids(b)] for batches in slices]

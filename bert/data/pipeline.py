@@ -91,9 +91,24 @@ class TrainLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`: the next batch is the one that followed when it was saved."""
+        """Continue from `state`: the next batch is the one that followed when it was saved.
+
+        Saved at another world size (a checkpoint is whole, so a job may continue on more or fewer GPUs),
+        the plan cannot be the same: the loader continues this plan at the first step at or past the
+        samples already consumed, so the sample count carries over but this epoch's order does not. A run
+        continued so is not a result anyway (bert.train.mlperf_log labels every continuation)."""
         mine = self.state_dict()
         differ = {k: (state.get(k), v) for k, v in mine.items() if k != "step" and state.get(k) != v}
+        if differ and set(differ) <= {"world_size", "ranks_per_node"}:
+            consumed = int(state["step"]) * int(state["world_size"]) * int(state["local_batch_size"])
+            step = -(-consumed // self.plan.global_batch_size)
+            if self.rank == 0:
+                print(f"data: resuming a plan made for {state['world_size']} ranks on {self.plan.world_size}: "
+                      f"continuing at step {step} ({consumed} samples consumed); this epoch's order differs",
+                      flush=True)
+            self.close()
+            self.step = step
+            return
         if differ:
             raise ValueError(f"loader state was saved with a different plan (saved, now): {differ}")
         self.close()
