@@ -13,6 +13,7 @@ from bert.data.format import ShardError
 from bert.data.pipeline import TrainLoader, eval_batches
 from bert.data.prefetch import Prefetcher
 from bert.lengths import WIKI_PHASE2
+from bert.static_shapes import MASKED_BUCKET
 
 # Samsung [000] Figure 4: one node of 4 GPUs drawing 4 sequences each (lengths are ours, the
 # figure's numbers are not in the text). All 16 are gathered, sorted descending into rows
@@ -123,6 +124,16 @@ def test_resume_at_another_world_size_carries_the_sample_count(wiki_dir, capsys)
         assert batch_ids(next(other)) == batch_ids(other._batch(step))  # it trains on from there
         other.close()
     ld.close()
+
+
+def test_static_tokens_pads_in_the_loader_before_the_batch_leaves_the_thread(wiki_dir):
+    plain = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    padded = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10, static_tokens=128)
+    for a, b in zip(take(plain, 3), take(padded, 3)):
+        assert b.num_tokens % 128 == 0 and b.seq.lengths[:-1] == a.seq.lengths  # one padding sequence after the rest
+        assert torch.equal(b.input_ids[: a.num_tokens], a.input_ids) and b.masked_labels.numel() % MASKED_BUCKET == 0
+    plain.close()
+    padded.close()
 
 
 def test_eval_slices_partition_the_eval_set(wiki_dir):

@@ -9,6 +9,7 @@ import torch
 
 from bert.model import BertConfig
 from bert.model.flops import StepShape, train_flops
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
 from bert.train import progress as progress_module
 from bert.train.peak_flops import device_peak_flops, peak_flops
@@ -25,6 +26,17 @@ def test_flop_meter_counts_each_drawn_batch_once_and_resets():
     assert meter.take() == want and meter.take() == 0
     next(drawn)
     assert meter.take() == train_flops(cfg, StepShape.unpadded((77, 260, 130), len(batches[2].masked_labels)))
+
+
+def test_flop_meter_leaves_out_the_static_padding_sequence():
+    cfg = BertConfig.load("tiny")
+    batch = random_batch((77, 260, 130), seed=3)
+    padded = pad_to_buckets(batch, 512, MASKED_BUCKET)  # 467 tokens + a padding sequence of 45
+    meter = FlopMeter(cfg, padded=True)
+    next(meter.counting(iter([padded])))
+    # the real sequences, and the masked rows as the head runs them (padded to the bucket)
+    assert meter.take() == train_flops(cfg, StepShape.unpadded((77, 260, 130), padded.masked_labels.numel()))
+    assert padded.masked_labels.numel() == MASKED_BUCKET * -(-batch.masked_labels.numel() // MASKED_BUCKET)
 
 
 class Clock:

@@ -26,6 +26,7 @@ from bert.data.index import LengthIndex
 from bert.data.plan import TrainPlan
 from bert.data.prefetch import Prefetcher
 from bert.data.reader import SampleReader
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 
 __all__ = ["TrainLoader", "eval_batches"]
 
@@ -43,6 +44,7 @@ class TrainLoader:
         shuffle_buffer: int = 10000,
         device: torch.device | str = "cpu",
         prefetch: int = 2,
+        static_tokens: int = 0,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
@@ -50,6 +52,7 @@ class TrainLoader:
             LengthIndex.scan(input_dir), world_size, local_batch_size, ranks_per_node, strategy, seed, shuffle_buffer
         )
         self.rank, self.device, self.prefetch = rank, torch.device(device), prefetch
+        self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.step = 0  # batches handed to the caller so far
         self._reader = SampleReader(self.plan.index)
         self._worker: Prefetcher | None = None
@@ -60,7 +63,10 @@ class TrainLoader:
         return self.step * self.plan.global_batch_size
 
     def _batch(self, step: int) -> Batch:
-        return collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
+        batch = collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
+        # Padded here, in the background thread and before pinning: on the device the new cu_seqlens would be
+        # a pageable host-to-device copy, which waits for the stream, in every training step.
+        return pad_to_buckets(batch, self.static_tokens, MASKED_BUCKET) if self.static_tokens else batch
 
     def _started(self) -> Prefetcher:
         if self._worker is None:

@@ -70,7 +70,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     optimizer = build_optimizer(model, cfg.optim)
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
-                         strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device)
+                         strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
+                         static_tokens=cfg.model.static_tokens)
     eval_set = eval_batches(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples,
                             device)
     stop = StopAgreement()

@@ -20,7 +20,6 @@ from bert.config import TrainConfig
 from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
 from bert.optim import WarmupPolyDecay
-from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite
@@ -103,10 +102,9 @@ def train(run: Run) -> str:
     cfg, state = run.cfg.run, run.state
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
-    flops = FlopMeter(run.ddp.module.config)  # for the progress line's tflops and mfu
-    batches = flops.counting(iter(run.loader))  # counts the real tokens: padding is not useful work
-    if run.cfg.model.static_tokens:
-        batches = (pad_to_buckets(b, run.cfg.model.static_tokens, MASKED_BUCKET) for b in batches)
+    # for the progress line's tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not useful work
+    flops = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens))
+    batches = flops.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
         # --- one optimizer step

@@ -18,18 +18,22 @@ from pathlib import Path
 
 from bert.batch import Batch
 from bert.model.config import BertConfig
-from bert.model.flops import batch_train_flops
+from bert.model.flops import StepShape, train_flops
 
 
 class FlopMeter:
-    """Training FLOPs of the batches drawn through `counting` since the last `take` (host arithmetic only)."""
+    """Training FLOPs of the batches drawn through `counting` since the last `take` (host arithmetic only).
 
-    def __init__(self, cfg: BertConfig):
-        self.cfg, self.flops = cfg, 0
+    `padded`: the batches end in `bert.static_shapes`' padding sequence, which is left out; its padding
+    masked rows cannot be told apart on the host (their labels are on the device) and are counted."""
+
+    def __init__(self, cfg: BertConfig, padded: bool = False):
+        self.cfg, self.padded, self.flops = cfg, padded, 0
 
     def counting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         for batch in batches:
-            self.flops += batch_train_flops(self.cfg, batch)
+            lengths = batch.seq.lengths[:-1] if self.padded else batch.seq.lengths
+            self.flops += train_flops(self.cfg, StepShape.unpadded(lengths, batch.masked_labels.numel()))
             yield batch
 
     def take(self) -> int:
