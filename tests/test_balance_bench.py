@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_modules import load_script
 
 from bert.data.format import write_varlength_shard
 from bert.synthetic import random_sample
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench/{name}.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,16 @@
 """Checkpoint save/load, bad checkpoints, and the TF name mapping (without TensorFlow)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from script_modules import load_script
 
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import export_state, load_pretrained, load_state, load_weights, save_weights
 from bert.synthetic import random_batch
 
-spec = importlib.util.spec_from_file_location("convert_tf_checkpoint",
-                                              Path(__file__).parents[1] / "data" / "convert_tf_checkpoint.py")
-convert_tf = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert_tf)
+convert_tf = load_script("data/convert_tf_checkpoint.py")
 
 WORDS = "bert.embeddings.word_embeddings.weight"
 
