@@ -104,6 +104,8 @@ class OptimConfig:
     max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
     optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
                                    "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
+    compile_optimizer: bool = opt(False, "compile the optimizer step with COMPILE's mode (a CUDA graph under "
+                                  "reduce-overhead; bert.optim.compiled)", env="COMPILE_OPTIMIZER")
 
 
 @dataclass
@@ -192,6 +194,12 @@ class TrainConfig:
         if self.optim.optimizer_sharding and self.optim.optimizer not in shardable:
             raise ConfigError("optimizer", "OPTIMIZER", self.optim.optimizer,
                               f"cannot be sharded (OPTIMIZER_SHARDING=1 supports {', '.join(shardable)})")
+        if self.optim.compile_optimizer and self.model.compile == "off":
+            raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
+                              "step with (COMPILE=off)")
+        if self.optim.compile_optimizer and self.optim.optimizer_sharding:
+            raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
+                              "OPTIMIZER_SHARDING=1 (its step runs collectives)")
         if self.model.precision == "fp8" and (not self.model.static_tokens or
                                               self.model.static_tokens % FP8_TOKEN_ALIGN):
             raise ConfigError("static_tokens", "STATIC_TOKENS", self.model.static_tokens, "must be a positive multiple "

@@ -21,6 +21,7 @@ from bert.model.checkpoint import load_pretrained
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
 from bert.optim import build_optimizer, build_schedule
+from bert.optim.compiled import compile_step
 from bert.optim.sharded import hook_clip_mode, local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.evaluate import count_eval_samples
@@ -71,6 +72,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env))
     optimizer = build_optimizer(model, cfg.optim)
+    if cfg.optim.compile_optimizer:
+        compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
