@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from bert.config import ConfigError, from_flat
+from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.fp8 import FP8_LINEARS, check_fp8, is_fp8_linear
+from bert.model.fp8 import ALIGN, FP8_LINEARS, check_fp8, is_fp8_linear
 from bert.synthetic import random_batch
 
 CPU = torch.device("cpu")
@@ -62,6 +62,7 @@ def test_fp8_without_torchao_is_one_line_naming_the_package(monkeypatch):
 
 
 def test_fp8_config_needs_token_counts_the_float8_gemms_accept():
+    assert FP8_TOKEN_ALIGN == ALIGN  # bert.config is torch-free: it keeps its own copy
     base = dict(input_dir="d", eval_dir="e", train_batch_size=8, bert_config_path="tiny", learning_rate=1e-3,
                 max_steps=10, precision="fp8")
     for static in (0, 40):
