@@ -13,5 +13,11 @@ RUN grep -v '^torch==' requirements.txt >/tmp/requirements-image.txt \
  && pip install --no-cache-dir -r /tmp/requirements-image.txt \
  && rm /tmp/requirements-image.txt
 
+# PRECISION=fp8 (bert/model/fp8.py): torchao's float8 training. 0.18.0 needs torch >= 2.11; with an older
+# base image pass --build-arg TORCHAO=<the release built for its torch>. Not in requirements.txt: the CPU
+# install has no float8 hardware.
+ARG TORCHAO=0.18.0
+RUN pip install --no-cache-dir --no-deps "torchao==${TORCHAO}"
+
 COPY . .
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e .

@@ -51,8 +51,9 @@ else
 fi
 
 read -r -a extra <<<"${EXTRA_PARAMS:-}"
-# Fails on a missing, malformed or misspelled variable with one line naming it (exit 2), before anything starts.
-"$PYTHON" -m bert.train.config --check-env "${extra[@]}" >/dev/null || exit 2
+# Fails on a missing, malformed or misspelled variable with one line naming it (exit 2), before anything starts;
+# so does a COMPILE or PRECISION=fp8 this node's device cannot run (no GPU, no float8, torchao missing).
+"$PYTHON" -m bert.train.config --check-env --check-device "${extra[@]}" >/dev/null || exit 2
 
 main_task() {  # the timing lines come from one task only
   [ "${SLURM_PROCID:-0}" = 0 ] || [ "$launcher" = torchrun ]

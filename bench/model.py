@@ -21,6 +21,9 @@ between variants meaningful.
                       bert.static_shapes), charged for the padding it computes
     compiled/<name>   unpadded/<name> under torch.compile (`--compile MODE`, bert.model.compile; compiled in
                       the untimed warm-up step); compiled-static<N>/<name> with both
+    fp8/<name>        `--precision fp8` (CUDA, compute capability >= 8.9, torchao): the encoder linears in float8
+                      (bert.model.fp8) on the batch padded to a multiple of N tokens (`--static-tokens`, else 16);
+                      compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why
     hf                transformers BertForPreTraining (SDPA), padded, MLM head on every token
 
 Our model computes Q, K and V with one fused GEMM (`attention.self.qkv`); results written before that
@@ -33,6 +36,7 @@ BERT-large, bf16 autocast, batch 56.
     .venv/bin/python bench/model.py --threads 1 --clock cpu   # on a busy machine
     python bench/model.py --device cuda                  # writes results/bench/model_cuda.json
     python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
+    python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
+from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.padding import PadLayout, pad
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
@@ -80,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", help="COMPILE mode for the compiled/* variants (off: none; "
                    "on the CPU inductor takes minutes: try debug)")
     p.add_argument("--static-tokens", type=int, default=0, help="token bucket of the static<N>/* variants (0: none)")
+    p.add_argument("--precision", choices=("default", "fp8"), default="default",
+                   help="fp8: add the fp8/* variants (CUDA); every other variant runs bf16 on CUDA, fp32 on the CPU")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.config = args.config or ("large" if cuda else "base")
@@ -94,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--compile must be one of {', '.join(COMPILE_MODES)}")
     if args.static_tokens < 0:
         p.error("--static-tokens must be 0 (none) or a positive token bucket")
+    if args.precision == "fp8" and args.static_tokens % 16:
+        p.error("--precision fp8 needs --static-tokens to be a multiple of 16 (float8 GEMMs)")
     return args
 
 
@@ -134,7 +143,7 @@ def hf_step_inputs(batch: Batch) -> dict:
 
 
 def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None, compile: str = "off",
-                   static_tokens: int = 0) -> dict:
+                   static_tokens: int = 0, fp8: bool = False) -> dict:
     """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
     is charged for the rows and attention pairs it computes, padding included)."""
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
@@ -156,6 +165,16 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         specs[f"compiled/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
         if static_tokens:
             specs[f"compiled-static{static_tokens}/{fast}"] = (*static_spec, True)
+    fp8_names = set()
+    if fp8:  # float8 weight-gradient GEMMs need a token count that is a multiple of 16
+        fp8_batch = pad_to_buckets(batch, static_tokens or 16, MASKED_BUCKET)
+        fp8_spec = (fast, lambda m: m(fp8_batch).loss, fp8_batch.num_tokens,
+                    sum(n * n for n in lengths) + fp8_batch.seq.lengths[-1] ** 2, len(fp8_batch.masked_labels), B + 1)
+        specs[f"fp8/{fast}"] = (*fp8_spec, False)
+        fp8_names.add(f"fp8/{fast}")
+        if compile != "off":
+            specs[f"compiled-fp8/{fast}"] = (*fp8_spec, True)
+            fp8_names.add(f"compiled-fp8/{fast}")
     specs["hf"] = (None, None, B * L, B * L * L, B * L, B, False)
     variants = {}
     for name, (backend, loss_fn, tokens, pairs, head_rows, sequences, compiled) in specs.items():
@@ -166,6 +185,8 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
         else:
             model = BertForPreTraining(cfg, attention=backend, device=device).to(device)
+            if name in fp8_names:
+                convert_to_fp8(model)
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
         shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows)
@@ -249,7 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench/model.py: {e}", file=sys.stderr)
         return 2
-    variants = build_variants(cfg, batch, args.device, args.variants, args.compile, args.static_tokens)
+    fp8 = args.precision == "fp8"
+    if fp8:
+        try:
+            check_fp8("fp8", torch.device(args.device))
+        except ValueError as e:
+            print(f"bench/model.py: fp8/* variants skipped: {e}", file=sys.stderr)
+            fp8 = False
+    variants = build_variants(cfg, batch, args.device, args.variants, args.compile, args.static_tokens, fp8)
     steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
     matmul, matmul_flops = make_matmul(args.device)
     steps["matmul"] = matmul
@@ -286,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "mix_mean_length": mean_length, "mix_expected_fill": mean_length / WIKI_PHASE2.edges[-1],
         "masked_tokens": len(batch.masked_labels), "repeats": args.repeats, "clock": args.clock,
         "compile": args.compile, "static_tokens": args.static_tokens, "qkv": "fused",
+        "fp8": "encoder linears in float8 (torchao), the rest bf16" if fp8 else None,
         "matmul_flops_per_s": matmul_rate,
         "results": rows,
     }

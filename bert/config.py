@@ -29,7 +29,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: encoder linears in float8, the rest bf16 (bert.model.fp8)
+FP8_TOKEN_ALIGN = 16  # float8 weight-gradient GEMMs contract over the tokens (bert.model.fp8.ALIGN)
 DIVISIONS = ("closed", "open")
 INT_LIMIT = 2**53  # beyond this a shell value like 1e30 cannot be a count of anything
 
@@ -103,6 +104,8 @@ class OptimConfig:
     max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
     optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
                                    "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
+    compile_optimizer: bool = opt(False, "compile the optimizer step with COMPILE's mode (a CUDA graph under "
+                                  "reduce-overhead; bert.optim.compiled)", env="COMPILE_OPTIMIZER")
 
 
 @dataclass
@@ -191,6 +194,19 @@ class TrainConfig:
         if self.optim.optimizer_sharding and self.optim.optimizer not in shardable:
             raise ConfigError("optimizer", "OPTIMIZER", self.optim.optimizer,
                               f"cannot be sharded (OPTIMIZER_SHARDING=1 supports {', '.join(shardable)})")
+        if self.optim.compile_optimizer and self.model.compile == "off":
+            raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
+                              "step with (COMPILE=off)")
+        if self.optim.compile_optimizer and self.optim.optimizer_sharding:
+            raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
+                              "OPTIMIZER_SHARDING=1 (its step runs collectives)")
+        if self.model.precision == "fp8" and (not self.model.static_tokens or
+                                              self.model.static_tokens % FP8_TOKEN_ALIGN):
+            raise ConfigError("static_tokens", "STATIC_TOKENS", self.model.static_tokens, "must be a positive multiple "
+                              f"of {FP8_TOKEN_ALIGN} with PRECISION=fp8 (float8 weight-gradient GEMMs contract over "
+                              "the token count)")
+        # PRECISION=fp8 is allowed in the closed division: [MLPerf-rules] "Numerical formats" pre-approves fp8
+        # with per-tensor scaling (bert.model.fp8).
         if environ is not None:
             check_node_size(self.dist, environ)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run

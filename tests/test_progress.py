@@ -72,6 +72,10 @@ def test_peak_table_by_device_name_and_precision():
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == peak_flops("NVIDIA H100 80GB HBM3", "fp16") == 989.4e12
     assert peak_flops("NVIDIA H200", "bf16") == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    # fp8: half the datasheets' sparse FP8 figures (H100 SXM / H200 3,958, PCIe 3,026); no FP8 on an A100
+    assert peak_flops("NVIDIA H100 80GB HBM3", "fp8") == peak_flops("NVIDIA H200", "fp8") == 3958e12 / 2
+    assert peak_flops("NVIDIA H100 PCIe", "fp8") == 3026e12 / 2
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp16") == peak_flops("NVIDIA A100 80GB PCIe", "bf16") == 312e12
     assert peak_flops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5e12  # torch's default: no TF32 matmuls
     previous = torch.get_float32_matmul_precision()

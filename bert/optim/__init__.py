@@ -21,12 +21,19 @@ Groups = list[dict]
 Betas = tuple[float, float]
 
 
-def _adamw(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool) -> torch.optim.Optimizer:
-    """Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA."""
+def _adamw(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool,
+           capturable: bool = False) -> torch.optim.Optimizer:
+    """Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA. `capturable` (a compiled
+    step, bert.optim.compiled): foreach + capturable on CUDA, the single-tensor loop on the CPU."""
+    if capturable:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=on_cuda, capturable=on_cuda)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
-def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool) -> torch.optim.Optimizer:
+def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool,
+          capturable: bool = False) -> torch.optim.Optimizer:
+    if capturable:  # a compiled step: ours, with the update count on the device (apex reads the LR on the host)
+        return Lamb(groups, lr=lr, betas=betas, eps=eps, capturable=True)
     return (on_cuda and _apex_lamb(groups, betas, eps)) or Lamb(groups, lr=lr, betas=betas, eps=eps)
 
 
@@ -43,7 +50,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
         return build_sharded(groups, cfg, lr)
     return OPTIMIZERS[cfg.optimizer](groups, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
-                                     next(model.parameters()).is_cuda)
+                                     next(model.parameters()).is_cuda, capturable=cfg.compile_optimizer)
 
 
 def _apex_lamb(groups: Groups, betas: Betas, eps: float) -> torch.optim.Optimizer | None:

@@ -14,6 +14,11 @@ learning rate is a device tensor so the schedule never copies a host value per s
 
 `tensor_norms` computes (||p||, ||u||) per tensor; the sharded update (bert.optim.sharded) passes
 one that completes the norms of tensors split across ranks.
+
+`capturable=True` keeps the update count t on the parameters' device and computes the bias corrections
+there, as torch's capturable Adam does: a compiled step (`bert.optim.compiled`, COMPILE_OPTIMIZER=1) then
+has no host value that changes every step, so one graph (one CUDA graph under reduce-overhead) serves
+every step. The corrections are then fp32 instead of the host's float64 (a relative difference ~1e-7).
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ def local_tensor_norms(params: list[Tensor], update: list[Tensor]) -> tuple[Tens
 
 class Lamb(torch.optim.Optimizer):
     def __init__(self, params, lr: Tensor | float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, tensor_norms: TensorNorms = local_tensor_norms):
+                 weight_decay: float = 0.0, tensor_norms: TensorNorms = local_tensor_norms, capturable: bool = False):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"LAMB betas must be in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.tensor_norms = tensor_norms
+        self.capturable = capturable
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -51,10 +57,15 @@ class Lamb(torch.optim.Optimizer):
         b1, b2 = group["betas"]
         for p in params:
             if not self.state[p]:
-                self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                step = torch.zeros((), dtype=torch.float32, device=p.device) if self.capturable else 0
+                self.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         states = [self.state[p] for p in params]
         grads, m, v = [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-        t = states[0]["step"] = states[0]["step"] + 1  # one host counter per group: no device sync
+        if self.capturable:  # one device counter per group, updated in place (a loaded checkpoint's moved there)
+            t = states[0]["step"] = torch.as_tensor(states[0]["step"], dtype=torch.float32, device=params[0].device)
+            t.add_(1)
+        else:  # one host counter per group: no device sync
+            t = states[0]["step"] = states[0]["step"] + 1
         for s in states[1:]:
             s["step"] = t
 

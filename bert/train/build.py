@@ -19,7 +19,9 @@ from bert.dist.reduce import build_reduce
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
 from bert.model.compile import check_compile, compile_model
+from bert.model.fp8 import apply_precision, check_fp8
 from bert.optim import build_optimizer, build_schedule
+from bert.optim.compiled import compile_step
 from bert.optim.sharded import hook_clip_mode, local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.evaluate import count_eval_samples
@@ -29,7 +31,8 @@ from bert.train.mlperf_log import MLPerfLog
 from bert.train.peak_flops import device_peak_flops
 from bert.train.progress import Progress
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: bf16 autocast for everything but the encoder linears (bert.model.fp8)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def seed_everything(seed: int) -> None:
@@ -39,14 +42,15 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
-    """Weights are fp32 masters; bf16/fp16 come from autocast. The same seed on every rank gives the
-    same initialisation (DDP broadcasts rank 0's weights anyway). COMPILE compiles the forward in place
-    (it runs on the first call: see `bert.train.warmup`)."""
-    check_compile(cfg.compile, device)  # before any work: COMPILE that cannot run here is a config error
+    """Weights are fp32 masters; bf16/fp16 come from autocast, fp8 swaps the encoder linears for float8 ones
+    (`bert.model.fp8`). The same seed on every rank gives the same initialisation (DDP broadcasts rank 0's
+    weights anyway). COMPILE compiles the forward in place (it runs on the first call: see `bert.train.warmup`)."""
+    check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
+    check_fp8(cfg.precision, device)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
     if cfg.init_checkpoint:
         load_pretrained(model, cfg.init_checkpoint)
-    return compile_model(model.to(device), cfg.compile, device)
+    return compile_model(apply_precision(model.to(device), cfg.precision, device), cfg.compile, device)
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -68,6 +72,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env))
     optimizer = build_optimizer(model, cfg.optim)
+    if cfg.optim.compile_optimizer:
+        compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,

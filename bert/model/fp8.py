@@ -1,0 +1,115 @@
+"""`PRECISION=fp8`: the encoder's linear layers run their GEMMs in float8 (torchao), the rest under bf16 autocast.
+
+Which layers: in every encoder layer the fused QKV projection (`attention.self.qkv`), the attention output
+(`attention.output.dense`) and the FFN (`intermediate.dense`, `output.dense`), which carry nearly all of the
+step's FLOPs. The pooler, the NSP classifier, the MLM transform and the decoder tied to the word embeddings stay
+in bf16, as in NVIDIA's H100 submissions [NVIDIA-BERT] (v3.0, `--use_transformer_engine2`): there
+TransformerEngine's `fp8_autocast` wraps the encoder layers only (`FP8_MHA`'s QKV and projection GEMMs and
+`LayerNormMLP`'s two), and the heads run outside it. The heads see few rows (the pooler one per sequence, the
+MLM head only the masked ones), so float8 would gain little there, and the decoder shares its weight with the
+embedding lookup (it is `F.linear` on that weight, not an `nn.Linear` torchao could swap).
+
+How: torchao's float8 training (`convert_to_float8_training` with a module filter) swaps those `nn.Linear`s for
+`Float8Linear`s with the same parameters (same names: checkpoints, weight decay groups and DDP are unchanged).
+Scaling is dynamic and per tensor; activations and weights are e4m3, gradients e5m2 (the "hybrid" format of
+NVIDIA's recipe). torchao's float8 is meant to be compiled (the casts and amax reductions fuse into a few
+kernels), so it composes with COMPILE; eager works but is slower than bf16.
+
+Shapes: `torch._scaled_mm` needs the inner dimension and the weight's dimensions to be multiples of 16. The
+weight-gradient GEMM's inner dimension is the token count, so training batches must be padded to a multiple
+of 16 tokens: `bert.config` requires STATIC_TOKENS to be one (NVIDIA pads to 256 for the same reason). The
+eval's forward has no such constraint.
+
+Rules: the closed division pre-approves fp8 among the numerical formats, with scaling ("per-tensor or
+per-block" is a listed numerically safe technique), since [MLPerf-rules] commit da1fa63 (2022-04, "Add FP8 to
+the accepted datatypes"; section "Numerical formats" at d73e20f179). So PRECISION=fp8 is allowed in both
+divisions; reference convergence points are fp32 or bf16, so an fp8 run must still converge within the RCP.
+
+Nothing falls back silently: no CUDA device, compute capability below 8.9 (float8 tensor cores: Ada, Hopper,
+Blackwell), or torchao not installed is a one-line `ValueError` naming PRECISION=fp8, raised before any work
+(`bert.train.build.build_model`, and `python -m bert.train.config --check-env --check-device` in
+`run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it, and 0.18.0 is the
+version for torch >= 2.11 (its own minimum). TransformerEngine (in NVIDIA's PyTorch container) is the other
+float8 library; this harness does not use it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+TORCHAO = "torchao==0.18.0"  # float8 training needs torch >= 2.11 at this version
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
+ALIGN = 16  # torch._scaled_mm: inner dimension and both weight dimensions
+FP8_LINEARS = re.compile(r"(^|\.)encoder\.layer\.\d+\.(attention\.self\.qkv|attention\.output\.dense|"
+                         r"intermediate\.dense|output\.dense)$")
+
+
+def check_fp8(precision: str, device: torch.device) -> None:
+    """Raise a one-line ValueError naming PRECISION=fp8 when float8 training cannot run on `device`."""
+    if precision != "fp8":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"PRECISION=fp8 needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}."
+                         f"{MIN_CAPABILITY[1]} or newer (float8 tensor cores); this run's device is {device.type}: "
+                         "use PRECISION=bf16")
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ValueError(f"PRECISION=fp8 needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
+                         f"(float8 tensor cores); {torch.cuda.get_device_name(device)} is {capability[0]}."
+                         f"{capability[1]}: use PRECISION=bf16")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"PRECISION=fp8 needs torchao's float8 training, which is not installed ({e}): "
+                         f"pip install {TORCHAO}") from None
+
+
+def is_fp8_linear(module: nn.Module, name: str) -> bool:
+    """The module filter: the encoder's four linear layers per layer; a ValueError if one cannot be float8."""
+    if not (isinstance(module, nn.Linear) and FP8_LINEARS.search(name)):
+        return False
+    if any(d % ALIGN for d in module.weight.shape):
+        raise ValueError(f"PRECISION=fp8: {name} has weight shape {tuple(module.weight.shape)}; float8 GEMMs need "
+                         f"both dimensions to be multiples of {ALIGN}")
+    return True
+
+
+def float8_config(emulate: bool = False):
+    """torchao's config: dynamic per-tensor scaling, e4m3 activations and weights, e5m2 gradients. `emulate`
+    runs the GEMMs in fp32 on the float8-rounded operands (any device: how the CPU tests run it)."""
+    from torchao.float8 import CastConfig, Float8LinearConfig
+
+    e4m3, e5m2 = CastConfig(target_dtype=torch.float8_e4m3fn), CastConfig(target_dtype=torch.float8_e5m2)
+    return Float8LinearConfig(cast_config_input=e4m3, cast_config_weight=e4m3, cast_config_grad_output=e5m2,
+                              emulate=emulate)
+
+
+def convert_to_fp8(model: nn.Module, emulate: bool = False) -> list[str]:
+    """Swap the encoder's linear layers for torchao `Float8Linear`s in place (after `check_fp8`, before
+    compiling and DDP); returns the names swapped."""
+    from torchao.float8 import convert_to_float8_training
+
+    swapped: list[str] = []
+
+    def keep(module: nn.Module, name: str) -> bool:
+        if is_fp8_linear(module, name):
+            swapped.append(name)
+            return True
+        return False
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(emulate))
+    if not swapped:
+        raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
+    return swapped
+
+
+def apply_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
+    """PRECISION's change to the model itself: fp8 swaps the encoder linears; the others change nothing here
+    (autocast does their work)."""
+    check_fp8(precision, device)
+    if precision == "fp8":
+        convert_to_fp8(model)
+    return model

@@ -1,0 +1,191 @@
+"""PRECISION=fp8 (bert.model.fp8): the checks that run before any work, the layers swapped, and a float8 layer's
+output and input gradient against a float64 reference of dynamic per-tensor scaling.
+
+The CPU cannot run float8 GEMMs, so the swapped model runs with torchao's `emulate` (fp32 GEMMs on the
+float8-rounded operands). The tests that need torchao skip without it (it is not in the CPU install); with
+it: `PYTHONPATH=<dir holding torchao> python -m pytest -q tests/test_fp8.py`. On a GPU the CUDA test at the
+end runs the real float8 GEMMs.
+"""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.fp8 import ALIGN, FP8_LINEARS, check_fp8, is_fp8_linear
+from bert.synthetic import random_batch
+
+CPU = torch.device("cpu")
+ENCODER_LINEARS = ("attention.self.qkv", "attention.output.dense", "intermediate.dense", "output.dense")
+
+
+def has_torchao() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+NEEDS_TORCHAO = pytest.mark.skipif(not has_torchao(), reason="torchao is not installed (not in the CPU install)")
+
+
+def tiny_model(layers: int = 2) -> BertForPreTraining:
+    torch.manual_seed(0)
+    cfg = replace(BertConfig.load("tiny"), vocab_size=2000, real_vocab_size=1998, num_hidden_layers=layers)
+    return BertForPreTraining(cfg.with_dropout(0.0))
+
+
+def test_fp8_without_a_float8_gpu_is_one_line_naming_the_setting(monkeypatch):
+    check_fp8("bf16", CPU)  # other precisions: nothing to check
+    with pytest.raises(ValueError, match=r"^PRECISION=fp8 needs a CUDA GPU of compute capability 8\.9") as e:
+        check_fp8("fp8", CPU)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"^PRECISION=fp8 needs compute capability 8\.9 .* A100-SXM4-80GB is 8\.0"):
+        check_fp8("fp8", torch.device("cuda"))
+
+
+def test_fp8_without_torchao_is_one_line_naming_the_package(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao...` raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ValueError, match=r"^PRECISION=fp8 needs torchao.*: pip install torchao==") as e:
+        check_fp8("fp8", torch.device("cuda"))
+    assert "\n" not in str(e.value)
+
+
+def test_fp8_config_needs_token_counts_the_float8_gemms_accept():
+    assert FP8_TOKEN_ALIGN == ALIGN  # bert.config is torch-free: it keeps its own copy
+    base = dict(input_dir="d", eval_dir="e", train_batch_size=8, bert_config_path="tiny", learning_rate=1e-3,
+                max_steps=10, precision="fp8")
+    for static in (0, 40):
+        with pytest.raises(ConfigError, match=r"\$STATIC_TOKENS.*multiple of 16 with PRECISION=fp8"):
+            from_flat(**base, static_tokens=static).validate()
+    from_flat(**base, static_tokens=128, division="closed").validate()  # the rules pre-approve fp8
+
+
+def test_filter_takes_the_encoder_linears_and_rejects_misaligned_ones():
+    names = [f"bert.encoder.layer.3.{s}" for s in ENCODER_LINEARS]
+    assert all(FP8_LINEARS.search(n) for n in names)
+    heads = ["bert.pooler.dense", "cls.predictions.transform.dense", "cls.seq_relationship",
+             "bert.encoder.layer.0.attention.output.LayerNorm"]
+    assert not any(FP8_LINEARS.search(n) for n in heads)
+    assert is_fp8_linear(nn.Linear(32, 64), names[0]) and not is_fp8_linear(nn.Linear(32, 64), heads[0])
+    with pytest.raises(ValueError, match=r"^PRECISION=fp8: bert\.encoder\.layer\.3\.output\.dense .* multiples of 16"):
+        is_fp8_linear(nn.Linear(24, 16), names[3])
+
+
+@NEEDS_TORCHAO
+def test_conversion_swaps_exactly_the_encoder_linears_and_keeps_the_parameters():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from bert.model.fp8 import convert_to_fp8
+
+    model = tiny_model()
+    params = dict(model.named_parameters())
+    swapped = convert_to_fp8(model, emulate=True)
+    expected = [f"bert.encoder.layer.{i}.{s}" for i in range(2) for s in ENCODER_LINEARS]
+    assert sorted(swapped) == sorted(expected)
+    float8 = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    assert float8 == sorted(expected)
+    assert type(model.bert.pooler.dense) is nn.Linear and type(model.cls.seq_relationship) is nn.Linear
+    assert type(model.cls.predictions.transform.dense) is nn.Linear
+    after = dict(model.named_parameters())  # same names and the same tensors: checkpoints, decay groups, DDP
+    assert after.keys() == params.keys() and all(after[n] is params[n] for n in params)
+
+
+def quantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dynamic per-tensor scaling in float64: scale = max(dtype) / amax, round to `dtype`, unscale."""
+    x = x.double()
+    scale = (torch.finfo(dtype).max / x.abs().max()).float().double()  # torchao keeps the scale in fp32
+    return (x * scale).to(dtype).double() / scale
+
+
+@NEEDS_TORCHAO
+def test_float8_layer_matches_a_float64_reference_of_scaled_float8():
+    from bert.model.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.encoder = nn.Module()
+    holder.encoder.layer = nn.ModuleList([nn.Module()])
+    holder.encoder.layer[0].intermediate = nn.Module()
+    holder.encoder.layer[0].intermediate.dense = linear = nn.Linear(64, 128)
+    convert_to_fp8(holder, emulate=True)
+    layer = holder.encoder.layer[0].intermediate.dense
+    x = torch.randn(48, 64, requires_grad=True)
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    w = linear.weight.detach()
+    y_ref = quantized(x.detach(), e4m3) @ quantized(w, e4m3).T + linear.bias.detach().double()
+    gx_ref = quantized(grad, e5m2) @ quantized(w, e4m3)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gx_ref, rtol=1e-5, atol=1e-5)
+    exact = x.detach().double() @ w.double().T + linear.bias.detach().double()
+    assert (y.double() - exact).abs().max() > 1e-3  # it did round to float8: the reference is not the identity
+
+
+@NEEDS_TORCHAO
+def test_float8_model_trains_under_bf16_autocast():
+    """The swapped model's forward and backward under bf16 autocast: a loss near the unconverted model's (not
+    equal: the encoder GEMMs rounded to float8) and a gradient for every parameter. (COMPILE with float8 is
+    checked on the GPU: dynamo tracing torchao's tensor subclass takes minutes on 2 cores.)"""
+    from bert.model.fp8 import convert_to_fp8
+
+    batch = random_batch([32, 16, 48, 32], seed=0, vocab_size=1998)
+
+    def loss_and_grads(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(batch).loss
+        loss.backward()
+        return loss.detach().float(), [p.grad for p in model.parameters()]
+
+    plain, _ = loss_and_grads(tiny_model(1))
+    model = tiny_model(1)
+    convert_to_fp8(model, emulate=True)
+    loss, grads = loss_and_grads(model)
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert abs(loss - plain) < 0.02 * plain and loss != plain, (loss, plain)
+
+
+def test_run_and_time_stops_before_the_timing_run_with_one_line(tmp_path):
+    from test_harness import ROOT, config_env
+
+    env = config_env("config_CPU_1x2.sh", PRECISION="fp8", STATIC_TOKENS="128", OUTPUT_DIR=str(tmp_path / "out"))
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], env=env, capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "PRECISION=fp8 needs a CUDA GPU" in out.stderr, out.stderr
+    assert "STARTING TIMING RUN" not in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9) or not has_torchao(),
+                    reason="needs a GPU of compute capability >= 8.9 and torchao")
+def test_cuda_float8_step_is_close_to_bf16():
+    """BERT-tiny on the GPU, real float8 GEMMs (tokens padded to 128): loss within 2 % of bf16, finite grads."""
+    from bert.model.fp8 import convert_to_fp8
+    from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+
+    cuda = torch.device("cuda")
+    batch = pad_to_buckets(random_batch([100, 37, 64, 200], seed=0, vocab_size=1998).to(cuda), 128, MASKED_BUCKET)
+    losses = []
+    for fp8 in (False, True):
+        model = tiny_model().to(cuda)
+        if fp8:
+            convert_to_fp8(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch).loss
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        losses.append(loss.item())
+    assert abs(losses[1] - losses[0]) < 0.02 * losses[0]
