@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load_before = os.getloadavg()
     matmul_before = matmul_rate(args.device)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the GEMM's operands go back to the driver's processes
     print(f"driver: {args.config} on {args.gpus} process(es), {args.warmup_steps} warm-up + {args.window_steps} "
           f"window steps; log {out / 'driver.log'}", flush=True)
     start = time.perf_counter()
