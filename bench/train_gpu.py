@@ -44,6 +44,7 @@ from bert.config import ConfigError, from_env_and_args
 from bert.data.index import LengthIndex
 from bert.model import BertConfig
 from bert.model.attention import resolve_backend
+from bert.model.config import NAMED
 from bert.optim import build_optimizer, build_schedule
 from bert.synthetic import random_batch
 
@@ -107,11 +108,7 @@ def driver_env(args: argparse.Namespace, out: Path) -> dict[str, str]:
     """The config's environment with the benchmark's settings on top: a bounded run that claims nothing."""
     env = sourced(args.config, os.environ)
     steps = args.warmup_steps + args.window_steps
-    gbs = int(env.get("BATCHSIZE", "1")) * int(env.get("GRADIENT_STEPS", "1")) * args.gpus
-    flags = {env_name: getattr(args, flag) for flag, env_name in FLAG_ENV.items() if getattr(args, flag)}
-    if flags.get("BATCHSIZE"):
-        gbs = int(flags["BATCHSIZE"]) * int(env.get("GRADIENT_STEPS", "1")) * args.gpus
-    never = str(10 * (steps + 1) * gbs)  # samples: past the last step
+    never = str(10**12)  # samples (the config's bound): no evaluation and no sample limit before MAX_STEPS
     eval_size = LengthIndex.scan(args.data / "eval_varlength").num_samples
     env.update({
         "DATADIR_PHASE2": str(args.data / "train_varlength"), "EVALDIR": str(args.data / "eval_varlength"),
@@ -123,11 +120,11 @@ def driver_env(args: argparse.Namespace, out: Path) -> dict[str, str]:
         "SEED": str(args.seed), "PYTHON": sys.executable, "EXTRA_PARAMS": "",
         "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])),
     })
-    if not Path(env.get("BERT_CONFIG", "")).is_file() and env.get("BERT_CONFIG") not in ("tiny", "base", "large"):
+    if not Path(env.get("BERT_CONFIG", "")).is_file() and env.get("BERT_CONFIG") not in NAMED:
         env["BERT_CONFIG"] = "large"  # the DGX configs name the phase-1 checkpoint's bert_config.json
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = str(args.threads)
-    env.update(flags)
+    env.update({env_name: getattr(args, flag) for flag, env_name in FLAG_ENV.items() if getattr(args, flag)})
     env.update(item.split("=", 1) for item in args.env)
     return env
 

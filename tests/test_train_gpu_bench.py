@@ -89,7 +89,7 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
                              "--batchsize", "4", "--balance", "lpt", "--env", "LR=0.5", "--env", "BALANCE=none"])
     env = bench.driver_env(args, tmp_path / "run")
     assert env["MAX_STEPS"] == "40" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
-    assert int(env["EVAL_ITER_START_SAMPLES"]) > 40 * 4 * 2  # no evaluation inside the run
+    assert int(env["EVAL_ITER_START_SAMPLES"]) > 40 * 4 * 2 and int(env["MAX_SAMPLES_TERMINATION"]) > 40 * 4 * 2
     assert env["NUM_EVAL_EXAMPLES"] == "30"  # the config's 500, cut to the eval set
     assert env["BATCHSIZE"] == "4" and env["LR"] == "0.5" and env["BALANCE"] == "none"  # --env comes last
     assert env["BERT_CONFIG"] == "tiny" and env["DGXNGPU"] == "2" and env["OPTIMIZER"] == "lamb"  # the config's
