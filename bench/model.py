@@ -66,6 +66,8 @@ from bert.model.padding import PadLayout, pad
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -221,9 +223,13 @@ def timed(fn, device: str, clock) -> float:
     return clock() - start
 
 
-def make_step(model, loss_fn, device: str):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else contextlib.nullcontext
+def make_step(model, loss_fn, device: str, optimizer: torch.optim.Optimizer | None = None,
+              precision: str | None = None):
+    """One training step as a closure: forward + backward + `optimizer` (default AdamW) under `precision`'s
+    autocast, as the driver's (default bf16 on CUDA, fp32 on the CPU; fp16 runs without a loss scaler)."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    dtype = AUTOCAST_DTYPES.get(precision or ("bf16" if device == "cuda" else "fp32"))
+    autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -233,6 +239,28 @@ def make_step(model, loss_fn, device: str):
         optimizer.step()
 
     return step
+
+
+def time_steps(steps: dict, repeats: int, device: str, clock=time.perf_counter, quiet: bool = False
+               ) -> dict[str, list[float]]:
+    """One untimed warm-up call of each step (allocator, optimizer state, kernel selection, compilation), then
+    `repeats` rounds, each calling every step once (interleaved: a noisy machine hits all alike); the seconds."""
+    for step in steps.values():
+        step()
+    times = {name: [] for name in steps}
+    for r in range(repeats):
+        for name, step in steps.items():
+            times[name].append(timed(step, device, clock))
+        if not quiet:
+            print(f"round {r + 1}/{repeats}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
+                  file=sys.stderr)
+    return times
+
+
+def matmul_rate(device: str, repeats: int = 5) -> float:
+    """FLOP/s of `make_matmul`'s GEMM: the median of `repeats` timed calls after one warm-up."""
+    matmul, flops = make_matmul(device)
+    return flops / statistics.median(time_steps({"matmul": matmul}, repeats, device, quiet=True)["matmul"])
 
 
 def make_matmul(device: str):
@@ -282,14 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     matmul, matmul_flops = make_matmul(args.device)
     steps["matmul"] = matmul
 
-    for step in steps.values():  # warm-up: allocator, AdamW state, kernel selection
-        step()
-    times = {name: [] for name in steps}
-    for r in range(args.repeats):
-        for name, step in steps.items():
-            times[name].append(timed(step, args.device, clock))
-        print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.3f}s" for n, t in times.items()),
-              file=sys.stderr)
+    times = time_steps(steps, args.repeats, args.device, clock)
 
     matmul_rate = matmul_flops / statistics.median(times.pop("matmul"))
     med = {name: statistics.median(t) for name, t in times.items()}

@@ -103,23 +103,26 @@ def collate(samples: Sequence[Sample]) -> Batch:
     """Concatenate samples into one unpadded `Batch` (on the CPU; the loader pins and copies it)."""
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
-    lengths = [len(s.input_ids) for s in samples]
-    seq = SeqLayout.from_lengths(lengths)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64)
-    segment_ids = np.concatenate([s.segment_ids for s in samples]).astype(np.int64)
-    position_ids = np.concatenate([np.arange(n) for n in lengths]).astype(np.int64)
-    masked_positions = np.concatenate(
-        [np.asarray(s.masked_positions, dtype=np.int64) + start for s, start in zip(samples, starts)]
-    )
-    masked_labels = np.concatenate([np.asarray(s.masked_labels, dtype=np.int64) for s in samples])
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
     for s, n in zip(samples, lengths):
         if len(s.segment_ids) != n:
             raise ValueError(f"segment_ids has {len(s.segment_ids)} entries for a sequence of {n} tokens")
         if len(s.masked_positions) != len(s.masked_labels):
             raise ValueError("masked_positions and masked_labels differ in length")
-        if len(s.masked_positions) and (min(s.masked_positions) < 0 or max(s.masked_positions) >= n):
-            raise ValueError(f"masked position outside a sequence of {n} tokens")
+    seq = SeqLayout.from_lengths(lengths)
+    starts = np.cumsum(lengths) - lengths
+    input_ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64)
+    segment_ids = np.concatenate([s.segment_ids for s in samples]).astype(np.int64)
+    position_ids = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+    # Checked on the concatenation, not per sample: this runs in the loader thread every step, holding the GIL.
+    local = np.concatenate([np.asarray(s.masked_positions, dtype=np.int64) for s in samples])
+    per_sample = np.array([len(s.masked_positions) for s in samples], dtype=np.int64)
+    outside = (local < 0) | (local >= np.repeat(lengths, per_sample))
+    if outside.any():
+        raise ValueError(f"masked position {local[outside][0]} outside a sequence of "
+                         f"{np.repeat(lengths, per_sample)[outside][0]} tokens")
+    masked_positions = local + np.repeat(starts, per_sample)
+    masked_labels = np.concatenate([np.asarray(s.masked_labels, dtype=np.int64) for s in samples])
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         segment_ids=torch.from_numpy(segment_ids),

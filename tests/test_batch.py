@@ -26,6 +26,14 @@ def test_collate_rejects_bad_samples():
         collate([bad])
     with pytest.raises(ValueError):
         SeqLayout.from_lengths([3, 0])
+    # The check is per sequence, not on the token axis: position 3 of a 3-token sequence is outside it even
+    # though the batch has a token 3.
+    good = Sample(np.array([101, 5, 102]), np.array([0, 0, 0]), np.array([1]), np.array([7]), 0)
+    spill = Sample(np.array([101, 5, 102]), np.array([0, 0, 0]), np.array([3]), np.array([7]), 0)
+    with pytest.raises(ValueError, match="masked position 3 outside a sequence of 3 tokens"):
+        collate([good, spill])
+    with pytest.raises(ValueError, match="outside"):
+        collate([good, spill._replace(masked_positions=np.array([-1]))])
 
 
 def test_random_batch_masks_about_15_percent():

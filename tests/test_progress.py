@@ -23,9 +23,11 @@ def test_flop_meter_counts_each_drawn_batch_once_and_resets():
     drawn = meter.counting(iter(batches))
     assert next(drawn) is batches[0] and next(drawn) is batches[1]
     want = sum(train_flops(cfg, StepShape.unpadded(b.seq.lengths, len(b.masked_labels))) for b in batches[:2])
-    assert meter.take() == want and meter.take() == 0
+    assert meter.take() == {"train_flops": want, "train_tokens": 3 + 512 + 1}
+    assert meter.take() == {"train_flops": 0, "train_tokens": 0}
     next(drawn)
-    assert meter.take() == train_flops(cfg, StepShape.unpadded((77, 260, 130), len(batches[2].masked_labels)))
+    want = train_flops(cfg, StepShape.unpadded((77, 260, 130), len(batches[2].masked_labels)))
+    assert meter.take() == {"train_flops": want, "train_tokens": 77 + 260 + 130}
 
 
 def test_flop_meter_leaves_out_the_static_padding_sequence():
@@ -35,7 +37,8 @@ def test_flop_meter_leaves_out_the_static_padding_sequence():
     meter = FlopMeter(cfg, padded=True)
     next(meter.counting(iter([padded])))
     # the real sequences, and the masked rows as the head runs them (padded to the bucket)
-    assert meter.take() == train_flops(cfg, StepShape.unpadded((77, 260, 130), padded.masked_labels.numel()))
+    want = train_flops(cfg, StepShape.unpadded((77, 260, 130), padded.masked_labels.numel()))
+    assert meter.take() == {"train_flops": want, "train_tokens": 77 + 260 + 130}
     assert padded.masked_labels.numel() == MASKED_BUCKET * -(-batch.masked_labels.numel() // MASKED_BUCKET)
 
 
@@ -55,17 +58,17 @@ def test_training_records_get_tflops_and_mfu_from_the_interval(tmp_path, monkeyp
     clock.now += 7.0  # start-up: the first interval gets no rates
     progress.log(step=10, samples=80, loss=5.0, train_flops=123)
     clock.now += 2.0
-    progress.log(step=20, samples=160, loss=4.0, train_flops=3 * 10**14)  # 1.5e14 FLOP/s over 2 s
+    progress.log(step=20, samples=160, loss=4.0, train_flops=3 * 10**14, train_tokens=5000)  # 1.5e14 FLOP/s over 2 s
     progress.log(step=20, samples=160, eval_accuracy=0.5)  # an eval record: no rates
     progress.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[0] == {"step": 10, "samples": 80, "loss": 5.0}
-    want = {"step": 20, "samples": 160, "loss": 4.0, "samples_per_s": 40.0, "tflops": 150.0}
+    want = {"step": 20, "samples": 160, "loss": 4.0, "samples_per_s": 40.0, "tokens_per_s": 2500.0, "tflops": 150.0}
     if peak:
         want["mfu"] = 0.375  # 150 / 400
     assert records[1] == want and records[2] == {"step": 20, "samples": 160, "eval_accuracy": 0.5}
     line = capsys.readouterr().out.splitlines()[1]
-    assert "samples_per_s=40 tflops=150" in line and ("mfu=0.375" in line) == bool(peak)
+    assert "samples_per_s=40 tokens_per_s=2500 tflops=150" in line and ("mfu=0.375" in line) == bool(peak)
 
 
 def test_peak_table_by_device_name_and_precision():

@@ -102,9 +102,10 @@ def train(run: Run) -> str:
     cfg, state = run.cfg.run, run.state
     state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
                                                           cfg.eval_iter_samples)
-    # for the progress line's tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not useful work
-    flops = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens))
-    batches = flops.counting(iter(run.loader))
+    # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not
+    # useful work
+    meter = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens))
+    batches = meter.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
         # --- one optimizer step
@@ -119,7 +120,7 @@ def train(run: Run) -> str:
             check_finite(mean_loss, state.step, run.scaler.is_enabled())
             run.progress.log(step=state.step, samples=state.samples, loss=mean_loss, lr=run.schedule.lr.item(),
                              loss_scale=run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
-                             last_eval=state.last_accuracy, train_flops=flops.take())
+                             last_eval=state.last_accuracy, **meter.take())
             window_loss.zero_()
             window_steps = 0
         # --- evaluation on the rules' schedule; stop at the target

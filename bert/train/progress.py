@@ -1,7 +1,8 @@
 """Progress on rank 0: one line per log interval on stdout and in <output_dir>/metrics.jsonl.
 
-A training record gets samples_per_s and, from the matmul FLOPs of the batches trained in the interval
-(`bert.model.flops`, counted on the host from the batch shapes by `FlopMeter`), tflops (achieved
+A training record gets samples_per_s, tokens_per_s (rank 0's real tokens, padding left out) and, from the
+matmul FLOPs of the batches trained in the interval (`bert.model.flops`, counted on the host from the batch
+shapes by `FlopMeter`), tflops (achieved
 TFLOP/s per GPU) and mfu (that over the GPU's peak, `bert.train.peak_flops`; left out where the peak is
 unknown, e.g. on a CPU). Only rank 0 logs, so these are rank 0's batches: the loader gives every rank
 the same number of sequences (and the balanced strategies about the same tokens), so rank 0's rate is
@@ -22,23 +23,27 @@ from bert.model.flops import StepShape, train_flops
 
 
 class FlopMeter:
-    """Training FLOPs of the batches drawn through `counting` since the last `take` (host arithmetic only).
+    """Training FLOPs and tokens of the batches drawn through `counting` since the last `take` (host
+    arithmetic only).
 
     `padded`: the batches end in `bert.static_shapes`' padding sequence, which is left out; its padding
     masked rows cannot be told apart on the host (their labels are on the device) and are counted."""
 
     def __init__(self, cfg: BertConfig, padded: bool = False):
-        self.cfg, self.padded, self.flops = cfg, padded, 0
+        self.cfg, self.padded, self.flops, self.tokens = cfg, padded, 0, 0
 
     def counting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         for batch in batches:
             lengths = batch.seq.lengths[:-1] if self.padded else batch.seq.lengths
             self.flops += train_flops(self.cfg, StepShape.unpadded(lengths, batch.masked_labels.numel()))
+            self.tokens += sum(lengths)
             yield batch
 
-    def take(self) -> int:
-        flops, self.flops = self.flops, 0
-        return flops
+    def take(self) -> dict[str, int]:
+        """The counts since the last call, as `Progress.log`'s train_flops and train_tokens; resets them."""
+        taken = {"train_flops": self.flops, "train_tokens": self.tokens}
+        self.flops = self.tokens = 0
+        return taken
 
 
 def flop_rates(flops: int, seconds: float, peak_flops: float | None) -> dict[str, float]:
@@ -65,16 +70,19 @@ class Progress:
 
     def log(self, **record) -> None:
         """One record of host values. A record with `loss` is a training interval and gets samples_per_s;
-        given `train_flops` (this rank's FLOPs since the previous record; not logged itself), also
-        tflops and mfu. The first interval has no rates: its time includes start-up."""
+        given `train_tokens` and `train_flops` (this rank's tokens and FLOPs since the previous record; not
+        logged themselves), also tokens_per_s, tflops and mfu. The first interval has no rates: its time
+        includes start-up."""
         if not self.enabled:
             return
-        flops = record.pop("train_flops", None)
+        flops, tokens = record.pop("train_flops", None), record.pop("train_tokens", None)
         if "loss" in record:
             now = time.perf_counter()
             if self._last_samples is not None:
                 seconds = now - self._last_time
                 record["samples_per_s"] = round((record["samples"] - self._last_samples) / seconds, 2)
+                if tokens is not None:
+                    record["tokens_per_s"] = round(tokens / seconds, 1)
                 if flops is not None:
                     record.update(flop_rates(flops, seconds, self.peak_flops))
             self._last_time, self._last_samples = now, record["samples"]

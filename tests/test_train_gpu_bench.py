@@ -1,0 +1,131 @@
+"""bench/train_gpu.py without a driver run: the steady-state window and its statistics from a metrics.jsonl
+written here with known interval times, the driver environment built from a config, the run_stop status, and
+the table and JSON.
+
+Reference: totals worked out by hand from the synthetic intervals (samples and seconds chosen, rates derived).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from script_modules import ROOT, load_script
+
+from bert.config import from_env_and_args
+from bert.data.format import write_varlength_shard
+
+sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/model.py
+sys.path.insert(0, str(ROOT / "data"))
+bench = load_script("bench/train_gpu.py")
+shards = load_script("data/make_random_shards.py")
+
+# (step, new samples, seconds, tokens, TFLOP) per interval of 5 steps at 2 GPUs; the first is start-up.
+INTERVALS = [(5, 80, 30.0, 9000, 0.3), (10, 80, 10.0, 22000, 0.5), (15, 80, 20.0, 21000, 0.4),
+             (20, 80, 16.0, 23000, 0.48)]
+
+
+def metrics_lines() -> list[dict]:
+    """Records as bert.train.progress writes them (the first interval has no rates), plus an eval record."""
+    records, samples = [], 0
+    for i, (step, new, seconds, tokens, tflop) in enumerate(INTERVALS):
+        samples += new
+        r = {"step": step, "samples": samples, "loss": 10.0, "lr": 1e-3}
+        if i:
+            r |= {"samples_per_s": round(new / seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+                  "tflops": float(f"{tflop / seconds:.4g}")}
+        records.append(r)
+    records.insert(3, {"step": 15, "samples": 240, "eval_accuracy": 0.1})
+    return records
+
+
+def test_window_skips_warmup_intervals_and_weights_by_time():
+    picked = bench.window(metrics_lines(), warmup_steps=5, log_freq=5)
+    assert [r["step"] for r in picked] == [10, 15, 20]  # step 5's interval (1-5) is warm-up, and has no rates
+    stats = bench.summarise(picked, world=2, matmul_flops=1e11)
+    seconds = 10 + 20 + 16
+    assert stats["steps"] == 15 and stats["intervals"] == 3
+    assert stats["seconds"] == pytest.approx(seconds, rel=1e-3)
+    assert stats["samples_per_s_per_gpu"] == pytest.approx(240 / seconds / 2, rel=1e-3)
+    assert stats["tokens_per_s_per_gpu"] == pytest.approx((22000 + 21000 + 23000) / seconds, rel=1e-3)
+    assert stats["tflops_per_gpu"] == pytest.approx((0.5 + 0.4 + 0.48) / seconds, rel=1e-3)
+    assert stats["mfu_vs_matmul"] == pytest.approx(stats["tflops_per_gpu"] * 1e12 / 1e11)
+    assert stats["samples_per_s_per_gpu_min"] == pytest.approx(80 / 20 / 2, rel=1e-3)
+    assert stats["samples_per_s_per_gpu_max"] == pytest.approx(80 / 10 / 2, rel=1e-3)
+    assert "mfu_vs_datasheet" not in stats  # the records carry no mfu (a CPU)
+    # A later warm-up leaves fewer intervals; one past the run leaves none, which is an error.
+    assert [r["step"] for r in bench.window(metrics_lines(), 10, 5)] == [15, 20]
+    with pytest.raises(ValueError, match="no progress interval"):
+        bench.summarise(bench.window(metrics_lines(), 20, 5), 2, 1e11)
+
+
+def test_driver_vs_bench_ratios():
+    driver = {"samples_per_s_per_gpu": 9.5, "tokens_per_s_per_gpu": 2600.0, "tflops_per_gpu": 0.19}
+    ratios = bench.driver_vs_bench(driver, {"samples_per_s": 10.0, "tokens_per_s": 2500.0, "tflops": 0.2})
+    assert ratios == pytest.approx({"samples_per_s": 0.95, "tokens_per_s": 1.04, "tflops": 0.95})
+
+
+def test_run_stop_status_reads_the_result_log(tmp_path):
+    log = tmp_path / "result.txt"
+    assert bench.run_stop_status(log) is None
+    log.write_text(':::MLLOG {"key": "run_start", "metadata": {}}\n'
+                   ':::MLLOG {"key": "run_stop", "value": null, "metadata": {"status": "aborted"}}\n')
+    assert bench.run_stop_status(log) == "aborted"
+
+
+@pytest.fixture
+def data(tmp_path):
+    rng = np.random.default_rng(0)
+    for sub, name, n in (("train_varlength", "part_00000_of_00001.hdf5", 40), ("eval_varlength", "part_eval.hdf5", 30)):
+        (tmp_path / sub).mkdir()
+        write_varlength_shard(tmp_path / sub / name, shards.random_samples(shards.length_mix(5).sample(n, rng), rng))
+    return tmp_path
+
+
+def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
+    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--gpus", "2", "--data", str(data),
+                             "--batchsize", "4", "--balance", "lpt", "--env", "LR=0.5", "--env", "BALANCE=none"])
+    env = bench.driver_env(args, tmp_path / "run")
+    assert env["MAX_STEPS"] == "40" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
+    assert int(env["EVAL_ITER_START_SAMPLES"]) > 40 * 4 * 2 and int(env["MAX_SAMPLES_TERMINATION"]) > 40 * 4 * 2
+    assert env["NUM_EVAL_EXAMPLES"] == "30"  # the config's 500, cut to the eval set
+    assert env["BATCHSIZE"] == "4" and env["LR"] == "0.5" and env["BALANCE"] == "none"  # --env comes last
+    assert env["BERT_CONFIG"] == "tiny" and env["DGXNGPU"] == "2" and env["OPTIMIZER"] == "lamb"  # the config's
+    cfg = from_env_and_args([], environ=env)  # what the driver will parse
+    assert cfg.optim.max_steps == 40 and cfg.data.train_batch_size == 4
+    assert "MAX_STEPS=40" in bench.driver_settings(env)
+
+
+def test_bad_windows_and_missing_data_are_named(tmp_path, capsys):
+    base = ["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(tmp_path)]
+    for extra, words in ((["--window-steps", "12"], "multiples of --log-freq"), ([], "no train_varlength")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(base + extra)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_variant_names_match_bench_model():
+    assert bench.bench_variant("loop", "cpu", "off", 0) == "unpadded/loop"
+    assert bench.bench_variant("varlen", "cuda", "default", 512) == "compiled-static512/varlen"
+    assert bench.bench_variant("varlen", "cuda", "off", 512) == "static512/varlen"
+    with pytest.raises(ValueError, match="ATTENTION=varlen only"):
+        bench.bench_variant("grouped", "cuda", "default", 0)
+
+
+def test_table_and_json(tmp_path, capsys):
+    stats = bench.summarise(bench.window(metrics_lines(), 5, 5), 2, 1e11)
+    step = {"variant": "unpadded/loop", "optimizer": "Lamb", "precision": "fp32", "repeats": 3, "samples_per_s": 3.0,
+            "tokens_per_s": 800.0, "tflops": 0.03}
+    report = {"device": "cpu", "torch": "x", "config": "config_CPU_1x2.sh", "gpus": 2, "driver_status": "aborted",
+              "warmup_steps": 5, "window_steps": 15, "matmul_flops_per_s": {"before": 1e11, "after": 1.2e11},
+              "load_average_1min": {"before": 1.0, "after": 2.0}, "driver": stats, "bench": step,
+              "driver_vs_bench": bench.driver_vs_bench(stats, step)}
+    bench.write_report(report, tmp_path / "out" / "train_gpu_cpu.json")
+    assert json.loads((tmp_path / "out" / "train_gpu_cpu.json").read_text()) == report
+    table = capsys.readouterr().out
+    assert "window: steps 6-20 (3 records" in table
+    row = next(line for line in table.splitlines() if line.startswith("samples/s per GPU"))
+    assert row.split()[-3:] == [f"{stats['samples_per_s_per_gpu']:.2f}", "3.00",
+                                f"{stats['samples_per_s_per_gpu'] / 3.0:.3f}"]
