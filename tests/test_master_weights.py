@@ -38,6 +38,7 @@ from bert.optim.master import MasterWeights
 from bert.synthetic import random_batch
 from bert.train.build import autocast_for, build_model
 from bert.train.checkpoint import load_checkpoint, save_checkpoint
+from bert.train.evaluate import evaluate
 from bert.train.loop import train_step
 
 U = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff: |fl(x) - x| <= u |x|
@@ -243,6 +244,13 @@ def test_train_steps_equal_the_mixed_precision_reference(world_of_one, optimizer
     assert run.scaler.get_scale() == (SCALE if precision == "fp16" else 1.0)  # no step was skipped
     if clip == "after":
         assert norms[0] > C  # the clip had something to do
+    # eval runs the compute-dtype model as it is (autocast off): the same counts as the reference cast down
+    held_out = [random_batch((11, 24), seed=99, vocab_size=VOCAB)]
+    with torch.no_grad():
+        expected = copy.deepcopy(reference).to(run.dtype).eval()(held_out[0])
+    assert evaluate(run.ddp.module, held_out, run.autocast()) == int(expected.mlm_correct) / int(expected.mlm_total)
+    with torch.no_grad(), run.autocast():
+        assert torch.equal(run.ddp.module.eval()(held_out[0]).loss, expected.loss)  # not only a count that may be 0
 
 
 def test_checkpoint_holds_the_masters_and_resume_is_exact(world_of_one, tmp_path):
