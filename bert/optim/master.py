@@ -24,8 +24,9 @@ So the masters after a step are exactly what the plain fp32 optimizer makes from
 and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py).
 
 fp16: the GradScaler hands its scale and inf flag to `step` (`_step_supports_amp_scaling`); it checks
-the fp16 gradients for inf/NaN itself first. The loss scale also keeps small gradients from flushing
-to zero in the fp16 gradients, which now hold them.
+the fp16 gradients for inf/NaN itself first. The scaled gradients are fp16 now, so scale x |g| above
+65504 overflows: the step is skipped and the scale halved, and the dynamic scale settles lower than
+with fp32 gradients (a CPU run from INIT_LOSS_SCALE=2^16 skipped its first step). bf16 needs no scale.
 
 Checkpoints: `state_dict` is the inner optimizer's, laid out as the plain optimizer's (same indices over
 the same parameter order), so a checkpoint moves between MASTER_WEIGHTS=0 and 1. The weights file holds
