@@ -271,6 +271,14 @@ def test_checkpoint_holds_the_masters_and_resume_is_exact(world_of_one, tmp_path
     masters = {id(p): m for p, m in zip(resumed.optimizer.params, resumed.optimizer.masters)}
     assert all(torch.equal(masters[id(named[n])], saved[n]) for n in named)  # the file's fp32 values, unrounded
     assert any(not torch.equal(t.to(torch.bfloat16).float(), t) for t in saved.values())  # they are not bf16 values
+    # the same checkpoint resumes a plain fp32 run (MASTER_WEIGHTS=0): the masters and state are its weights and state
+    plain = micro_bert(2)
+    plain_opt = build_optimizer(plain, config(master=False).optim)
+    load_checkpoint(where, plain, {"optimizer": plain_opt, "schedule": build_schedule(plain_opt, cfg.optim)}, 0, {})
+    assert all(torch.equal(p, saved[n]) for n, p in plain.named_parameters())
+    ours, theirs = resumed.optimizer.state_dict()["state"], plain_opt.state_dict()["state"]
+    same = lambda a, b: torch.equal(a, b) if torch.is_tensor(a) else a == b  # noqa: E731  (LAMB's step is an int)
+    assert ours.keys() == theirs.keys() and all(same(ours[i][k], theirs[i][k]) for i in ours for k in ours[i])
     for step in range(STEPS, 2 * STEPS):
         train_step(resumed, iter(batches(step)))
     for a, b in zip(whole.optimizer.masters, resumed.optimizer.masters):
@@ -286,7 +294,10 @@ BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSI
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16 or fp16"),
+    ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16 or fp16, not fp32"),
+    ({"MASTER_WEIGHTS": "1", "PRECISION": "fp8", "STATIC_TOKENS": "512"}, r"\$MASTER_WEIGHTS = True needs .* not fp8"),
+    ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "COMPILE": "debug", "COMPILE_OPTIMIZER": "1"},
+     r"\$MASTER_WEIGHTS = True cannot be combined with COMPILE_OPTIMIZER=1"),
     ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER_SHARDING": "1"},
      r"\$MASTER_WEIGHTS = True cannot be combined with OPTIMIZER_SHARDING=1"),
     ({"MASTER_WEIGHTS": "yes please"}, r"\$MASTER_WEIGHTS = 'yes please' from \$MASTER_WEIGHTS is not a valid bool"),
