@@ -12,7 +12,10 @@ References, all independent of `MasterWeights`:
     copy cast with `.to(dtype)`, the gradients cast up and given to the plain optimizer. `before` and
     `bucket` clip inside DDP's hook, on the compute-dtype buckets; there the reference takes the
     gradients the hook left (captured at the step) and checks the clip by its bound;
-  * checkpoints: save, load into a model built from another seed, continue == never interrupted.
+    After the steps, eval on the compute-dtype model (autocast off) equals the reference cast down;
+  * checkpoints: save, load into a model built from another seed, continue == never interrupted; the file
+    holds the fp32 masters, and a plain fp32 run (MASTER_WEIGHTS=0) loads the same weights and state;
+  * the parse-time refusals (fp32/fp8, OPTIMIZER_SHARDING=1, COMPILE_OPTIMIZER=1), one line each.
 """
 
 from __future__ import annotations
