@@ -24,19 +24,23 @@ between variants meaningful.
     fp8/<name>        `--precision fp8` (CUDA, compute capability >= 8.9, torchao): the encoder linears in float8
                       (bert.model.fp8) on the batch padded to a multiple of N tokens (`--static-tokens`, else 16);
                       compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why
+    master-bf16/<name>  unpadded/<name> as MASTER_WEIGHTS=1 runs it (bert.optim.master): bf16 weights, no
+                      autocast, the AdamW step on fp32 masters (cast the gradients up, update, copy back), on CPU too
     hf                transformers BertForPreTraining (SDPA), padded, MLM head on every token
 
 Our model computes Q, K and V with one fused GEMM (`attention.self.qkv`); results written before that
 change (results/bench/*.json of earlier commits) measured three separate projections.
 
 CPU default: BERT-base width (768, 12 heads, 3072) with 2 layers, fp32, batch 16. CUDA default:
-BERT-large, bf16 autocast, batch 56.
+BERT-large, bf16 autocast, batch 56. The master-bf16 rows compute in bf16 on either device (on a CPU
+without bf16 matrix units that is slower than fp32: the row is there to check that it runs).
 
     .venv/bin/python bench/model.py                      # writes results/bench/model_cpu.json
     .venv/bin/python bench/model.py --threads 1 --clock cpu   # on a busy machine
     python bench/model.py --device cuda                  # writes results/bench/model_cuda.json
     python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
     python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
+    python bench/model.py --device cuda --variants unpadded/varlen master-bf16/varlen   # autocast vs master weights
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,6 +68,7 @@ from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.padding import PadLayout, pad
+from bert.optim.master import MasterWeights
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
 
@@ -163,6 +169,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         static_spec = (fast, lambda m: m(static).loss, static.num_tokens, sum(n * n for n in lengths) + extra**2,
                        len(static.masked_labels), B + 1)
         specs[f"static{static_tokens}/{fast}"] = (*static_spec, False)
+    specs[f"master-bf16/{fast}"] = specs[f"unpadded/{fast}"]
     if compile != "off":
         specs[f"compiled/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
         if static_tokens:
@@ -241,6 +248,14 @@ def make_step(model, loss_fn, device: str, optimizer: torch.optim.Optimizer | No
     return step
 
 
+def master_step(model, loss_fn, device: str):
+    """The step as MASTER_WEIGHTS=1 runs it: the model cast to bf16 by a MasterWeights optimizer (AdamW on the
+    fp32 masters), no autocast."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")  # noqa: E731
+    optimizer = MasterWeights([{"params": list(model.parameters())}], adamw, torch.bfloat16)
+    return make_step(model, loss_fn, device, optimizer, precision="fp32")  # fp32: no autocast
+
+
 def time_steps(steps: dict, repeats: int, device: str, clock=time.perf_counter, quiet: bool = False
                ) -> dict[str, list[float]]:
     """One untimed warm-up call of each step (allocator, optimizer state, kernel selection, compilation), then
@@ -306,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench/model.py: fp8/* variants skipped: {e}", file=sys.stderr)
             fp8 = False
     variants = build_variants(cfg, batch, args.device, args.variants, args.compile, args.static_tokens, fp8)
-    steps = {name: make_step(model, loss_fn, args.device) for name, (model, loss_fn, _) in variants.items()}
+    steps = {name: (master_step if name.startswith("master-") else make_step)(model, loss_fn, args.device)
+             for name, (model, loss_fn, _) in variants.items()}
     matmul, matmul_flops = make_matmul(args.device)
     steps["matmul"] = matmul
 
+    load_before = os.getloadavg()[0]  # the machine may be shared: record how busy it was
     times = time_steps(steps, args.repeats, args.device, clock)
 
     matmul_rate = matmul_flops / statistics.median(times.pop("matmul"))
@@ -337,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": args.compile, "static_tokens": args.static_tokens, "qkv": "fused",
         "fp8": "encoder linears in float8 (torchao), the rest bf16" if fp8 else None,
         "matmul_flops_per_s": matmul_rate,
+        "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "results": rows,
     }
     print_table(report)

@@ -106,6 +106,8 @@ class OptimConfig:
                                    "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
     compile_optimizer: bool = opt(False, "compile the optimizer step with COMPILE's mode (a CUDA graph under "
                                   "reduce-overhead; bert.optim.compiled)", env="COMPILE_OPTIMIZER")
+    master_weights: bool = opt(False, "the model's weights in the compute dtype (PRECISION, autocast off), fp32 "
+                               "masters and state in the optimizer (bert.optim.master)", env="MASTER_WEIGHTS")
 
 
 @dataclass
@@ -207,6 +209,15 @@ class TrainConfig:
                               "the token count)")
         # PRECISION=fp8 is allowed in the closed division: [MLPerf-rules] "Numerical formats" pre-approves fp8
         # with per-tensor scaling (bert.model.fp8).
+        if self.optim.master_weights and self.model.precision not in ("bf16", "fp16"):
+            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16 or fp16, not "
+                              f"{self.model.precision} (the model's weights take that dtype)")
+        if self.optim.master_weights and self.optim.optimizer_sharding:
+            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with OPTIMIZER_SHARDING=1 "
+                              "(the sharded update keeps no fp32 masters)")
+        if self.optim.master_weights and self.optim.compile_optimizer:
+            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with COMPILE_OPTIMIZER=1 "
+                              "(its warm-up restores the model's weights, not the fp32 masters)")
         if environ is not None:
             check_node_size(self.dist, environ)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run

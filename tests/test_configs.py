@@ -118,6 +118,12 @@ def test_multinode_configs_state_their_gradient_reduction(system):
     assert (env["GRAD_COMM_DTYPE"] == "fp16") == (env["PRECISION"] == "fp16")  # fp16 only under loss scaling
 
 
+@pytest.mark.parametrize("system", ["DGXH100_1x8x96x1", "DGXH100_8x8x72x1"])
+def test_h100_configs_hold_master_weights_in_the_optimizer(system):
+    env = sourced(ROOT / f"config_{system}.sh")
+    assert (env["MASTER_WEIGHTS"], env["PRECISION"]) == ("1", "bf16")
+
+
 def test_walltime_scales_with_nexp():
     one = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="1")["WALLTIME"]
     ten = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="10")["WALLTIME"]

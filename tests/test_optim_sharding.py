@@ -26,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.config import from_flat
 from bert.dist.clip import install_clipping
-from bert.optim import build_optimizer, build_schedule
+from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.param_groups import decay_groups
-from bert.optim.sharded import ShardedOptimizer, build_sharded, hook_clip_mode, local_only
+from bert.optim.sharded import ShardedOptimizer, build_sharded, local_only
 
 SHAPES = {"dense_weight": (7, 5), "dense_bias": (7,), "LayerNorm_weight": (7,), "out_weight": (3, 7),
           "zero_weight": (2, 3), "LayerNorm_bias": (7,)}  # 83 elements: shards of 28, 28, 27

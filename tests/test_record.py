@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from bert.config import from_flat
-from bert.dist.clip import ClipAfterAllreduce
+from bert.dist.clip import ClipAfterAllreduce, Clipper
 from bert.dist.env import DistEnv
 from bert.optim import build_optimizer
 from bert.train.record import resolved_record
@@ -28,3 +28,16 @@ def test_auto_attention_lamb_and_layout_are_resolved_on_a_cpu():
     assert resolved["clipper_class"] == "ClipAfterAllreduce" and resolved["fp16_loss_scaling"] is False
     assert record["config"]["model"]["attention"] == "auto"  # the configured value is kept beside the resolved one
     assert record["versions"] == {**record["versions"], "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def test_master_weights_record_the_weight_dtype_the_update_and_no_autocast():
+    cfg = from_flat(optimizer="lamb", learning_rate=1e-3, max_steps=10, train_batch_size=4, precision="bf16",
+                    master_weights=True)
+    model = torch.nn.Linear(3, 2)
+    run = SimpleNamespace(cfg=cfg, env=DistEnv(0, 1, 0, 1, "localhost", 0),
+                          optimizer=build_optimizer(model, cfg.optim, torch.bfloat16), clipper=Clipper(),
+                          scaler=torch.amp.GradScaler("cpu", enabled=False), global_batch_size=4, eval_samples=10)
+    resolved = resolved_record(run, torch.device("cpu"))["resolved"]
+    assert resolved["optimizer_class"] == "bert.optim.master.MasterWeights"
+    assert resolved["update_class"] == "bert.optim.lamb.Lamb"  # on the fp32 masters
+    assert (resolved["weight_dtype"], resolved["master_weights"], resolved["autocast"]) == ("bfloat16", True, False)

@@ -48,23 +48,26 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_n_plus_n_steps_equal_2n_steps(tmp_path):
+@pytest.mark.parametrize("precision", [(), ("--precision", "bf16", "--master_weights", "1")],
+                         ids=["fp32", "master-bf16"])
+def test_n_plus_n_steps_equal_2n_steps(tmp_path, precision):
+    """With master weights the checkpoint holds the fp32 masters and the resumed run continues bit for bit."""
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
                     "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", str(N))]
+    jobs = [driver(data, whole, *precision), driver(data, split, "--steps_this_job", str(N), *precision)]
     (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
     assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
     assert rc_first == 0, log_first[-3000:]  # pre-empted after a checkpoint
     assert (split / "checkpoints" / "latest").read_text().strip() == f"step_{N:08d}"
-    rc_second, log_second = finish(driver(data, split, "--resume", "1"))
+    rc_second, log_second = finish(driver(data, split, "--resume", "1", *precision))
     assert rc_second == 1, log_second[-3000:]
 
     assert len(losses(whole)) == 2 * N
     assert losses(split) == losses(whole)
     a, b = final_weights(whole), final_weights(split)
-    assert a.keys() == b.keys()
+    assert a.keys() == b.keys() and {t.dtype for t in a.values()} == {torch.float32}
     for name in a:
         assert torch.equal(a[name], b[name]), name
     # The comparison is not vacuous: training moved the weights.

@@ -1,6 +1,8 @@
 """Optimizers (LAMB, Samsung's AdamW) and the learning-rate schedule, built from the config's optim section.
 
-`OPTIMIZERS` is the registry the config validates `OPTIMIZER` against.
+`OPTIMIZERS` is the registry the config validates `OPTIMIZER` against. The update runs plain, sharded
+(`OPTIMIZER_SHARDING=1`, bert.optim.sharded) or on fp32 masters of a bf16/fp16 model (`MASTER_WEIGHTS=1`,
+bert.optim.master).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from bert.optim.lamb import Lamb
 from bert.optim.param_groups import decay_groups
 from bert.optim.schedule import WarmupPolyDecay
 
-__all__ = ["OPTIMIZERS", "Lamb", "WarmupPolyDecay", "build_optimizer", "build_schedule", "decay_groups"]
+__all__ = ["OPTIMIZERS", "Lamb", "WarmupPolyDecay", "build_optimizer", "build_schedule", "decay_groups",
+           "hook_clip_mode"]
 
 Groups = list[dict]
 Betas = tuple[float, float]
@@ -40,17 +43,32 @@ def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: b
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lamb": _lamb, "adam": _adamw}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype = torch.float32
+                    ) -> torch.optim.Optimizer:
     """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule.
-    With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded)."""
+    With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded). With `master_weights`
+    the model's fp32 weights become the optimizer's masters and the model is cast to `compute_dtype`
+    (bert.optim.master): build it before anything that takes the parameters' dtype (DDP's buckets)."""
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
     if cfg.optimizer_sharding:
         from bert.optim.sharded import build_sharded  # needs torch.distributed initialised
 
         return build_sharded(groups, cfg, lr)
-    return OPTIMIZERS[cfg.optimizer](groups, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
-                                     next(model.parameters()).is_cuda, capturable=cfg.compile_optimizer)
+    on_cuda = next(model.parameters()).is_cuda
+    build = lambda g: OPTIMIZERS[cfg.optimizer](g, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),  # noqa: E731
+                                                cfg.opt_epsilon, on_cuda, capturable=cfg.compile_optimizer)
+    if cfg.master_weights:
+        from bert.optim.master import MasterWeights
+
+        return MasterWeights(groups, build, compute_dtype, cfg.max_grad_norm if cfg.grad_clip == "after" else None)
+    return build(groups)
+
+
+def hook_clip_mode(cfg: OptimConfig) -> str:
+    """The clip mode DDP's hook runs. `after` moves into the optimizer's step where the optimizer is the first
+    to see the averaged gradient whole: sharded (as shards) and master weights (as fp32, unscaled)."""
+    return "none" if (cfg.optimizer_sharding or cfg.master_weights) and cfg.grad_clip == "after" else cfg.grad_clip
 
 
 def _apex_lamb(groups: Groups, betas: Betas, eps: float) -> torch.optim.Optimizer | None:

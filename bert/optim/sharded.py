@@ -29,7 +29,7 @@ here is the one reduction. `before` and `bucket` clip the local gradient inside 
 (they never needed the average). `after` needs the averaged gradient, which only exists here as
 shards, so it is done in step 2: global norm = sqrt(allreduce of the shards' squared norms), then
 the shard is scaled exactly as `clip_grad_norm_` would (max_norm / (norm + 1e-6), at most 1).
-`hook_clip_mode` tells the builder which mode the hook runs.
+`bert.optim.hook_clip_mode` tells the builder which mode the hook runs.
 
 fp16: the GradScaler unscales and checks the *local* gradients before `step`; a rank's inf would
 then skip the step on that rank alone. `torch.distributed.fsdp.ShardedGradScaler` allreduces the
@@ -75,11 +75,6 @@ def local_only() -> Callable[[Tensor], Future[Tensor]]:
         return done
 
     return reduce
-
-
-def hook_clip_mode(cfg: OptimConfig) -> str:
-    """The clip mode DDP's hook runs: under sharding `after` moves into the optimizer's step."""
-    return "none" if cfg.optimizer_sharding and cfg.grad_clip == "after" else cfg.grad_clip
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -20,9 +20,9 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import load_pretrained
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
-from bert.optim import build_optimizer, build_schedule
+from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
-from bert.optim.sharded import hook_clip_mode, local_only
+from bert.optim.sharded import local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
@@ -42,9 +42,10 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
-    """Weights are fp32 masters; bf16/fp16 come from autocast, fp8 swaps the encoder linears for float8 ones
-    (`bert.model.fp8`). The same seed on every rank gives the same initialisation (DDP broadcasts rank 0's
-    weights anyway). COMPILE compiles the forward in place (it runs on the first call: see `bert.train.warmup`)."""
+    """Weights in fp32; bf16/fp16 come from autocast, or, with MASTER_WEIGHTS=1, from the optimizer casting
+    the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`). The same
+    seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway). COMPILE compiles
+    the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
@@ -53,8 +54,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     return compile_model(apply_precision(model.to(device), cfg.precision, device), cfg.compile, device)
 
 
-def autocast_for(precision: str, device: torch.device):
-    if precision == "fp32":
+def autocast_for(precision: str, device: torch.device, master_weights: bool = False):
+    """bf16/fp16 autocast over fp32 weights. Off under fp32, and under master weights: the weights are in the
+    compute dtype already, and autocast would only cast LayerNorm, softmax and the like up to fp32 and their
+    outputs back down (the casts master weights exist to remove); their bf16/fp16 kernels accumulate in
+    fp32, and the model takes its losses in fp32 (`bert.model.pretraining`)."""
+    if precision == "fp32" or master_weights:
         return functools.partial(torch.autocast, device.type, enabled=False)
     return functools.partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPES[precision])
 
@@ -68,12 +73,13 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     sharded = cfg.optim.optimizer_sharding  # the optimizer reduce-scatters; every rank must agree on fp16 skips
     scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
         device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
+    # Before DDP: with MASTER_WEIGHTS=1 it casts the model, and DDP's buckets take the parameters' dtype.
+    optimizer = build_optimizer(model, cfg.optim, AUTOCAST_DTYPES.get(cfg.model.precision, torch.float32))
+    if cfg.optim.compile_optimizer:
+        compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     ddp = apply_ddp(model, cfg.dist)
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env))
-    optimizer = build_optimizer(model, cfg.optim)
-    if cfg.optim.compile_optimizer:
-        compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
@@ -83,7 +89,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
-               autocast_for(cfg.model.precision, device), log,
+               autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log,
                Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume,
                         peak_flops=device_peak_flops(device, cfg.model.precision, cfg.run.peak_tflops)), stop,
                eval_samples=count_eval_samples(eval_set))

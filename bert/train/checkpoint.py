@@ -1,6 +1,7 @@
 """Checkpoints that resume exactly: weights, optimizer, LR schedule, loss scaler, sampler, RNG.
 
-    <output_dir>/checkpoints/step_00001200/model.safetensors   rank 0: the weights
+    <output_dir>/checkpoints/step_00001200/model.safetensors   rank 0: the weights, fp32 (the masters under
+                                                               MASTER_WEIGHTS=1)
                                           /train_state.pt      rank 0: optimizer, schedule, scaler, counters
                                           /rank_00003.pt       every rank: its sampler position and RNG
     <output_dir>/checkpoints/latest                            the name of the newest complete checkpoint
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bert.model.checkpoint import load_weights, save_weights
+from bert.optim.master import fp32_weights
 
 LATEST = "latest"
 
@@ -55,7 +57,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
     # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
     shared = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
     if rank == 0:
-        save_weights(model, where / "model.safetensors")
+        with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters, not the bf16 copy
+            save_weights(model, where / "model.safetensors")
         torch.save(shared, where / "train_state.pt")
     _barrier()
     if rank == 0:
@@ -76,7 +79,8 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
     mine = where / f"rank_{rank:05d}.pt"
     if not mine.is_file():
         raise FileNotFoundError(f"{mine} is missing: was the checkpoint written by a job with fewer ranks?")
-    load_weights(model, where / "model.safetensors")
+    with fp32_weights(parts.get("optimizer")):
+        load_weights(model, where / "model.safetensors")
     shared = torch.load(where / "train_state.pt", weights_only=False)
     values = {}
     for key, state in shared.items():

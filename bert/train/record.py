@@ -1,9 +1,10 @@
 """The resolved run, recorded: rank 0 writes <output_dir>/config.json and prints it once at start.
 
 Besides every configured value it records what the config leaves to the machine: the concrete
-attention backend (`auto` -> loop on CPU, varlen on CUDA), the optimizer class actually built (apex
-FusedLAMB or our foreach LAMB), the precision, the world and node layout, and the torch, CUDA and
-NCCL versions, so that a result can be matched with what ran.
+attention backend (`auto` -> loop on CPU, varlen on CUDA), the optimizer class actually built and the
+one that runs the update (apex FusedLAMB or our foreach LAMB, inside a sharded or master-weight optimizer),
+the precision, the dtype of the model's weights and whether autocast runs, the world and node layout,
+and the torch, CUDA and NCCL versions, so that a result can be matched with what ran.
 """
 
 from __future__ import annotations
@@ -30,12 +31,17 @@ def _nccl_version() -> str | None:
 
 def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
     cfg, env = run.cfg, run.env
-    optimizer = type(run.optimizer)
+    optimizer, update = type(run.optimizer), type(getattr(run.optimizer, "inner", run.optimizer))
+    weights = run.optimizer.param_groups[0]["params"][0]
     return {
         "config": cfg.to_dict(),
         "resolved": {
             "attention_backend": resolve_backend(cfg.model.attention, device),
             "optimizer_class": f"{optimizer.__module__}.{optimizer.__qualname__}",
+            "update_class": f"{update.__module__}.{update.__qualname__}",  # inside a sharded/master-weight optimizer
+            "weight_dtype": str(weights.dtype).removeprefix("torch."),  # the model's (bf16/fp16 with master weights)
+            "master_weights": cfg.optim.master_weights,
+            "autocast": cfg.model.precision != "fp32" and not cfg.optim.master_weights,
             "clipper_class": type(run.clipper).__qualname__,
             "precision": cfg.model.precision,
             "fp16_loss_scaling": run.scaler.is_enabled(),

@@ -1,0 +1,136 @@
+"""Master weights (`MASTER_WEIGHTS=1`): the model holds bf16/fp16 weights, the optimizer holds them in fp32.
+
+This is how the submissions run mixed precision ([NVIDIA-BERT]: the model cast to fp16/bf16, an fp32
+master copy and fp32 state inside the fused LAMB), in place of autocast over fp32 weights, which casts
+every weight down at every forward (and LayerNorm's inputs back up) -- about 11 % of an H100 step.
+
+    model     every trainable parameter in the compute dtype; forward and backward run in it with
+              autocast off (bert.train.build), so the gradients DDP reduces and the clipping hooks
+              see are in that dtype too (their norms are taken in fp32: bert.dist.clip.local_norm)
+    masters   fp32 copies, made from the fp32 initialisation (random or INIT_CHECKPOINT) by the
+              constructor, which only then casts the model: nothing is lost at init
+    step      1. the model's gradients are cast into fp32 master gradients (one foreach copy; they
+                 live only during the step, so their memory goes back to the activations)
+              2. fp16: divided by the GradScaler's scale (a power of two: exact); skipped on overflow
+              3. GRAD_CLIP=after: clipped by their global norm, in fp32 (`hook_clip_mode` moves the
+                 mode here, as for sharding: GradScaler cannot unscale fp16 gradients in place)
+              4. the inner optimizer (foreach LAMB, apex FusedLAMB, fused AdamW) updates the masters
+                 and its fp32 state, with the hyperparameters (the schedule's LR tensor) copied from
+                 this optimizer's groups
+              5. the masters are copied into the model's weights (foreach copy: round to nearest)
+              No host sync, except the overflow check under fp16 (GradScaler's own path has it too).
+
+So the masters after a step are exactly what the plain fp32 optimizer makes from the fp32-cast gradients,
+and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py).
+
+fp16: the GradScaler hands its scale and inf flag to `step` (`_step_supports_amp_scaling`); it checks
+the fp16 gradients for inf/NaN itself first. The scaled gradients are fp16 now, so scale x |g| above
+65504 overflows: the step is skipped and the scale halved, and the dynamic scale settles lower than
+with fp32 gradients (a CPU run from INIT_LOSS_SCALE=2^16 skipped its first step). bf16 needs no scale.
+
+Checkpoints: `state_dict` is the inner optimizer's, laid out as the plain optimizer's (same indices over
+the same parameter order), so a checkpoint moves between MASTER_WEIGHTS=0 and 1. The weights file holds
+the masters: `fp32_weights(optimizer)` makes the masters the model's tensors while the checkpoint code
+saves or loads the model (bert.train.checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import Tensor
+
+from bert.dist.clip import clip_after_allreduce
+
+Groups = list[dict]
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """An optimizer over the model's compute-dtype parameters that runs `inner` on fp32 masters.
+
+    Its param_groups are the model's parameters (the GradScaler, `zero_grad` and the schedule see an
+    ordinary optimizer); `inner` is built by `build_inner` over the masters, group for group.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler.step passes grad_scale / found_inf instead of unscaling
+
+    def __init__(self, groups: Groups, build_inner: Callable[[Groups], torch.optim.Optimizer],
+                 compute_dtype: torch.dtype, clip_after: float | None = None):
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"master weights need a bf16 or fp16 model, got {compute_dtype}")
+        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("master weights are copied from fp32 parameters: build the optimizer before the "
+                             "model is cast")
+        with torch.no_grad():
+            self.masters = [p.detach().clone() for p in self.params]
+            for p in self.params:
+                p.data = p.data.to(compute_dtype)  # the same Parameter objects: groups, hooks and DDP keep them
+        master_groups, i = [], 0
+        for g in groups:
+            k = len(g["params"])
+            master_groups.append({**g, "params": self.masters[i:i + k]})
+            i += k
+        self.inner = build_inner(master_groups)
+        self.clip_after = clip_after
+        super().__init__(groups, self.inner.defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("MasterWeights.step does not take a closure")
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step under fp16 only
+        if found_inf is not None and found_inf.item():  # overflow: skip, as GradScaler does (and update() backs off)
+            return
+        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        if not pairs:
+            return
+        params, masters = [p for p, _ in pairs], [m for _, m in pairs]
+        grads = [torch.empty_like(m) for m in masters]
+        torch._foreach_copy_(grads, [p.grad for p in params])
+        if found_inf is not None:
+            torch._foreach_mul_(grads, self.grad_scale.double().reciprocal().float())  # as GradScaler.unscale_
+        for m, g in zip(masters, grads):
+            m.grad = g
+        if self.clip_after is not None:
+            clip_after_allreduce(masters, self.clip_after)
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.inner.step()
+        for m in masters:
+            m.grad = None
+        torch._foreach_copy_(params, masters)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state (fp32, indexed as the plain optimizer's) with this one's hyperparameters."""
+        inner = self.inner.state_dict()
+        groups = [{**{k: v for k, v in outer.items() if k != "params"}, "params": g["params"]}
+                  for outer, g in zip(self.param_groups, inner["param_groups"])]
+        return {"state": inner["state"], "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)  # torch casts floating state to the masters' fp32
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+
+    @contextmanager
+    def masters_in_model(self) -> Iterator[None]:
+        """Inside, each parameter's data is its fp32 master, so saving the model saves the masters and loading
+        it writes them. On exit the parameters get their compute-dtype storage back, refreshed from the masters."""
+        low = [p.data for p in self.params]
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.data = m
+            try:
+                yield
+            finally:
+                for p, data in zip(self.params, low):
+                    p.data = data
+                torch._foreach_copy_(self.params, self.masters)
+
+
+def fp32_weights(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager:
+    """Where the model's fp32 weights are, for a checkpoint: the masters under MASTER_WEIGHTS=1, else the model."""
+    return optimizer.masters_in_model() if isinstance(optimizer, MasterWeights) else nullcontext()
