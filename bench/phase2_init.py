@@ -3,9 +3,10 @@
 Two runs of `source config_CPU_1x2.sh; ./run_and_time.sh` (2 gloo processes) on the embedded corpus, one
 after the other, each stopped (SIGTERM) `--seconds` after it started:
 
-    scratch   BERT_CONFIG=tiny, no checkpoint: the CPU default before the MiniLM checkpoint (LR 0.015, batch 8
-              per rank, 10 warmup steps)
-    minilm    config_CPU_1x2.sh as it is: MiniLM-L6-H384's encoder (INIT_CHECKPOINT=minilm), fresh MLM/NSP heads
+    scratch   BERT_CONFIG=tiny, no checkpoint: the CPU default's LAMB recipe (LR 0.015, batch 8 per rank, 10
+              warmup steps)
+    minilm    BERT_CONFIG=minilm INIT_CHECKPOINT=minilm: MiniLM-L6-H384's encoder, fresh MLM/NSP heads
+              (--minilm-optimizer/--minilm-lr/--minilm-batch; a fresh head wants Adam-sized steps)
 
 Both evaluate the same eval samples (the config's NUM_EVAL_EXAMPLES) with an unreachable target, so neither
 stops early; the table gives every eval (samples, seconds since run_start, masked-LM accuracy) and the best
@@ -29,10 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE = "0.99"
-# The CPU default before it started from MiniLM (the config's earlier values, from scratch).
-SCRATCH = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "LR": "0.015", "BATCHSIZE": "8", "WARMUP_STEPS": "10",
-           "MAX_STEPS": "1000", "EVAL_ITER_START_SAMPLES": "800", "EVAL_ITER_SAMPLES": "800"}
-VARIANTS = {"scratch": SCRATCH, "minilm": {}}
+SCRATCH = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "OPTIMIZER": "lamb", "LR": "0.015", "BATCHSIZE": "8",
+           "WARMUP_STEPS": "10", "MAX_STEPS": "1000"}
+MINILM = {"BERT_CONFIG": "minilm", "INIT_CHECKPOINT": "minilm", "WARMUP_STEPS": "5", "MAX_STEPS": "1000"}
+VARIANTS = {"scratch": SCRATCH, "minilm": MINILM}
 
 
 def config_env(data: Path, overrides: dict[str, str]) -> dict[str, str]:
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=ROOT / "work" / "data", help="data/prepare.py --embedded output")
     p.add_argument("--seconds", type=float, default=300, help="wall time of each run, from its start")
     p.add_argument("--seed", default="7")
+    p.add_argument("--eval-every", default="160", help="EVAL_ITER_START_SAMPLES and EVAL_ITER_SAMPLES of both")
+    p.add_argument("--eval-examples", default="200", help="NUM_EVAL_EXAMPLES of both: the same eval samples")
+    p.add_argument("--minilm-optimizer", default="adam")
+    p.add_argument("--minilm-lr", default="0.001")
+    p.add_argument("--minilm-batch", default="4", help="sequences per rank")
     p.add_argument("--only", choices=tuple(VARIANTS), nargs="*", default=tuple(VARIANTS))
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "phase2_from_minilm.json")
     args = p.parse_args(argv)
@@ -90,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="phase2_init_") as tmp:
         for name in args.only:
-            env = config_env(args.data.resolve(), {**VARIANTS[name], "SEED": args.seed})
+            common = {"SEED": args.seed, "EVAL_ITER_START_SAMPLES": args.eval_every,
+                      "EVAL_ITER_SAMPLES": args.eval_every, "NUM_EVAL_EXAMPLES": args.eval_examples}
+            tuned = {"OPTIMIZER": args.minilm_optimizer, "LR": args.minilm_lr, "BATCHSIZE": args.minilm_batch}
+            env = config_env(args.data.resolve(), {**VARIANTS[name], **common, **(tuned if name == "minilm" else {})})
             results[name] = run(name, env, args.seconds, Path(tmp))
             print(f"{name}: exit {results[name]['exit_status']}, {len(results[name]['evals'])} evals", flush=True)
     # Compared at the time both had: the budget minus the slower initialisation.

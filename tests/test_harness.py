@@ -37,7 +37,7 @@ SHORT_RUN = {
     "WARMUP_STEPS": "0", "START_WARMUP_STEP": "0", "MAX_STEPS": "400", "EVAL_ITER_START_SAMPLES": "320",
     "EVAL_ITER_SAMPLES": "320", "MAX_SAMPLES_TERMINATION": "6400", "NUM_EVAL_EXAMPLES": "256",
     "EVAL_BATCHSIZE": "128", "ATTENTION": "padded", "TARGET_MLM_ACCURACY": "0.72", "EXTRA_PARAMS": "",
-    "SKIP_CHECKPOINT": "1", "INIT_CHECKPOINT": "",  # from scratch: the CPU default starts from MiniLM
+    "SKIP_CHECKPOINT": "1",
 }
 RESULT = re.compile(r"^RESULT,bert,(\d+),(\d+),([^,]+),(.+)$", re.M)
 

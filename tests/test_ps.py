@@ -196,7 +196,7 @@ def short_run_env(data: Path, out: Path, reduce: str, gpus: int) -> dict[str, st
                       OPTIMIZER="lamb", GRAD_CLIP="bucket", BUCKET_CAP_MB="0.2", EVAL_ITER_START_SAMPLES="100000",
                       NUM_EVAL_EXAMPLES="256", EVAL_BATCHSIZE="128", DGXNGPU=str(gpus), OUTPUT_DIR=str(out),
                       MLPERF_LOG=str(out / "result_0.txt"), GRAD_REDUCE=reduce, PS_SERVERS="1",
-                      OMP_NUM_THREADS="1", EXTRA_PARAMS="", INIT_CHECKPOINT="")
+                      OMP_NUM_THREADS="1", EXTRA_PARAMS="")
 
 
 def served(stderr: str, workers: int, server: int = 0) -> int:

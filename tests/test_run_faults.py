@@ -27,7 +27,7 @@ PY = sys.executable
 RUN = {"BERT_CONFIG": "tiny", "BATCHSIZE": "16", "LR": "0.001", "WARMUP_STEPS": "0", "MAX_STEPS": "100000",
        "EVAL_ITER_START_SAMPLES": "1000000000", "NUM_EVAL_EXAMPLES": "64", "EVAL_BATCHSIZE": "64",
        "ATTENTION": "padded", "LOG_FREQ": "1", "SKIP_CHECKPOINT": "1", "EXTRA_PARAMS": "", "OMP_NUM_THREADS": "1",
-       "DIST_TIMEOUT": "20", "INIT_CHECKPOINT": ""}
+       "DIST_TIMEOUT": "20"}
 # logs, progress, the resolved configuration (one line)
 NOISE = re.compile(r"^(:::MLLOG |STARTING TIMING RUN|ENDING TIMING RUN|RESULT,bert,|step=\d+ |resolved configuration )")
 
