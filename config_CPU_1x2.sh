@@ -5,6 +5,11 @@
 export BERT_DATA=${BERT_DATA:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/work/data}
 export DATADIR_PHASE2=${DATADIR_PHASE2:-${BERT_DATA}/train_varlength}
 export EVALDIR=${EVALDIR:-${BERT_DATA}/eval_varlength}
+# From scratch: MiniLM-L6-H384's encoder (BERT_CONFIG=minilm INIT_CHECKPOINT=minilm, fresh MLM/NSP heads) is the
+# phase-1 start this machine has, but on 2 cores it loses in a few minutes: in 480 s each (load average 15-20,
+# shared machine) from scratch reached 0.0744 at 2720 samples, MiniLM at most 0.0506 in 480 samples (1.1 samples/s; its
+# fresh head has not left the frequent-token plateau). results/bench/phase2_from_minilm.json, from
+#   .venv/bin/python bench/phase2_init.py --data work/data --seconds 480
 export BERT_CONFIG=tiny
 export INIT_CHECKPOINT=""
 export DGXSYSTEM=CPU_1x2

@@ -65,7 +65,8 @@ class DataConfig:
 class ModelConfig:
     bert_config_path: str = opt("", "bert_config.json, or a named config such as 'tiny'", env="BERT_CONFIG",
                                 required=True)
-    init_checkpoint: str = opt("", "phase-1 weights (ours, HF or converted TF); empty = random init",
+    init_checkpoint: str = opt("", "phase-1 weights (ours, HF or converted TF), or a named one (minilm: see "
+                               "bert.model.init_checkpoint); a bare encoder gets fresh heads; empty = random init",
                                env="INIT_CHECKPOINT")
     attention: str = opt("auto", "attention backend", env="ATTENTION",
                          registry="bert.model.attention:ATTENTION_CHOICES")

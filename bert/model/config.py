@@ -79,4 +79,6 @@ NAMED: dict[str, BertConfig] = {
     "tiny": replace(_MLPERF, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512),
     "base": _MLPERF,
     "large": replace(_MLPERF, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+    # MiniLM-L6-H384, the encoder of the named checkpoint `minilm` (bert.model.init_checkpoint)
+    "minilm": replace(_MLPERF, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
 }

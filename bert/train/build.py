@@ -17,9 +17,9 @@ from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.dist.reduce import build_reduce
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.checkpoint import load_pretrained
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
+from bert.model.init_checkpoint import load_init_checkpoint
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
@@ -44,13 +44,14 @@ def seed_everything(seed: int) -> None:
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights in fp32; bf16/fp16 come from autocast, or, with MASTER_WEIGHTS=1, from the optimizer casting
     the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`). The same
-    seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway). COMPILE compiles
+    seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway), which is also
+    what a bare-encoder INIT_CHECKPOINT leaves in the heads. COMPILE compiles
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
     if cfg.init_checkpoint:
-        load_pretrained(model, cfg.init_checkpoint)
+        load_init_checkpoint(model, cfg.init_checkpoint)
     return compile_model(apply_precision(model.to(device), cfg.precision, device), cfg.compile, device)
 
 
