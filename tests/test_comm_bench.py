@@ -37,7 +37,7 @@ def test_bert_large_ddp_buckets_against_balanced_ones():
 def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
     out, png = tmp_path / "comm.json", tmp_path / "comm.png"
     cmd = [sys.executable, str(ROOT / "bench" / "comm.py"), "--scale", "32", "--world", "2", "--local-world", "1",
-           "--bucket-cap-mb", "200", "--steps", "1", "--out", str(out),
+           "--bucket-cap-mb", "200", "--steps", "1", "--rounds", "1", "--out", str(out),
            "--plot", str(png)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           timeout=300)
