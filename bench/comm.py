@@ -207,6 +207,22 @@ def variant_key(reduce_name: str, buckets: str, comm_dtype: str) -> str:
     return f"{reduce_name}/{buckets}" if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}/{buckets}"
 
 
+def ratios_to_flat(runs: dict, steps: int) -> dict:
+    """Each non-flat run's step time over the flat run on the same buckets and dtype: of the medians, and
+    per round (mean over mean of the steps both took in that round, so both saw the same load)."""
+    out = {}
+    for key, r in runs.items():
+        flat_key = key.replace(base_strategy(r["reduce"]), "flat", 1)
+        if flat_key == key or flat_key not in runs:
+            continue
+        mine, flat = r["step_s"], runs[flat_key]["step_s"]
+        rounds = [statistics.mean(mine[i:i + steps]) / statistics.mean(flat[i:i + steps])
+                  for i in range(0, min(len(mine), len(flat)), steps)]
+        out[key] = {"vs": flat_key, "median": r["median_step_ms"] / runs[flat_key]["median_step_ms"],
+                    "per_round": rounds}
+    return out
+
+
 def predictions(params: int) -> dict:
     """BERT-large's gradient, one buffer, every modelled strategy and registered name, on A100 and H100."""
     names = list(dict.fromkeys([*STRATEGIES, *REDUCTIONS]))
@@ -273,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                      "bytes_sent_per_rank": sum(p.bytes_per_gpu for p in per_bucket),
                      "predicted_step_ms": sum(p.seconds for p in per_bucket) * 1e3,
                      "modelled_as": base_strategy(r["reduce"])}
+    ratios = ratios_to_flat(runs, args.steps)
     model = predictions(report["params"])
     print(f"BERT-large buckets at {args.bucket_cap_mb:g} MB, fp32 ({report['tensors']} tensors, "
           f"{report['params'] / 1e6:.1f}M parameters):")
@@ -290,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         mx, mn = r["bucket_mb_max_min"]
         print(f"{key:<24}{r['buckets_count']:>8}{mx:>8.2f}/{mn:<5.2f}{r['median_step_ms']:>10.1f}{r['min_step_ms']:>9.1f}"
               f"{r['predicted_step_ms']:>10.1f}{r['bytes_sent_per_rank'] / MB:>14.1f}")
+    for key, r in ratios.items():
+        print(f"{key}: {r['median']:.2f}x flat's median step (rounds: {', '.join(f'{x:.2f}' for x in r['per_round'])})")
     print(f"\nModel, BERT-large fp32 gradient in one buffer ({report['params'] / 1e6:.0f}M parameters):")
     print(f"{'cluster':<8}{'strategy':<16}" + "".join(f"{g:>9}" for g in GPUS) + "   (ms; last: network MB/GPU)")
     for cluster, by_name in model.items():
@@ -306,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "bert_large_buckets": report,
         "local_fit": fit,
         "runs": runs,
+        "ratio_to_flat": ratios,
         "model": {"clusters": {k: asdict(c) for k, c in CLUSTERS.items()}, "params": report["params"],
                   "predictions": model},
     }, indent=1) + "\n")

@@ -108,6 +108,13 @@ class HierarchicalMean:
         self._to_inter: queue.SimpleQueue = queue.SimpleQueue()
         self._to_gather: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        # Receive buffers of step 1, kept for the next step's bucket of the same size: a fresh CPU buffer
+        # is page-faulted in by the kernel while gloo receives into it.
+        self._spare: dict[tuple, list[Tensor]] = {}
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        spare = self._spare.get(_key(like))
+        return spare.pop() if spare else torch.empty_like(like)
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
         flat.div_(self.world)
@@ -128,7 +135,7 @@ class HierarchicalMean:
         group = self.scatter_group
         if self.exchange == "collective":
             return _Pending([dist.reduce_scatter_single(shard, padded, group=group, async_op=True)])
-        received = [torch.empty_like(shard) for _ in self.peers]  # p2p: `shard` is chunks[self.local]
+        received = [self._buffer(shard) for _ in self.peers]  # p2p: `shard` is chunks[self.local]
         works = []
         for buf, (j, peer) in zip(received, self.peers):
             works.append(group.recv([buf], peer, 0))
@@ -137,6 +144,7 @@ class HierarchicalMean:
         def node_sum() -> None:
             for buf in received:
                 shard.add_(buf)
+            self._spare.setdefault(_key(shard), []).extend(received)
 
         return _Pending(works, node_sum)
 
@@ -181,6 +189,10 @@ class HierarchicalMean:
                     job.finish()
             except Exception as e:
                 job.result.set_exception(e)
+
+
+def _key(t: Tensor) -> tuple:
+    return t.numel(), t.dtype, t.device
 
 
 def _on_device(t: Tensor):
