@@ -12,7 +12,8 @@ name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, a
 Variants take turns: --rounds rounds of --steps timed steps each, so that load from other processes on a
 shared machine hits every variant alike.
 
-Recorded per variant: every step's time, their median and the fastest; bytes sent per rank *computed* from
+Recorded per variant: every step's time, their median and the fastest, and the CPU seconds all ranks spent
+(every thread: the work, which other load moves less than the wall time); bytes sent per rank *computed* from
 the bucket sizes with each algorithm's formula (`bert.balance.lab.comm_model`, not counted on the wire);
 the α-β prediction for this run from α, β fitted to timed gloo allreduces of two sizes and γ from a timed
 local add (the fastest of 9 each: the least disturbed by other load; compare the model with the fastest
@@ -155,6 +156,17 @@ def fit_local_link(world: int) -> dict:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": gamma, "allreduce_s": dict(zip(sizes, t))}
 
 
+def timed_step(step) -> tuple[float, float]:
+    """(this rank's seconds, CPU seconds of all ranks and all their threads) of one step. The CPU time is
+    the work itself: on an oversubscribed host it moves far less with other load than the wall time does."""
+    dist.barrier()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    step()
+    wall, cpu = time.perf_counter() - start, torch.tensor([time.process_time() - start_cpu])
+    dist.all_reduce(cpu)
+    return wall, float(cpu)
+
+
 def timed_variants() -> list[tuple[str, str, str]]:
     """(GRAD_REDUCE, GRAD_BUCKETS, GRAD_COMM_DTYPE) to time: every registered reduction but `ps`, whose server
     processes this in-process bench does not start (tests/test_ps.py checks it; the model prices it), on both
@@ -194,8 +206,12 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
                 sizes = [b.numel() for b in wrapper.buffers]
             name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
             run = results.setdefault(variant_key(reduce_name, buckets, comm_dtype),
-                                     {"reduce": name, "buckets": buckets, "bucket_elements": sizes, "step_s": []})
-            run["step_s"] += [timed(step, 1) for _ in range(args.steps)]
+                                     {"reduce": name, "buckets": buckets, "bucket_elements": sizes, "step_s": [],
+                                      "step_cpu_s": []})
+            for _ in range(args.steps):
+                wall, cpu = timed_step(step)
+                run["step_s"].append(wall)
+                run["step_cpu_s"].append(cpu)
             del wrapper, model
     if rank == 0:
         torch.save({"fit": fit, "runs": results}, out)
@@ -215,11 +231,12 @@ def ratios_to_flat(runs: dict, steps: int) -> dict:
         flat_key = key.replace(base_strategy(r["reduce"]), "flat", 1)
         if flat_key == key or flat_key not in runs:
             continue
-        mine, flat = r["step_s"], runs[flat_key]["step_s"]
-        rounds = [statistics.mean(mine[i:i + steps]) / statistics.mean(flat[i:i + steps])
-                  for i in range(0, min(len(mine), len(flat)), steps)]
-        out[key] = {"vs": flat_key, "median": r["median_step_ms"] / runs[flat_key]["median_step_ms"],
-                    "per_round": rounds}
+        out[key] = {"vs": flat_key}
+        for name, series in (("", "step_s"), ("cpu_", "step_cpu_s")):
+            mine, flat = r[series], runs[flat_key][series]
+            out[key][f"{name}median"] = statistics.median(mine) / statistics.median(flat)
+            out[key][f"{name}per_round"] = [statistics.mean(mine[i:i + steps]) / statistics.mean(flat[i:i + steps])
+                                            for i in range(0, min(len(mine), len(flat)), steps)]
     return out
 
 
@@ -284,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[key] = {**{k: v for k, v in r.items() if k != "bucket_elements"},
                      "median_step_ms": statistics.median(r["step_s"]) * 1e3,
                      "min_step_ms": min(r["step_s"]) * 1e3,
+                     "median_step_cpu_ms": statistics.median(r["step_cpu_s"]) * 1e3,
                      "buckets_count": len(r["bucket_elements"]),
                      "bucket_mb_max_min": [max(r["bucket_elements"]) * 4 / MB, min(r["bucket_elements"]) * 4 / MB],
                      "bytes_sent_per_rank": sum(p.bytes_per_gpu for p in per_bucket),
@@ -301,14 +319,16 @@ def main(argv: list[str] | None = None) -> int:
           f"BERT-large / {args.scale} ({params / 1e6:.2f}M parameters, {params * 4 / MB:.1f} MB), cap {cap_mb:.2f} MB, "
           f"load {load_before:.1f}; fit: alpha {fit['alpha_s'] * 1e6:.0f} us, "
           f"{1e-9 / fit['beta_s_per_byte']:.2f} GB/s, gamma {1e-9 / fit['gamma_s_per_byte']:.2f} GB/s")
-    print(f"{'reduce/buckets':<24}{'buckets':>8}{'max/min MB':>14}{'ms/step':>10}{'min ms':>9}{'model ms':>10}"
-          f"{'MB sent/rank':>14}")
+    print(f"{'reduce/buckets':<24}{'buckets':>8}{'max/min MB':>14}{'ms/step':>10}{'min ms':>9}{'CPU ms':>9}"
+          f"{'model ms':>10}{'MB sent/rank':>14}")
     for key, r in runs.items():
         mx, mn = r["bucket_mb_max_min"]
         print(f"{key:<24}{r['buckets_count']:>8}{mx:>8.2f}/{mn:<5.2f}{r['median_step_ms']:>10.1f}{r['min_step_ms']:>9.1f}"
-              f"{r['predicted_step_ms']:>10.1f}{r['bytes_sent_per_rank'] / MB:>14.1f}")
+              f"{r['median_step_cpu_ms']:>9.1f}{r['predicted_step_ms']:>10.1f}{r['bytes_sent_per_rank'] / MB:>14.1f}")
     for key, r in ratios.items():
-        print(f"{key}: {r['median']:.2f}x flat's median step (rounds: {', '.join(f'{x:.2f}' for x in r['per_round'])})")
+        for name, what in (("", "step"), ("cpu_", "CPU time per step, all ranks")):
+            print(f"{key}: {r[name + 'median']:.2f}x flat's median {what} "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in r[name + 'per_round'])})")
     print(f"\nModel, BERT-large fp32 gradient in one buffer ({report['params'] / 1e6:.0f}M parameters):")
     print(f"{'cluster':<8}{'strategy':<16}" + "".join(f"{g:>9}" for g in GPUS) + "   (ms; last: network MB/GPU)")
     for cluster, by_name in model.items():

@@ -24,6 +24,10 @@ order, and each of the three steps has its own group (two intra-node groups: one
 the hook's and the step-3 thread's exchanges interleaved differently on different ranks). So bucket k's
 inter-node allreduce overlaps the backward pass, bucket k+1's reduce-scatter and bucket k-1's all-gather;
 the future DDP waits on is completed by the step-3 thread.
+
+On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
+and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
+two of the ring's six message latencies and adds two thread hand-offs, so the two cost about the same.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
