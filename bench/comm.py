@@ -9,17 +9,20 @@ the bucket cap is scaled with it, the same number of buckets as BERT-large at 25
 is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the training driver runs it:
 `apply_ddp` (GRAD_BUCKETS: ddp or balanced) + `install_clipping(..., reduce=build_reduce(...))`, for every
 name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, and bf16 communication.
-Variants run one after another.
+Variants take turns: --rounds rounds of --steps timed steps each, so that load from other processes on a
+shared machine hits every variant alike.
 
-Recorded per variant: median (and fastest) time per step; bytes sent per rank *computed* from the bucket sizes with
-each algorithm's formula (`bert.balance.lab.comm_model`, not counted on the wire); the α-β prediction for this
-run from α, β fitted to timed gloo allreduces of two sizes and γ from a timed local add (the fastest of
-9 each: the least disturbed by other load; compare the model with the fastest step); then the model
-for BERT-large (336M fp32 gradients, one buffer) on 8...1024 A100s and H100s. Also the bucket-size
+Recorded per variant: every step's time, their median and the fastest, and the CPU seconds all ranks spent
+(every thread: the work, which other load moves less than the wall time); bytes sent per rank *computed* from
+the bucket sizes with each algorithm's formula (`bert.balance.lab.comm_model`, not counted on the wire);
+the α-β prediction for this run from α, β fitted to timed gloo allreduces of two sizes and γ from a timed
+local add (the fastest of 9 each: the least disturbed by other load; compare the model with the fastest
+step); then the model for BERT-large (336M fp32 gradients, one buffer) on 8...1024 A100s and H100s. Also the bucket-size
 spread of DDP's buckets against balanced fusion buffers for the real BERT-large (meta device).
 
     .venv/bin/python bench/comm.py                # writes results/bench/comm.json and comm.png
     .venv/bin/python bench/comm.py --scale 2 --steps 3
+    .venv/bin/python bench/comm.py --only flat/ddp,hierarchical/ddp --rounds 8 --out /tmp/c.json --plot /tmp/c.png
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-world", type=int, default=2, help="ranks per simulated node")
     p.add_argument("--scale", type=int, default=4, help="divide BERT-large's dimensions by this")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="at full BERT-large size; scaled with the bytes")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant and round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds; every variant is timed in each, in turn")
+    p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help="comma-separated variants to time (as named in the JSON, e.g. flat/ddp,hierarchical/ddp)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (DDP and fusion fix their order in step 2)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "comm.json")
     p.add_argument("--plot", type=Path, default=ROOT / "results" / "bench" / "comm.png")
@@ -150,6 +156,17 @@ def fit_local_link(world: int) -> dict:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": gamma, "allreduce_s": dict(zip(sizes, t))}
 
 
+def timed_step(step) -> tuple[float, float]:
+    """(this rank's seconds, CPU seconds of all ranks and all their threads) of one step. The CPU time is
+    the work itself: on an oversubscribed host it moves far less with other load than the wall time does."""
+    dist.barrier()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    step()
+    wall, cpu = time.perf_counter() - start, torch.tensor([time.process_time() - start_cpu])
+    dist.all_reduce(cpu)
+    return wall, float(cpu)
+
+
 def timed_variants() -> list[tuple[str, str, str]]:
     """(GRAD_REDUCE, GRAD_BUCKETS, GRAD_COMM_DTYPE) to time: every registered reduction but `ps`, whose server
     processes this in-process bench does not start (tests/test_ps.py checks it; the model prices it), on both
@@ -163,31 +180,64 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)
     env = DistEnv(rank, args.world, rank % args.local_world, args.local_world, "localhost", 0)
     fit = fit_local_link(args.world)
-    results = {}
-    for reduce_name, buckets, comm_dtype in timed_variants():
-        cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb,
-                        grad_comm_dtype=comm_dtype)
-        model = Gradients(shapes, rank)
-        wrapper = apply_ddp(model, cfg.dist)
-        install_clipping(wrapper, "none", 1.0, None, reduce=build_reduce(cfg.dist, env))
+    variants = [v for v in timed_variants() if not args.only or variant_key(*v) in args.only]
+    reduces: dict = {}  # one Reduce (and its process groups) per strategy and dtype, as a training run builds it
+    results: dict = {}
+    # Rounds: every variant takes its turn in each, so a burst of load on the shared machine hits all alike.
+    for _ in range(args.rounds):
+        for reduce_name, buckets, comm_dtype in variants:
+            cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb,
+                            grad_comm_dtype=comm_dtype)
+            if (reduce_name, comm_dtype) not in reduces:
+                reduces[reduce_name, comm_dtype] = build_reduce(cfg.dist, env)
+            model = Gradients(shapes, rank)
+            wrapper = apply_ddp(model, cfg.dist)
+            install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name, comm_dtype])
 
-        def step(wrapper=wrapper, model=model) -> None:
-            wrapper().backward()
-            model.zero_grad(set_to_none=True)
+            def step(wrapper=wrapper, model=model) -> None:
+                wrapper().backward()
+                model.zero_grad(set_to_none=True)
 
-        for _ in range(args.warmup):
-            step()
-        if buckets == "ddp":
-            sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
-        else:
-            sizes = [b.numel() for b in wrapper.buffers]
-        name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
-        results[f"{name}/{buckets}"] = {"reduce": name, "buckets": buckets, "bucket_elements": sizes,
-                                        "step_s": [timed(step, 1) for _ in range(args.steps)]}
-        del wrapper, model
+            for _ in range(args.warmup):
+                step()
+            if buckets == "ddp":
+                sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
+            else:
+                sizes = [b.numel() for b in wrapper.buffers]
+            name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
+            run = results.setdefault(variant_key(reduce_name, buckets, comm_dtype),
+                                     {"reduce": name, "buckets": buckets, "bucket_elements": sizes, "step_s": [],
+                                      "step_cpu_s": []})
+            for _ in range(args.steps):
+                wall, cpu = timed_step(step)
+                run["step_s"].append(wall)
+                run["step_cpu_s"].append(cpu)
+            del wrapper, model
     if rank == 0:
         torch.save({"fit": fit, "runs": results}, out)
     dist.destroy_process_group()
+
+
+def variant_key(reduce_name: str, buckets: str, comm_dtype: str) -> str:
+    """"flat/ddp", "hierarchical+bf16/ddp": how a timed variant is named in the JSON and on --only."""
+    return f"{reduce_name}/{buckets}" if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}/{buckets}"
+
+
+def ratios_to_flat(runs: dict, steps: int) -> dict:
+    """Each non-flat run's step time over the flat run on the same buckets and dtype: of the medians, and
+    per round (mean over mean of the steps both took in that round, so both saw the same load)."""
+    out = {}
+    for key, r in runs.items():
+        flat_key = key.replace(base_strategy(r["reduce"]), "flat", 1)
+        if flat_key == key or flat_key not in runs:
+            continue
+        out[key] = {"vs": flat_key}
+        for name, series in (("", "step_s"), ("cpu_", "step_cpu_s")):
+            mine, flat = r[series], runs[flat_key][series]
+            out[key][f"{name}median"] = statistics.median(mine) / statistics.median(flat)
+            out[key][f"{name}per_round"] = [statistics.mean(mine[i:i + steps]) / statistics.mean(flat[i:i + steps])
+                                            for i in range(0, min(len(mine), len(flat)), steps)]
+    return out
 
 
 def predictions(params: int) -> dict:
@@ -228,6 +278,10 @@ def plot(model: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = set(args.only or ()) - {variant_key(*v) for v in timed_variants()}
+    if unknown:
+        raise SystemExit(f"--only: unknown variant(s) {', '.join(sorted(unknown))}; "
+                         f"choose from {', '.join(variant_key(*v) for v in timed_variants())}")
     report = bucket_report(args.bucket_cap_mb)
     scaled = meta_model(scaled_config(args.scale))
     shapes = [tuple(p.shape) for p in scaled.parameters()]
@@ -247,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         runs[key] = {**{k: v for k, v in r.items() if k != "bucket_elements"},
                      "median_step_ms": statistics.median(r["step_s"]) * 1e3,
                      "min_step_ms": min(r["step_s"]) * 1e3,
+                     "median_step_cpu_ms": statistics.median(r["step_cpu_s"]) * 1e3,
                      "buckets_count": len(r["bucket_elements"]),
                      "bucket_mb_max_min": [max(r["bucket_elements"]) * 4 / MB, min(r["bucket_elements"]) * 4 / MB],
                      "bytes_sent_per_rank": sum(p.bytes_per_gpu for p in per_bucket),
                      "predicted_step_ms": sum(p.seconds for p in per_bucket) * 1e3,
                      "modelled_as": base_strategy(r["reduce"])}
+    ratios = ratios_to_flat(runs, args.steps)
     model = predictions(report["params"])
     print(f"BERT-large buckets at {args.bucket_cap_mb:g} MB, fp32 ({report['tensors']} tensors, "
           f"{report['params'] / 1e6:.1f}M parameters):")
@@ -263,12 +319,16 @@ def main(argv: list[str] | None = None) -> int:
           f"BERT-large / {args.scale} ({params / 1e6:.2f}M parameters, {params * 4 / MB:.1f} MB), cap {cap_mb:.2f} MB, "
           f"load {load_before:.1f}; fit: alpha {fit['alpha_s'] * 1e6:.0f} us, "
           f"{1e-9 / fit['beta_s_per_byte']:.2f} GB/s, gamma {1e-9 / fit['gamma_s_per_byte']:.2f} GB/s")
-    print(f"{'reduce/buckets':<24}{'buckets':>8}{'max/min MB':>14}{'ms/step':>10}{'min ms':>9}{'model ms':>10}"
-          f"{'MB sent/rank':>14}")
+    print(f"{'reduce/buckets':<24}{'buckets':>8}{'max/min MB':>14}{'ms/step':>10}{'min ms':>9}{'CPU ms':>9}"
+          f"{'model ms':>10}{'MB sent/rank':>14}")
     for key, r in runs.items():
         mx, mn = r["bucket_mb_max_min"]
         print(f"{key:<24}{r['buckets_count']:>8}{mx:>8.2f}/{mn:<5.2f}{r['median_step_ms']:>10.1f}{r['min_step_ms']:>9.1f}"
-              f"{r['predicted_step_ms']:>10.1f}{r['bytes_sent_per_rank'] / MB:>14.1f}")
+              f"{r['median_step_cpu_ms']:>9.1f}{r['predicted_step_ms']:>10.1f}{r['bytes_sent_per_rank'] / MB:>14.1f}")
+    for key, r in ratios.items():
+        for name, what in (("", "step"), ("cpu_", "CPU time per step, all ranks")):
+            print(f"{key}: {r[name + 'median']:.2f}x flat's median {what} "
+                  f"(rounds: {', '.join(f'{x:.2f}' for x in r[name + 'per_round'])})")
     print(f"\nModel, BERT-large fp32 gradient in one buffer ({report['params'] / 1e6:.0f}M parameters):")
     print(f"{'cluster':<8}{'strategy':<16}" + "".join(f"{g:>9}" for g in GPUS) + "   (ms; last: network MB/GPU)")
     for cluster, by_name in model.items():
@@ -278,12 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "setup": {"world": args.world, "local_world": args.local_world, "scale": args.scale, "params": params,
-                  "bucket_cap_mb_scaled": cap_mb, "steps": args.steps, "warmup": args.warmup, "backend": "gloo",
+                  "bucket_cap_mb_scaled": cap_mb, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+                  "backend": "gloo",
                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
                   "bytes_sent": "computed from bucket sizes with bert.balance.lab.comm_model's formulas, not counted"},
         "bert_large_buckets": report,
         "local_fit": fit,
         "runs": runs,
+        "ratio_to_flat": ratios,
         "model": {"clusters": {k: asdict(c) for k, c in CLUSTERS.items()}, "params": report["params"],
                   "predictions": model},
     }, indent=1) + "\n")

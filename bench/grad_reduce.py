@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(args, os.path.join(tmp, "store"), queue), nprocs=args.world)
     times, cpu = queue.get()
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{1e3 * row['cpu_s']:>12.1f}{row['cpu_ratio_to_flat']:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"setup": setup, "cpus": os.cpu_count(), "strategies": rows}, indent=1))
+    load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    args.out.write_text(json.dumps({"setup": setup, "cpus": os.cpu_count(), **load, "strategies": rows}, indent=1))
 
 
 if __name__ == "__main__":

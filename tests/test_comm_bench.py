@@ -37,7 +37,7 @@ def test_bert_large_ddp_buckets_against_balanced_ones():
 def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
     out, png = tmp_path / "comm.json", tmp_path / "comm.png"
     cmd = [sys.executable, str(ROOT / "bench" / "comm.py"), "--scale", "32", "--world", "2", "--local-world", "1",
-           "--bucket-cap-mb", "200", "--steps", "1", "--out", str(out),
+           "--bucket-cap-mb", "200", "--steps", "1", "--rounds", "1", "--out", str(out),
            "--plot", str(png)]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           timeout=300)
@@ -52,3 +52,8 @@ def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
     at_1024 = {name: rows[-1] for name, rows in result["model"]["predictions"]["H100"].items()}
     assert at_1024["flat"]["inter_bytes_per_gpu"] > 8 * at_1024["hierarchical"]["inter_bytes_per_gpu"]
     assert png.stat().st_size > 10_000
+
+
+def test_only_rejects_an_unknown_variant_before_running():
+    with pytest.raises(SystemExit, match="unknown variant.*hierarchical/dpp.*choose from flat/ddp"):
+        load("comm").main(["--only", "flat/ddp,hierarchical/dpp"])

@@ -24,6 +24,10 @@ order, and each of the three steps has its own group (two intra-node groups: one
 the hook's and the step-3 thread's exchanges interleaved differently on different ranks). So bucket k's
 inter-node allreduce overlaps the backward pass, bucket k+1's reduce-scatter and bucket k-1's all-gather;
 the future DDP waits on is completed by the step-3 thread.
+
+On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
+and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
+two of the ring's six message latencies and adds two thread hand-offs, so the two cost about the same.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
@@ -80,6 +84,12 @@ class HierarchicalMean:
     the NCCL default) or "p2p" (each rank sends every node peer its chunk and sums what it receives, the
     gloo default: gloo's reduce-scatter, all-to-all and all-gather cost about twice the CPU per byte of
     its ring allreduce, its sends/receives about the same per byte; measured with 4 MB on 4 processes).
+    The p2p exchange works in place: this rank's shard is its own chunk of the bucket, summed into where
+    it lies, all-reduced there, and the peers' shards are received straight into their chunks.
+
+    Sends, receives and the step-2 allreduce call the process groups' own methods: `dist.isend`,
+    `dist.all_reduce` & co. add ~0.2 ms of Python checks per call on a loaded 2-core host (bench/comm.py's
+    37 buckets make 185 of them per rank and step).
     """
 
     def __init__(self, node_size: int, exchange: str | None = None):
@@ -90,45 +100,55 @@ class HierarchicalMean:
         self.scatter_group, _ = dist.new_subgroups_by_enumeration(intra)
         self.inter_group, _ = dist.new_subgroups_by_enumeration(inter)
         self.gather_group, _ = dist.new_subgroups_by_enumeration(intra)
-        self.node_ranks = intra[rank // node_size]
         self.local = rank % node_size
+        # (chunk index, the peer's rank in the intra-node groups) for every other rank of the node
+        self.peers = [(j, dist.get_group_rank(self.scatter_group, r))
+                      for j, r in enumerate(intra[rank // node_size]) if j != self.local]
         self.exchange = exchange or ("p2p" if dist.get_backend() == "gloo" else "collective")
         if self.exchange not in ("p2p", "collective"):
             raise ValueError(f"exchange must be p2p or collective, got {self.exchange!r}")
+        self._sum = dist.AllreduceOptions()
+        self._sum.asyncOp = True
         self._to_inter: queue.SimpleQueue = queue.SimpleQueue()
         self._to_gather: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
+        # Receive buffers of step 1, kept for the next step's bucket of the same size: a fresh CPU buffer
+        # is page-faulted in by the kernel while gloo receives into it.
+        self._spare: dict[tuple, list[Tensor]] = {}
+
+    def _buffer(self, like: Tensor) -> Tensor:
+        spare = self._spare.get(_key(like))
+        return spare.pop() if spare else torch.empty_like(like)
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
         flat.div_(self.world)
         n = self.node_size
-        # Sends and receives take chunks of unequal size; reduce_scatter/all_gather need n equal ones (pad).
-        padded = flat if self.exchange == "p2p" or flat.numel() % n == 0 else torch.cat(
-            [flat, flat.new_zeros(n - flat.numel() % n)])
-        chunks = padded.tensor_split(n)
-        shard = padded.new_empty(chunks[self.local].numel())
-        job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard))
+        if self.exchange == "p2p":  # chunks may differ in size by one element: nothing padded, nothing copied
+            chunks = flat.tensor_split(n)
+            job = _Job(flat, flat, chunks, chunks[self.local], self._reduce_scatter(flat, chunks, chunks[self.local]))
+        else:  # reduce_scatter/all_gather take n equal chunks (pad) and a separate shard
+            padded = flat if flat.numel() % n == 0 else torch.cat([flat, flat.new_zeros(n - flat.numel() % n)])
+            chunks = padded.tensor_split(n)
+            shard = padded.new_empty(chunks[self.local].numel())
+            job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard))
         self._start_threads()
         self._to_inter.put(job)
         return job.result
-
-    def _peers(self):
-        return [(j, r) for j, r in enumerate(self.node_ranks) if j != self.local]
 
     def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.scatter_group
         if self.exchange == "collective":
             return _Pending([dist.reduce_scatter_single(shard, padded, group=group, async_op=True)])
-        received = [torch.empty_like(shard) for _ in self._peers()]
+        received = [self._buffer(shard) for _ in self.peers]  # p2p: `shard` is chunks[self.local]
         works = []
-        for buf, (j, peer) in zip(received, self._peers()):
-            works.append(dist.irecv(buf, src=peer, group=group))
-            works.append(dist.isend(chunks[j], dst=peer, group=group))
+        for buf, (j, peer) in zip(received, self.peers):
+            works.append(group.recv([buf], peer, 0))
+            works.append(group.send([chunks[j]], peer, 0))
 
         def node_sum() -> None:
-            shard.copy_(chunks[self.local])
             for buf in received:
                 shard.add_(buf)
+            self._spare.setdefault(_key(shard), []).extend(received)
 
         return _Pending(works, node_sum)
 
@@ -136,11 +156,10 @@ class HierarchicalMean:
         group = self.gather_group
         if self.exchange == "collective":
             return _Pending([dist.all_gather_single(padded, shard, group=group, async_op=True)])
-        works = []
-        for j, peer in self._peers():
-            works.append(dist.irecv(chunks[j], src=peer, group=group))
-            works.append(dist.isend(shard, dst=peer, group=group))
-        chunks[self.local].copy_(shard)
+        works = []  # p2p: our shard is already in its place; the peers' land in theirs
+        for j, peer in self.peers:
+            works.append(group.recv([chunks[j]], peer, 0))
+            works.append(group.send([shard], peer, 0))
         return _Pending(works)
 
     def _start_threads(self) -> None:
@@ -157,7 +176,7 @@ class HierarchicalMean:
             try:
                 with _on_device(job.flat):
                     job.work.wait()
-                    job.work = _Pending([dist.all_reduce(job.shard, group=self.inter_group, async_op=True)])
+                    job.work = _Pending([self.inter_group.allreduce([job.shard], self._sum)])
             except Exception as e:  # DDP's wait on the future raises it in the training thread
                 job.result.set_exception(e)
                 continue
@@ -174,6 +193,10 @@ class HierarchicalMean:
                     job.finish()
             except Exception as e:
                 job.result.set_exception(e)
+
+
+def _key(t: Tensor) -> tuple:
+    return t.numel(), t.dtype, t.device
 
 
 def _on_device(t: Tensor):
