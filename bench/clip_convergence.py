@@ -81,7 +81,7 @@ def plot(runs: list[dict], summary: dict[str, dict], path: Path) -> None:
     left.set_title(f"samples to MLM accuracy {target} per seed; mean ± std")
     right.axhline(target, color="gray", ls="--", lw=1)
     right.set_xlabel("samples")
-    right.set_ylabel("eval MLM accuracy (mean over seeds)")
+    right.set_ylabel("eval MLM accuracy (mean over the seeds still running)")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -67,3 +67,14 @@ def test_a_run_that_cannot_start_is_an_error_not_a_score(tmp_path: Path):
     (tmp_path / "old" / "result.txt").write_text(log_text([(160, 0.08)], "success"))
     with pytest.raises(trial.TrialError, match="fresh directory"):  # never scores an earlier run's log
         trial.run_trial({}, tmp_path / "old")
+
+
+def test_clip_convergence_summary_counts_censored_runs_at_the_limit():
+    clip = load_script("bench/clip_convergence.py")
+    runs = [{"arm": "lamb-after", "samples": 1600, "censored": False},
+            {"arm": "lamb-after", "samples": 3200, "censored": True},
+            {"arm": "lamb-bucket", "samples": 960, "censored": False}]
+    summary = clip.summarize(runs)
+    assert summary["lamb-after"] == {"n": 2, "mean": 2400.0, "std": pytest.approx(1131.37, abs=0.01), "min": 1600,
+                                     "max": 3200, "censored": 1}
+    assert summary["lamb-bucket"]["std"] == 0.0 and summary["lamb-bucket"]["censored"] == 0
