@@ -161,7 +161,8 @@ def best_fragment(study: optuna.Study, args: argparse.Namespace) -> str:
     lines = [f"# bench/hpo.py study {args.study!r}: best of {len(study.trials)} trials (trial {best.number}, "
              f"{best.value:.0f} samples to MLM accuracy {BASE['TARGET_MLM_ACCURACY']}, tiny BERT, "
              f"{BASE['DGXNGPU']} ranks x {BASE['BATCHSIZE']}).",
-             "# Source after a config_*.sh. Found on the lab's setting: not a recipe for another model or batch."]
+             "# Source after a config_*.sh and bench/trial.py's BASE settings; found on the lab's setting, it is",
+             "# not a recipe for another model or batch."]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in best.user_attrs["overrides"].items() if k != "SEED"]
     return "# shellcheck shell=bash\n" + "\n".join(lines) + "\n"
 
