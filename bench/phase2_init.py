@@ -1,12 +1,14 @@
 """Phase 2 from a phase-1 checkpoint vs from scratch, in the same wall time, on the CPU default.
 
-Two runs of `source config_CPU_1x2.sh; ./run_and_time.sh` (2 gloo processes) on the embedded corpus, one
-after the other, each stopped (SIGTERM) `--seconds` after it started:
+Runs of `source config_CPU_1x2.sh; ./run_and_time.sh` (2 gloo processes) on the embedded corpus, one after
+the other, each stopped (SIGTERM) `--seconds` after it started (`--only` picks some):
 
     scratch   BERT_CONFIG=tiny, no checkpoint: the CPU default's LAMB recipe (LR 0.015, batch 8 per rank, 10
               warmup steps)
     minilm    BERT_CONFIG=minilm INIT_CHECKPOINT=minilm: MiniLM-L6-H384's encoder, fresh MLM/NSP heads
               (--minilm-optimizer/--minilm-lr/--minilm-batch; a fresh head wants Adam-sized steps)
+    phase1    BERT_CONFIG=minilm INIT_CHECKPOINT=DATA/phase1/minilm_mlm.safetensors: the same encoder with the
+              heads fitted to it by data/phase1_heads.py (--minilm-optimizer/--minilm-batch, --phase1-lr)
 
 Both evaluate the same eval samples (the config's NUM_EVAL_EXAMPLES) with an unreachable target, so neither
 stops early; the table gives every eval (samples, seconds since run_start, masked-LM accuracy) and the best
@@ -33,7 +35,8 @@ UNREACHABLE = "0.99"
 SCRATCH = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "OPTIMIZER": "lamb", "LR": "0.015", "BATCHSIZE": "8",
            "WARMUP_STEPS": "10", "MAX_STEPS": "1000"}
 MINILM = {"BERT_CONFIG": "minilm", "INIT_CHECKPOINT": "minilm", "WARMUP_STEPS": "5", "MAX_STEPS": "1000"}
-VARIANTS = {"scratch": SCRATCH, "minilm": MINILM}
+PHASE1 = {**MINILM, "INIT_CHECKPOINT": "{data}/phase1/minilm_mlm.safetensors"}
+VARIANTS = {"scratch": SCRATCH, "minilm": MINILM, "phase1": PHASE1}
 
 
 def config_env(data: Path, overrides: dict[str, str]) -> dict[str, str]:
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minilm-optimizer", default="adam")
     p.add_argument("--minilm-lr", default="0.001")
     p.add_argument("--minilm-batch", default="4", help="sequences per rank")
+    p.add_argument("--phase1-lr", default="0.0001", help="LR of the phase1 run (its heads are already fitted)")
     p.add_argument("--only", choices=tuple(VARIANTS), nargs="*", default=tuple(VARIANTS))
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "phase2_from_minilm.json")
     args = p.parse_args(argv)
@@ -98,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.only:
             common = {"SEED": args.seed, "EVAL_ITER_START_SAMPLES": args.eval_every,
                       "EVAL_ITER_SAMPLES": args.eval_every, "NUM_EVAL_EXAMPLES": args.eval_examples}
-            tuned = {"OPTIMIZER": args.minilm_optimizer, "LR": args.minilm_lr, "BATCHSIZE": args.minilm_batch}
-            env = config_env(args.data.resolve(), {**VARIANTS[name], **common, **(tuned if name == "minilm" else {})})
+            tuned = {"OPTIMIZER": args.minilm_optimizer, "BATCHSIZE": args.minilm_batch,
+                     "LR": args.phase1_lr if name == "phase1" else args.minilm_lr}
+            variant = {k: v.format(data=args.data.resolve()) for k, v in VARIANTS[name].items()}
+            env = config_env(args.data.resolve(), {**variant, **common, **(tuned if name != "scratch" else {})})
             results[name] = run(name, env, args.seconds, Path(tmp))
             print(f"{name}: exit {results[name]['exit_status']}, {len(results[name]['evals'])} evals", flush=True)
     # Compared at the time both had: the budget minus the slower initialisation.

@@ -11,6 +11,10 @@ export PATH="$PWD/${VENV:-.venv}/bin:$PATH"
 source config_CPU_1x2.sh
 # manifest.json is written last: its presence means a complete dataset (a cut-short one resumes).
 [ -f "$BERT_DATA/manifest.json" ] || python data/prepare.py --embedded --out "$BERT_DATA"
+# The phase-1 checkpoint the config continues from: MiniLM's encoder with MLM/NSP heads fitted to it on this corpus
+# (written atomically: its presence means complete).
+phase1=$BERT_DATA/phase1/minilm_mlm.safetensors
+[ "$INIT_CHECKPOINT" != "$phase1" ] || [ -f "$phase1" ] || python data/phase1_heads.py --data "$BERT_DATA"
 
 results=$PWD/results/$DGXSYSTEM/bert
 mkdir -p "$results"

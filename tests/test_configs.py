@@ -138,7 +138,9 @@ def test_cpu_default_is_two_processes_open_division():
 
 def run_and_time(config: Path, unset: tuple[str, ...] = (), **overrides: str) -> subprocess.CompletedProcess:
     unsets = "".join(f"unset {name}; " for name in unset)
-    exports = "".join(f"export {k}='{v}'; " for k, v in overrides.items())
+    from test_harness import TINY_FROM_SCRATCH
+
+    exports = "".join(f"export {k}='{v}'; " for k, v in {**TINY_FROM_SCRATCH, **overrides}.items())
     return subprocess.run(["bash", "-c", f'source "{config}"; {unsets}{exports}exec "{ROOT}/run_and_time.sh"'],
                           env=CLEAN_ENV, capture_output=True, text=True, cwd=ROOT, timeout=120)
 

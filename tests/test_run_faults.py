@@ -24,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # A tiny 2-process run on the synthetic data that would go on for minutes: the tests end it.
-RUN = {"BERT_CONFIG": "tiny", "BATCHSIZE": "16", "LR": "0.001", "WARMUP_STEPS": "0", "MAX_STEPS": "100000",
+RUN = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "BATCHSIZE": "16", "LR": "0.001", "WARMUP_STEPS": "0",
+       "MAX_STEPS": "100000",
        "EVAL_ITER_START_SAMPLES": "1000000000", "NUM_EVAL_EXAMPLES": "64", "EVAL_BATCHSIZE": "64",
        "ATTENTION": "padded", "LOG_FREQ": "1", "SKIP_CHECKPOINT": "1", "EXTRA_PARAMS": "", "OMP_NUM_THREADS": "1",
        "DIST_TIMEOUT": "20"}

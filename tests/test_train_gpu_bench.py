@@ -90,9 +90,9 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
     env = bench.driver_env(args, tmp_path / "run")
     assert env["MAX_STEPS"] == "40" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
     assert int(env["EVAL_ITER_START_SAMPLES"]) > 40 * 4 * 2 and int(env["MAX_SAMPLES_TERMINATION"]) > 40 * 4 * 2
-    assert env["NUM_EVAL_EXAMPLES"] == "30"  # the config's 500, cut to the eval set
+    assert env["NUM_EVAL_EXAMPLES"] == "30"  # the config's 200, cut to the eval set
     assert env["BATCHSIZE"] == "4" and env["LR"] == "0.5" and env["BALANCE"] == "none"  # --env comes last
-    assert env["BERT_CONFIG"] == "tiny" and env["DGXNGPU"] == "2" and env["OPTIMIZER"] == "lamb"  # the config's
+    assert env["BERT_CONFIG"] == "minilm" and env["DGXNGPU"] == "2" and env["OPTIMIZER"] == "adam"  # the config's
     cfg = from_env_and_args([], environ=env)  # what the driver will parse
     assert cfg.optim.max_steps == 40 and cfg.data.train_batch_size == 4
     assert "MAX_STEPS=40" in bench.driver_settings(env)
