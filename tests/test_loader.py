@@ -203,3 +203,24 @@ def test_cuda_batches_arrive_on_the_device_with_host_lengths(wiki_dir):
     assert batch.input_ids.is_cuda and batch.seq.cu_seqlens.is_cuda
     assert isinstance(batch.seq.max_seqlen, int) and sum(batch.seq.lengths) == batch.input_ids.numel()
     ld.close()
+
+
+def test_reader_keeps_as_many_shards_open_as_the_file_limit_allows(tmp_path):
+    from bert.data.index import LengthIndex
+    from bert.data.reader import SampleReader, open_file_budget
+
+    # A quarter of the soft limit, never more than the shards there are, never zero.
+    assert open_file_budget(4320, 1024) == 256
+    assert open_file_budget(4320, 2**20) == 4320
+    assert open_file_budget(400, 3) == 1
+    lengths = [[5, 6, 7]] * 5
+    write_id_shards(tmp_path, lengths)
+    index = LengthIndex.scan(tmp_path)
+    ids = np.array([14, 0, 7, 3, 12, 1, 9])  # touches every shard, out of order
+    bounded, whole = SampleReader(index, max_open=2), SampleReader(index)
+    assert whole.max_open == 5  # this machine's limit allows all five
+    for reader in (bounded, whole):
+        got = [int(s.masked_labels[0]) for s in reader.read(ids)]
+        assert got == ids.tolist()
+    assert len(bounded._open) == 2 and len(whole._open) == 5
+    bounded.close(), whole.close()

@@ -1,12 +1,17 @@
 """Read samples by global id, keeping a bounded set of shards open.
 
 Balancing makes a rank read sequences drawn from other ranks' shards (its node's or the
-world's), so over a run it touches many shards; an LRU of open files keeps the descriptor
-count bounded (thousands of shards vs. a typical limit of 1024 open files).
+world's), so over a run it touches many shards. Reopening a shard costs far more than reading its
+rows (768 sequences drawn at random from 400 shards: 1.8 s of CPU with 64 files open, 0.38 s with all
+of them open), so the LRU of open files is as large as the open-file limit allows: a quarter of the soft
+limit (the rest is for sockets, libraries and the other readers), so all 4,320 shards of the full dataset
+under a container's usual limit of 2^20. An open shard holds about 1 MiB of HDF5 metadata (RSS 307 ->
+644 MiB for those 400).
 """
 
 from __future__ import annotations
 
+import resource
 from collections import OrderedDict
 
 import numpy as np
@@ -16,10 +21,19 @@ from bert.data.format import ShardError, VarlenShard
 from bert.data.index import LengthIndex
 
 
+def open_file_budget(num_shards: int, soft_limit: int | None = None) -> int:
+    """How many shards one reader keeps open: all of them, or a quarter of the open-file soft limit."""
+    if soft_limit is None:
+        soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft_limit == resource.RLIM_INFINITY:
+        return max(num_shards, 1)
+    return max(1, min(num_shards, soft_limit // 4))
+
+
 class SampleReader:
-    def __init__(self, index: LengthIndex, max_open: int = 64):
+    def __init__(self, index: LengthIndex, max_open: int | None = None):
         self.index = index
-        self.max_open = max_open
+        self.max_open = open_file_budget(len(index.paths)) if max_open is None else max_open
         self._open: OrderedDict[int, VarlenShard] = OrderedDict()
 
     def _shard(self, s: int) -> VarlenShard:
