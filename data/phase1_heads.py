@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from bert.batch import Sample, collate  # noqa: E402
-from bert.data.format import VarlenShard  # noqa: E402
+from bert.data.format import VarlenShard, atomic_output  # noqa: E402
 from bert.data.index import list_shards  # noqa: E402
 from bert.model.checkpoint import save_weights  # noqa: E402
 from bert.model.config import NAMED  # noqa: E402
@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
           f"held out ({len(held.masked_labels)} tokens): MLM accuracy {before[2]:.4f} -> {after[2]:.4f}, "
           f"MLM loss {before[0]:.3f} -> {after[0]:.3f}, NSP loss {before[1]:.3f} -> {after[1]:.3f}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    save_weights(model, tmp)
-    tmp.replace(out)  # complete or absent: a cut-short run leaves no file that looks finished
+    with atomic_output(out) as tmp:  # complete or absent: a cut-short run leaves no file that looks finished
+        save_weights(model, tmp)
     print(f"wrote {out}")
     return 0
 

@@ -7,6 +7,7 @@ bert.optim.master).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -56,8 +57,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
 
         return build_sharded(groups, cfg, lr)
     on_cuda = next(model.parameters()).is_cuda
-    build = lambda g: OPTIMIZERS[cfg.optimizer](g, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),  # noqa: E731
-                                                cfg.opt_epsilon, on_cuda, capturable=cfg.compile_optimizer)
+    build = functools.partial(OPTIMIZERS[cfg.optimizer], lr=lr, betas=(cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),
+                              eps=cfg.opt_epsilon, on_cuda=on_cuda, capturable=cfg.compile_optimizer)
     if cfg.master_weights:
         from bert.optim.master import MasterWeights
 
