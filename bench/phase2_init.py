@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trial import read_mllog
+
 ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE = "0.99"
 SCRATCH = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "OPTIMIZER": "lamb", "LR": "0.015", "BATCHSIZE": "8",
@@ -49,11 +51,6 @@ def config_env(data: Path, overrides: dict[str, str]) -> dict[str, str]:
     return {**dict(item.split("=", 1) for item in out.split("\0") if "=" in item), **overrides}
 
 
-def events(log: Path) -> list[dict]:
-    return [json.loads(line.removeprefix(":::MLLOG ")) for line in log.read_text().splitlines()
-            if line.startswith(":::MLLOG {")]
-
-
 def run(name: str, env: dict[str, str], seconds: float, work: Path) -> dict:
     log, out = work / f"{name}.txt", work / f"out_{name}"
     env = {**env, "MLPERF_LOG": str(log), "OUTPUT_DIR": str(out), "TARGET_MLM_ACCURACY": UNREACHABLE,
@@ -66,7 +63,7 @@ def run(name: str, env: dict[str, str], seconds: float, work: Path) -> dict:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # forwarded to the workers: they checkpoint and exit 0
     _, err = proc.communicate(timeout=300)
-    lines = events(log)
+    lines = read_mllog(log.read_text())
     run_start = next(e["time_ms"] for e in lines if e["key"] == "run_start")
     evals = [{"samples": e["metadata"]["epoch_num"], "seconds": round((e["time_ms"] - run_start) / 1000, 1),
               "accuracy": round(e["value"], 4)} for e in lines if e["key"] == "eval_accuracy"]

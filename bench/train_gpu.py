@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from model import build_variants, draw_lengths, make_step, matmul_rate, time_steps
+from trial import read_mllog
 
 from bert.config import ConfigError, from_env_and_args
 from bert.data.index import LengthIndex
@@ -168,11 +169,8 @@ def summarise(intervals: list[dict], world: int, matmul_flops: float) -> dict:
 
 def run_stop_status(log: Path) -> str | None:
     """The `run_stop` status in an MLPerf result log (None: no run_stop)."""
-    status = None
-    for line in log.read_text().splitlines() if log.is_file() else []:
-        if '"key": "run_stop"' in line:
-            status = json.loads(line.split(":::MLLOG", 1)[1])["metadata"].get("status")
-    return status
+    stops = [r for r in read_mllog(log.read_text()) if r["key"] == "run_stop"] if log.is_file() else []
+    return stops[-1]["metadata"].get("status") if stops else None
 
 
 def bench_variant(backend: str, device: str, compile: str, static_tokens: int) -> str:
