@@ -71,8 +71,7 @@ from bert.model.padding import PadLayout, pad
 from bert.optim.master import MasterWeights
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
+from bert.train.build import AUTOCAST_DTYPES  # the driver's (fp8: bf16 outside the float8 GEMMs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,11 +238,11 @@ def make_step(model, loss_fn, device: str, optimizer: torch.optim.Optimizer | No
     autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
         with autocast():
             loss = loss_fn(model)
         loss.backward()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # between steps, other variants' activations use the memory
 
     return step
 

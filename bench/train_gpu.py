@@ -48,6 +48,7 @@ from bert.model.attention import resolve_backend
 from bert.model.config import NAMED
 from bert.optim import build_optimizer, build_schedule
 from bert.synthetic import random_batch
+from bert.train.build import AUTOCAST_DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_REACH = "0.999"  # TARGET_MLM_ACCURACY: the config accepts (0, 1)
@@ -67,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, help="steps left out of the window (default: 10 CPU, 30 CUDA)")
     p.add_argument("--window-steps", type=int, help="steps measured (default: 30 CPU, 120 CUDA)")
     p.add_argument("--log-freq", type=int, help="LOG_FREQ, steps per progress record (default: 5 CPU, 10 CUDA)")
-    p.add_argument("--bench-repeats", type=int, default=10, help="timed bench/model.py steps (median)")
+    p.add_argument("--bench-repeats", type=int, default=10,
+                   help="timed bench/model.py steps (median); 0: driver only (no second compile)")
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads of each process (OMP_NUM_THREADS)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1800, help="seconds the driver run may take")
@@ -80,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.window_steps = args.window_steps or (30 if cpu else 120)
     args.log_freq = args.log_freq or (5 if cpu else 10)
     args.json = args.json or Path(f"results/bench/train_gpu_{args.device}.json")
-    if args.gpus < 1 or args.warmup_steps < 0 or args.window_steps < 1 or args.bench_repeats < 1:
-        p.error("need --gpus >= 1, --warmup-steps >= 0, --window-steps >= 1 and --bench-repeats >= 1")
+    if args.gpus < 1 or args.warmup_steps < 0 or args.window_steps < 1 or args.bench_repeats < 0:
+        p.error("need --gpus >= 1, --warmup-steps >= 0, --window-steps >= 1 and --bench-repeats >= 0")
     if args.warmup_steps % args.log_freq or args.window_steps % args.log_freq:
         p.error(f"--warmup-steps ({args.warmup_steps}) and --window-steps ({args.window_steps}) must be multiples "
                 f"of --log-freq ({args.log_freq}): the window is made of whole progress intervals")
@@ -173,14 +175,16 @@ def run_stop_status(log: Path) -> str | None:
     return stops[-1]["metadata"].get("status") if stops else None
 
 
-def bench_variant(backend: str, device: str, compile: str, static_tokens: int) -> str:
-    """bench/model.py's variant name for the driver's model settings (its compiled and static variants exist
-    for the device's fast backend only: varlen on CUDA, loop on the CPU)."""
+def bench_variant(backend: str, device: str, compile: str, static_tokens: int, precision: str) -> str:
+    """bench/model.py's variant name for the driver's model settings (its compiled, static and fp8 variants
+    exist for the device's fast backend only: varlen on CUDA, loop on the CPU; fp8 pads to STATIC_TOKENS)."""
     fast = "varlen" if device == "cuda" else "loop"
     if (compile != "off" or static_tokens) and backend != fast:
         raise ValueError(f"bench/model.py has COMPILE and STATIC_TOKENS variants for ATTENTION={fast} only, "
                          f"not {backend}")
     prefix = "compiled" if compile != "off" else ""
+    if precision == "fp8":
+        return f"{prefix + '-' if prefix else ''}fp8/{backend}"
     if static_tokens:
         prefix = f"{prefix + '-' if prefix else ''}static{static_tokens}"
     return f"{prefix or 'unpadded'}/{backend}"
@@ -192,16 +196,18 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
     cfg = from_env_and_args([], environ=env)
     model_cfg = BertConfig.load(cfg.model.bert_config_path)
     backend = resolve_backend(cfg.model.attention, device)
-    name = bench_variant(backend, device, cfg.model.compile, cfg.model.static_tokens)
+    name = bench_variant(backend, device, cfg.model.compile, cfg.model.static_tokens, cfg.model.precision)
     lengths = draw_lengths(cfg.data.train_batch_size, "representative", np.random.default_rng(seed), 1000)
     batch = random_batch(lengths, seed=seed).to(device)
     model, loss_fn, flops = build_variants(model_cfg, batch, device, [name], cfg.model.compile,
-                                           cfg.model.static_tokens)[name]
-    optimizer = build_optimizer(model, cfg.optim)
+                                           cfg.model.static_tokens, fp8=cfg.model.precision == "fp8")[name]
+    optimizer = build_optimizer(model, cfg.optim, AUTOCAST_DTYPES.get(cfg.model.precision, torch.float32))
     build_schedule(optimizer, cfg.optim)  # puts the LR on the device, as in the driver
-    step = make_step(model, loss_fn, device, optimizer, cfg.model.precision)
+    # MASTER_WEIGHTS=1 casts the model inside build_optimizer and runs without autocast, as the driver does
+    step = make_step(model, loss_fn, device, optimizer, "fp32" if cfg.optim.master_weights else cfg.model.precision)
     median = statistics.median(time_steps({name: step}, repeats, device, quiet=True)[name])
     return {"variant": name, "optimizer": type(optimizer).__name__, "precision": cfg.model.precision,
+            "master_weights": cfg.optim.master_weights,
             "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "repeats": repeats,
             "median_s": median, "samples_per_s": len(lengths) / median, "tokens_per_s": int(sum(lengths)) / median,
             "tflops": flops / median / 1e12}
@@ -268,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench/train_gpu.py: {e} ({out / 'driver.log'})", file=sys.stderr)
         return 1
-    bench = bench_step(env, args.device, args.bench_repeats, args.seed)
+    bench = bench_step(env, args.device, args.bench_repeats, args.seed) if args.bench_repeats else None
     report = {
         "device": device_name(args.device), "torch": torch.__version__, "config": str(args.config),
         "gpus": args.gpus, "driver_env": driver_settings(env),
@@ -277,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup_steps, "window_steps": args.window_steps, "log_freq": args.log_freq,
         "driver_wall_s": driver_wall, "matmul_flops_per_s": {"before": matmul_before, "after": matmul_after},
         "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
-        "driver": driver_stats, "bench": bench, "driver_vs_bench": driver_vs_bench(driver_stats, bench),
+        "driver": driver_stats, "bench": bench,
+        "driver_vs_bench": driver_vs_bench(driver_stats, bench) if bench else None,
         "window_records": window(records, args.warmup_steps, args.log_freq),
     }
     write_report(report, args.json)
@@ -300,26 +307,26 @@ def driver_settings(env: Mapping[str, str]) -> str:
 
 
 def print_table(report: dict) -> None:
-    d, b = report["driver"], report["bench"]
+    d, b = report["driver"], report["bench"] or {}
     mm = report["matmul_flops_per_s"]
     print(f"{report['device']}, torch {report['torch']}; {report['config']} on {report['gpus']} process(es); "
           f"matmul {mm['before'] / 1e12:.3g} / {mm['after'] / 1e12:.3g} TFLOP/s before / after; load "
           f"{report['load_average_1min']['before']:.2f} / {report['load_average_1min']['after']:.2f}")
     print(f"driver: {report['driver_status']}")
+    step = f"{b['variant']}, {b['optimizer']}, {b['precision']}, median of {b['repeats']} steps" if b else "not run"
     print(f"window: steps {report['warmup_steps'] + 1}-{report['warmup_steps'] + report['window_steps']} "
-          f"({d['intervals']} records, {d['seconds']:.1f} s); bench: {b['variant']}, {b['optimizer']}, "
-          f"{b['precision']}, median of {b['repeats']} steps")
+          f"({d['intervals']} records, {d['seconds']:.1f} s); bench: {step}")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    rows = [("samples/s per GPU", d["samples_per_s_per_gpu"], b["samples_per_s"], "samples_per_s", ".2f"),
-            ("tokens/s per GPU", d.get("tokens_per_s_per_gpu"), b["tokens_per_s"], "tokens_per_s", ".0f"),
-            ("TFLOP/s per GPU", d.get("tflops_per_gpu"), b["tflops"], "tflops", ".4g")]
+    ratios = report["driver_vs_bench"] or {}
+    rows = [("samples/s per GPU", d["samples_per_s_per_gpu"], b.get("samples_per_s"), "samples_per_s", ".2f"),
+            ("tokens/s per GPU", d.get("tokens_per_s_per_gpu"), b.get("tokens_per_s"), "tokens_per_s", ".0f"),
+            ("TFLOP/s per GPU", d.get("tflops_per_gpu"), b.get("tflops"), "tflops", ".4g")]
     print(f"{'':<20}{'driver':>12}{'bench':>12}{'driver/bench':>14}")
     for label, dv, bv, key, spec in rows:
-        print(f"{label:<20}{fmt(dv, spec):>12}{fmt(bv, spec):>12}"
-              f"{fmt(report['driver_vs_bench'].get(key), '.3f'):>14}")
+        print(f"{label:<20}{fmt(dv, spec):>12}{fmt(bv, spec):>12}{fmt(ratios.get(key), '.3f'):>14}")
     matmul = (mm["before"] + mm["after"]) / 2
     print(f"{'MFU vs matmul':<20}{fmt(d.get('mfu_vs_matmul'), '.3f'):>12}"
-          f"{b['tflops'] * 1e12 / matmul:>12.3f}")
+          f"{fmt(b['tflops'] * 1e12 / matmul if b else None, '.3f'):>12}")
     if "mfu_vs_datasheet" in d:
         print(f"{'MFU vs datasheet':<20}{d['mfu_vs_datasheet']:>12.3f}")
     print(f"driver samples/s per GPU by interval: min {d['samples_per_s_per_gpu_min']:.2f}, median "

@@ -30,7 +30,10 @@ def random_qkv(lengths, heads=2, head_dim=8, dtype=torch.float64, device="cpu"):
 
 
 def grads(out, inputs, seed=1):
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype).to(out.device)
+    # drawn in float64 whatever out's dtype: torch's CPU sampler draws other numbers for bf16 than for float64,
+    # and a bf16 output must get the same cotangent as its float64 reference
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    weight = weight.to(out.device, out.dtype)
     return torch.autograd.grad((out * weight).sum(), inputs)
 
 

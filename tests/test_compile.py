@@ -138,22 +138,28 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
 @pytest.mark.parametrize("name, static", [("default", 0), ("reduce-overhead", 512)])
 def test_cuda_compiled_equals_eager_in_bf16(name, static):
     """BERT-tiny with flash varlen under bf16 autocast: compiled (with CUDA graphs for reduce-overhead, on
-    static shapes) against eager, on several token counts."""
+    static shapes) against the same model in fp32, on several token counts. Both bf16 runs round; the compiled
+    one may round differently (inductor fuses casts away) but must be no further from fp32 than twice eager's
+    distance (plus 0.1 %): on the H100 a fixed 5 % bound on compiled vs eager failed by rounding alone (6 % on
+    one small gradient)."""
     from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 
     cuda = torch.device("cuda")
     torch.manual_seed(0)
     eager = BertForPreTraining(small_config(layers=2), attention="varlen", device=cuda).to(cuda)
     compiled = BertForPreTraining(small_config(layers=2), attention="varlen", device=cuda).to(cuda)
+    reference = BertForPreTraining(small_config(layers=2), attention="loop", device=cuda).to(cuda)  # fp32
     compiled.load_state_dict(eager.state_dict())
+    reference.load_state_dict(eager.state_dict())
     compile_model(compiled, name, cuda)
     for i in range(2 * len(LENGTH_SETS)):  # every shape twice: CUDA graphs record, then replay
         b = batch(i).to(cuda)
         if static:
             b = pad_to_buckets(b, static, MASKED_BUCKET)
+        _, ref_grads = loss_and_grads(reference, b)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             want_loss, want_grads = loss_and_grads(eager, b)
             got_loss, got_grads = loss_and_grads(compiled, b)
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-2)
-        for g, w in zip(got_grads, want_grads):
-            assert (g - w).norm() <= 5e-2 * w.norm() + 1e-6
+        for g, w, r in zip(got_grads, want_grads, ref_grads):
+            assert (g - r).norm() <= 2 * (w - r).norm() + 1e-3 * r.norm() + 1e-6

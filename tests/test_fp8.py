@@ -35,10 +35,10 @@ def has_torchao() -> bool:
 NEEDS_TORCHAO = pytest.mark.skipif(not has_torchao(), reason="torchao is not installed (not in the CPU install)")
 
 
-def tiny_model(layers: int = 2) -> BertForPreTraining:
+def tiny_model(layers: int = 2, attention: str = "loop") -> BertForPreTraining:
     torch.manual_seed(0)
     cfg = replace(BertConfig.load("tiny"), vocab_size=2000, real_vocab_size=1998, num_hidden_layers=layers)
-    return BertForPreTraining(cfg.with_dropout(0.0))
+    return BertForPreTraining(cfg.with_dropout(0.0), attention=attention)  # loop: the CPU, even where CUDA is
 
 
 def test_fp8_without_a_float8_gpu_is_one_line_naming_the_setting(monkeypatch):
@@ -161,7 +161,8 @@ def test_float8_model_trains_under_bf16_autocast():
 def test_run_and_time_stops_before_the_timing_run_with_one_line(tmp_path):
     from test_harness import ROOT, config_env
 
-    env = config_env("config_CPU_1x2.sh", PRECISION="fp8", STATIC_TOKENS="128", OUTPUT_DIR=str(tmp_path / "out"))
+    env = config_env("config_CPU_1x2.sh", PRECISION="fp8", STATIC_TOKENS="128", OUTPUT_DIR=str(tmp_path / "out"),
+                     CUDA_VISIBLE_DEVICES="")  # a GPU machine too: the message for a node without one
     out = subprocess.run([str(ROOT / "run_and_time.sh")], env=env, capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert out.returncode == 2, out.stderr
@@ -180,7 +181,7 @@ def test_cuda_float8_step_is_close_to_bf16():
     batch = pad_to_buckets(random_batch([100, 37, 64, 200], seed=0, vocab_size=1998).to(cuda), 128, MASKED_BUCKET)
     losses = []
     for fp8 in (False, True):
-        model = tiny_model().to(cuda)
+        model = tiny_model(attention="varlen").to(cuda)
         if fp8:
             convert_to_fp8(model)
         with torch.autocast("cuda", dtype=torch.bfloat16):

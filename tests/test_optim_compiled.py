@@ -42,31 +42,29 @@ def train(model, opt, schedule, steps: int, seed: int = 1) -> list[torch.Tensor]
 
 @pytest.mark.parametrize("optimizer", ["lamb", "adam"])
 def test_compiled_step_equals_eager_step(optimizer):
-    """LAMB: bit for bit. ADAM: torch's own AdamW computes its bias corrections from the step tensor when
-    compiled and from the step's host value (`.item()`, float64) when eager (`torch.optim.optimizer._get_value`),
-    so on the CPU the two differ by fp32 rounding (7e-7 here); on CUDA (capturable) both use the tensor."""
+    """Within fp32 rounding (2e-6 on weights of order 1). LAMB is bit for bit under torch 2.13 but not under
+    2.11 (seen on the H100 machine). ADAM: torch's own AdamW computes its bias corrections from the step tensor
+    when compiled and from the step's host value (`.item()`, float64) when eager
+    (`torch.optim.optimizer._get_value`), so on the CPU the two differ by fp32 rounding (7e-7 here)."""
     torch._dynamo.reset()
     eager = train(*make(optimizer, compiled=False), steps=4)
     counters.clear()
     compiled = train(*make(optimizer, compiled=True), steps=4)
     assert counters["stats"]["unique_graphs"] >= 1  # the step was captured, not skipped
-    if optimizer == "lamb":
-        assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
-    else:
-        moved = [(a - b).abs().max() for a, b in zip(eager, compiled)]
-        assert all(d < 2e-6 for d in moved), moved
-        assert all(torch.equal(a, b) for a, b in zip(eager, train(*make(optimizer, compiled=False), steps=4)))
+    moved = [(a - b).abs().max() for a, b in zip(eager, compiled)]
+    assert all(d < 2e-6 for d in moved), moved
+    assert all(torch.equal(a, b) for a, b in zip(eager, train(*make(optimizer, compiled=False), steps=4)))
 
 
 def test_warm_up_compiles_before_the_run_and_leaves_training_unchanged():
-    reference = train(*make("lamb", compiled=False), steps=3)  # compiled LAMB == eager (the test above)
+    reference = train(*make("lamb", compiled=False), steps=3)  # compiled LAMB ~ eager (the test above)
     torch._dynamo.reset()
     model, opt, schedule = make("lamb", compiled=True)
     warm_up_step(opt)
     assert all(p.grad is None for p in model.parameters())
     counters.clear()
     after = train(model, opt, schedule, steps=3)
-    assert all(torch.equal(a, b) for a, b in zip(reference, after))
+    assert all((a - b).abs().max() < 2e-6 for a, b in zip(reference, after))  # as compiled vs eager above
     assert counters["stats"].get("unique_graphs", 0) == 0  # the timed steps compiled nothing
 
 

@@ -98,6 +98,17 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
     assert "MAX_STEPS=40" in bench.driver_settings(env)
 
 
+@pytest.mark.parametrize("master", ("0", "1"))
+def test_bench_step_builds_the_drivers_optimizer(data, tmp_path, master):
+    """The bench step takes the driver's optimizer, master weights included (the model cast to bf16 inside
+    build_optimizer: a bench that did not pass the compute dtype failed here on the GPU)."""
+    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(data), "--bert-config",
+                             "tiny", "--precision", "bf16", "--env", f"MASTER_WEIGHTS={master}"])
+    step = bench.bench_step(bench.driver_env(args, tmp_path / "run"), "cpu", repeats=1, seed=0)
+    assert step["master_weights"] is (master == "1") and step["precision"] == "bf16"
+    assert step["optimizer"] == ("MasterWeights" if master == "1" else "AdamW") and step["samples_per_s"] > 0
+
+
 def test_bad_windows_and_missing_data_are_named(tmp_path, capsys):
     base = ["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(tmp_path)]
     for extra, words in ((["--window-steps", "12"], "multiples of --log-freq"), ([], "no train_varlength")):
@@ -107,11 +118,13 @@ def test_bad_windows_and_missing_data_are_named(tmp_path, capsys):
 
 
 def test_bench_variant_names_match_bench_model():
-    assert bench.bench_variant("loop", "cpu", "off", 0) == "unpadded/loop"
-    assert bench.bench_variant("varlen", "cuda", "default", 512) == "compiled-static512/varlen"
-    assert bench.bench_variant("varlen", "cuda", "off", 512) == "static512/varlen"
+    assert bench.bench_variant("loop", "cpu", "off", 0, "fp32") == "unpadded/loop"
+    assert bench.bench_variant("varlen", "cuda", "default", 512, "bf16") == "compiled-static512/varlen"
+    assert bench.bench_variant("varlen", "cuda", "off", 512, "bf16") == "static512/varlen"
+    assert bench.bench_variant("varlen", "cuda", "off", 512, "fp8") == "fp8/varlen"  # padded to STATIC_TOKENS
+    assert bench.bench_variant("varlen", "cuda", "default", 512, "fp8") == "compiled-fp8/varlen"
     with pytest.raises(ValueError, match="ATTENTION=varlen only"):
-        bench.bench_variant("grouped", "cuda", "default", 0)
+        bench.bench_variant("grouped", "cuda", "default", 0, "bf16")
 
 
 def test_table_and_json(tmp_path, capsys):

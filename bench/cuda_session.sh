@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One device-tool call's worth of GPU work for issue 9: the steps named on the command line run in order, each
+# under its own time limit, with its log (and JSON, where it writes one) under $WORK. After every step $WORK is
+# packed into $OUT/cuda_session.tgz, so a call cut off at its limit still brings back every step that finished
+# (the tool returns at most 8 files: one archive fits any number of steps).
+#
+#   bash bench/cuda_session.sh setup shards model driver-bf16 driver-autocast tests
+#
+# Steps (name: what it runs; ~seconds on one H100):
+#   setup            install the carried wheels (.whl/: mlperf-logging, torchao), print the GPU and versions
+#   shards           random-token shards with the phase-2 length mix (data/make_random_shards.py), 200,000 samples
+#   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
+#   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
+#   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
+#   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
+#                    (each under DRIVER_LIMIT seconds, default 420)
+set -u
+OUT=${OUT:?the device tool sets OUT}
+WORK=${WORK:-/tmp/cuda_session}
+SHARDS=${SHARDS:-/tmp/shards}
+CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
+mkdir -p "$WORK"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+# driver-<name>: bench/train_gpu.py flags on top of $CONFIG (bf16, MASTER_WEIGHTS=1, LAMB, 96 sequences)
+declare -A DRIVERS=(
+  [bf16]=""
+  [autocast]="--env MASTER_WEIGHTS=0"
+  [compiled]="--compile default --bench-repeats 0"
+  [graphs]="--compile reduce-overhead --static-tokens 512 --bench-repeats 0"
+  [fp8]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
+  [fp8-eager]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --bench-repeats 0"
+  [global-off]="--balance none"
+)
+
+pack() { tar -czf "$OUT/cuda_session.tgz" -C "$WORK" .; }
+
+step() {  # name limit_s command...: run it, keep its log, say how it ended
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "== $name (limit ${limit} s): $*"
+  timeout -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  tail -n "${TAIL:-25}" "$WORK/$name.log"
+  echo "$name exit=$rc seconds=$((SECONDS - start))" >>"$WORK/steps.txt"
+  pack
+}
+
+for name in "$@"; do
+  case $name in
+    setup)
+      # shellcheck disable=SC2016  # the inner bash expands them
+      step setup 120 bash -c 'if compgen -G ".whl/*.whl" >/dev/null; then
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        fi
+        nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
+        python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"'
+      export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+    shards)
+      step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 200000 --shards 16 ;;
+    tests)
+      # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
+      step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
+        tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py ;;
+    model)
+      step model 300 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 --precision fp8 \
+        --variants padded unpadded/varlen unpadded/grouped static512/varlen master-bf16/varlen fp8/varlen hf \
+        --json "$WORK/model_cuda.json" ;;
+    model-compiled)
+      step model-compiled 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
+        --precision fp8 --compile default --variants compiled/varlen compiled-static512/varlen compiled-fp8/varlen \
+        unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
+    driver-*)
+      key=${name#driver-}
+      [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }
+      # shellcheck disable=SC2086  # the flags are words
+      step "$name" "${DRIVER_LIMIT:-420}" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" ${DRIVERS[$key]} \
+        --json "$WORK/train_gpu_cuda_$key.json" --keep "$WORK/$name" ;;
+    *)
+      echo "cuda_session.sh: unknown step $name" >&2
+      exit 2 ;;
+  esac
+done
+cat "$WORK/steps.txt"
