@@ -6,7 +6,7 @@
 #
 #   bash bench/cuda_session.sh setup shards model driver-bf16 driver-autocast tests
 #
-# Steps (name: what it runs; ~seconds on one H100):
+# Steps (seconds each took on one H100: README, "On one H100"):
 #   setup            install the carried wheels (.whl/: mlperf-logging, torchao), print the GPU and versions
 #   shards           random-token shards with the phase-2 length mix (data/make_random_shards.py), 200,000 samples
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)

@@ -68,10 +68,10 @@ from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.padding import PadLayout, pad
+from bert.model.precision import AUTOCAST_DTYPES  # the driver's (fp8: bf16 outside the float8 GEMMs)
 from bert.optim.master import MasterWeights
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
-from bert.train.build import AUTOCAST_DTYPES  # the driver's (fp8: bf16 outside the float8 GEMMs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -46,9 +46,9 @@ from bert.data.index import LengthIndex
 from bert.model import BertConfig
 from bert.model.attention import resolve_backend
 from bert.model.config import NAMED
+from bert.model.precision import AUTOCAST_DTYPES
 from bert.optim import build_optimizer, build_schedule
 from bert.synthetic import random_batch
-from bert.train.build import AUTOCAST_DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_REACH = "0.999"  # TARGET_MLM_ACCURACY: the config accepts (0, 1)

@@ -20,6 +20,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
 from bert.model.init_checkpoint import load_init_checkpoint
+from bert.model.precision import AUTOCAST_DTYPES
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
@@ -30,9 +31,6 @@ from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.peak_flops import device_peak_flops
 from bert.train.progress import Progress
-
-# fp8: bf16 autocast for everything but the encoder linears (bert.model.fp8)
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def seed_everything(seed: int) -> None:
