@@ -12,6 +12,7 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
+#   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
 #                    (each under DRIVER_LIMIT seconds, default 420)
 set -u
@@ -28,6 +29,8 @@ declare -A DRIVERS=(
   [autocast]="--env MASTER_WEIGHTS=0"
   [compiled]="--compile default --bench-repeats 0"
   [graphs]="--compile reduce-overhead --static-tokens 512 --bench-repeats 0"
+  # 512 left about nine token counts, one CUDA graph each (471 samples/s); 4096 leaves two or three
+  [graphs4k]="--compile reduce-overhead --static-tokens 4096 --bench-repeats 0"
   [fp8]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
   [fp8-eager]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --bench-repeats 0"
   [global-off]="--balance none"
@@ -72,6 +75,10 @@ for name in "$@"; do
       step model-compiled 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --precision fp8 --compile default --variants compiled/varlen compiled-static512/varlen compiled-fp8/varlen \
         unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
+    model-graphs)
+      step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
+        --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \
+        --json "$WORK/model_cuda_graphs.json" ;;
     driver-*)
       key=${name#driver-}
       [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }

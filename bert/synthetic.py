@@ -27,7 +27,8 @@ def random_sample(
     ids[0] = CLS
     if length >= 2:
         ids[-1] = SEP
-    split = int(rng.integers(1, length)) if length >= 3 else length
+    # A's last token is the first [SEP]: at least one position after [CLS], so [CLS] is never overwritten
+    split = max(2, int(rng.integers(1, length))) if length >= 3 else length
     segments = np.zeros(length, dtype=np.int64)
     if length >= 3:
         ids[split - 1] = SEP

@@ -49,3 +49,21 @@ def test_wiki_mix_matches_paper_shares():
     assert np.allclose(shares, [0.373, 0.197, 0.117, 0.314], atol=0.005)
     assert abs((lengths == 512).mean() - 0.23) < 0.005
     assert lengths.min() >= 1 and lengths.max() == 512
+
+
+def test_random_samples_are_framed_cls_a_sep_b_sep():
+    """Every synthetic sample starts with [CLS], ends with [SEP], has exactly two [SEP]s from length 3 on, and
+    masks neither (a split drawn at 1 used to write the first [SEP] over [CLS])."""
+    import numpy as np
+
+    from bert.synthetic import CLS, SEP, random_sample
+
+    rng = np.random.default_rng(0)
+    for length in range(1, 12):
+        for _ in range(50):
+            s = random_sample(length, rng)
+            ids = np.asarray(s.input_ids)
+            assert ids[0] == CLS and (length < 2 or ids[-1] == SEP)
+            if length >= 3:
+                assert (ids == SEP).sum() == 2
+            assert not np.isin(np.asarray(s.masked_positions), np.flatnonzero((ids == CLS) | (ids == SEP))).any()
