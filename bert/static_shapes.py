@@ -4,8 +4,13 @@ A training batch has a fixed number of sequences B but a varying token count T a
 every step would have new shapes: `torch.compile(dynamic=False)` would recompile, and a CUDA graph
 (fixed addresses and sizes) could not be replayed. `pad_to_buckets` appends one padding sequence that
 brings T up to the next multiple of `token_bucket` (always at least one token, so the sequence count
-is B + 1 for every batch) and appends padding masked rows up to the next multiple of `masked_bucket`.
-With B fixed, the step then takes one of a few (T, M) shapes.
+is B + 1 for every batch) and appends padding masked rows up to the most that B sequences of that many
+tokens can carry (`masked_rows_bound`), rounded to `masked_bucket`. So M is a function of T's bucket,
+and a step takes one shape per token bucket: a CUDA graph per bucket, not per (T, M) pair. (Padded to
+its own bucket, M took about two values per T bucket, and a 150-step H100 run with 512-token buckets
+kept meeting new (T, M) pairs and recording graphs for them: 471 samples/s against 690 compiled
+without graphs; `bench/static_shapes.py` counts them.) `likely_token_buckets` names the buckets a run
+will meet, so that the warm-up can record them all before `run_start` (`bert.train.warmup`).
 
 The padding changes neither the loss nor any gradient:
   - the padding sequence is its own segment in `cu_seqlens`, so no real token attends to it;
@@ -14,7 +19,9 @@ The padding changes neither the loss nor any gradient:
   - its [CLS] row gets NSP label `IGNORE`, which the NSP mean skips.
 Padding tokens are [PAD] (id 0), segment 0, position 0: any valid ids would do, since nothing of them
 reaches the loss. Their cost is at most `token_bucket - 1` tokens through the dense layers and one
-extra attention segment of that length (quadratic): keep the bucket at most 512 on the GPU.
+extra attention segment of that length (quadratic): keep the bucket at most 512 on the GPU, or a few
+thousand when fewer shapes matter more (about 4 % more tokens at 2048 on the phase-2 mix, 8 % at 4096).
+The extra masked rows (about B / 2 + 0.15 x the padding tokens) cost the MLM head well under 0.1 %.
 
 The eval does not pad: it runs the unpadded eval batches (the same shapes at every evaluation, under
 `torch.no_grad`) through the same model.
@@ -22,8 +29,10 @@ The eval does not pad: it runs the unpadded eval batches (the same shapes at eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from bert.batch import Batch, SeqLayout
@@ -31,22 +40,33 @@ from bert.batch import Batch, SeqLayout
 IGNORE = -100  # label skipped by the MLM and NSP losses (torch's cross_entropy ignore_index)
 PAD_ID = 0  # [PAD] in the BERT vocabulary
 MASKED_BUCKET = 64  # masked rows are padded to a multiple of this (the driver's choice; ~76 per sequence at most)
+MASK_RATE = 0.15  # create_pretraining_data's masked_lm_prob, which the MLPerf shards were made with ([Google-BERT])
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_bound: int = 512) -> Batch:
+def masked_rows_bound(tokens: int, sequences: int, rate: float = MASK_RATE) -> int:
+    """The most masked positions `sequences` sequences of `tokens` tokens in all carry when each masks
+    min(76, max(1, round(rate x its words))) of them, as create_pretraining_data does: at most
+    rate x length + 1 per sequence."""
+    return math.ceil(rate * tokens) + sequences
+
+
+def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_bound: int = 512,
+                   mask_rate: float = MASK_RATE) -> Batch:
     """`batch` plus one padding sequence (T -> a multiple of `token_bucket`, at least T + 1) and padding
-    masked rows (M -> a multiple of `masked_bucket`). Shapes come from the host: no device sync.
-    `max_seqlen` is raised to `seqlen_bound` (an upper bound is all flash attention needs), so it is one
-    more value that stays the same from batch to batch (a CUDA graph bakes it in)."""
+    masked rows (M -> `masked_rows_bound` of the padded T and the real sequences, or M itself if more,
+    rounded up to a multiple of `masked_bucket`; `mask_rate=0`: M's own bucket). Shapes come from the
+    host: no device sync. `max_seqlen` is raised to `seqlen_bound` (an upper bound is all flash attention
+    needs), so it is one more value that stays the same from batch to batch (a CUDA graph bakes it in)."""
     if token_bucket < 1 or masked_bucket < 1:
         raise ValueError(f"buckets must be positive, got token_bucket={token_bucket}, masked_bucket={masked_bucket}")
     tokens, masked = batch.num_tokens, batch.masked_labels.numel()
     extra = round_up(tokens + 1, token_bucket) - tokens
-    extra_masked = round_up(masked, masked_bucket) - masked
+    rows = max(masked, masked_rows_bound(tokens + extra, batch.num_sequences, mask_rate)) if mask_rate else masked
+    extra_masked = round_up(rows, masked_bucket) - masked
     dev = batch.input_ids.device
     fill = lambda n, value, like: torch.full((n,), value, dtype=like.dtype, device=dev)  # noqa: E731
     seq = SeqLayout.from_lengths((*batch.seq.lengths, extra), device=batch.seq.cu_seqlens.device)
@@ -61,3 +81,30 @@ def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_b
         masked_labels=torch.cat([batch.masked_labels, fill(extra_masked, IGNORE, batch.masked_labels)]),
         nsp_labels=torch.cat([batch.nsp_labels, fill(1, IGNORE, batch.nsp_labels)]),
     )
+
+
+def likely_token_buckets(lengths: np.ndarray, sequences: int, token_bucket: int, max_len: int = 512,
+                         sigmas: float = 4.5) -> list[int]:
+    """The padded token counts of batches of `sequences` samples drawn from `lengths`, within `sigmas`
+    standard deviations of their mean (a sum of n draws: n x mean, sqrt(n) x sd; at 4.5 sigma about one
+    batch in 150,000 falls outside, and costs one recording in the timed run), each a multiple of
+    `token_bucket` that `pad_to_buckets` can reach (T + 1 tokens at least, T between 2 and max_len tokens
+    per sequence)."""
+    mean, sd = float(np.mean(lengths)), float(np.std(lengths))
+    lo = max(2 * sequences, math.floor(sequences * mean - sigmas * math.sqrt(sequences) * sd))
+    hi = min(max_len * sequences, math.ceil(sequences * mean + sigmas * math.sqrt(sequences) * sd))
+    return list(range(round_up(lo + 1, token_bucket), round_up(hi + 1, token_bucket) + 1, token_bucket))
+
+
+def bucket_batch(bucket: int, sequences: int, token_bucket: int, vocab_size: int, seed: int = 0,
+                 max_len: int = 512) -> Batch:
+    """A random batch of `sequences` sequences that `pad_to_buckets` brings to `bucket` tokens, with as many
+    masked rows as a real batch there: for recording that bucket's graph before the run."""
+    from bert.synthetic import random_batch  # the synthetic data are for benchmarks and warm-ups only
+
+    tokens = min(bucket - 1 - (token_bucket - 1) // 2, max_len * sequences)  # mid-bucket: T + 1 <= bucket
+    if tokens < 2 * sequences or round_up(tokens + 1, token_bucket) != bucket:
+        raise ValueError(f"no batch of {sequences} sequences of 2..{max_len} tokens pads to {bucket}")
+    lengths = np.full(sequences, tokens // sequences)
+    lengths[: tokens % sequences] += 1
+    return random_batch(lengths, seed=seed, vocab_size=vocab_size)

@@ -16,7 +16,7 @@ import torch
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import COMPILE_MODES, _cxx_compiler, check_compile, compile_model
 from bert.synthetic import random_batch
-from bert.train.warmup import warm_up, warmup_batch
+from bert.train.warmup import warm_up, warmup_batch, warmup_batches
 
 CPU = torch.device("cpu")
 LENGTH_SETS = [(37, 5, 128, 2), (64, 9, 33, 100), (12, 300, 7, 40)]  # same B, different T and M
@@ -132,6 +132,33 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     assert "eval_accuracy" in keys and "run_stop" in keys
     cc = checker(out / "result_0.txt", tmp_path)
     assert cc.returncode == 0, cc.stdout + cc.stderr
+
+
+def test_cuda_graph_warm_up_runs_one_batch_per_likely_token_bucket():
+    """Under a CUDA-graph COMPILE mode with STATIC_TOKENS the warm-up covers every bucket `likely_token_buckets`
+    names (each then recorded before run_start); other modes warm up on one batch."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from bert.config import from_flat
+    from bert.lengths import WIKI_PHASE2
+    from bert.static_shapes import likely_token_buckets
+
+    lengths = WIKI_PHASE2.sample(20_000, np.random.default_rng(0))
+    module = SimpleNamespace(config=BertConfig.load("tiny"))
+
+    def batches(compile_mode: str, static: int) -> list:
+        cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=16, bert_config_path="tiny", max_steps=10,
+                        learning_rate=1e-3, compile=compile_mode, static_tokens=static)
+        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), loader=SimpleNamespace(
+            sample_lengths=lengths))
+        return warmup_batches(run, CPU)
+
+    graphs = batches("reduce-overhead", 512)
+    assert [b.num_tokens for b in graphs] == likely_token_buckets(lengths, 16, 512) and len(graphs) > 3
+    assert all(b.num_sequences == 17 for b in graphs)
+    assert len(batches("default", 512)) == 1 and len(batches("reduce-overhead", 0)) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

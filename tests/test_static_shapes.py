@@ -1,13 +1,23 @@
 """Static-shape padding (bert.static_shapes): the padded batch has bucketed shapes, and its loss and every
 gradient equal the unpadded batch's, float64."""
 
+import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
-from bert.static_shapes import IGNORE, pad_to_buckets
+from bert.static_shapes import (
+    IGNORE,
+    MASKED_BUCKET,
+    bucket_batch,
+    likely_token_buckets,
+    masked_rows_bound,
+    pad_to_buckets,
+)
 from bert.synthetic import random_batch
 
 LENGTHS = (37, 5, 128, 2, 64, 90)  # 326 tokens
@@ -54,3 +64,57 @@ def test_padding_changes_neither_the_loss_nor_any_gradient(attention):
     assert want_grads.keys() == got_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=1e-13, msg=name)
+
+
+def draws(n_batches: int, sequences: int, seed: int = 0):
+    """Batches of the phase-2 length mix, masked as create_pretraining_data masks (bert.synthetic)."""
+    rng = np.random.default_rng(seed)
+    return [random_batch(WIKI_PHASE2.sample(sequences, rng), seed=i) for i in range(n_batches)]
+
+
+def test_masked_rows_follow_the_token_bucket_so_each_bucket_is_one_shape():
+    """Every batch padded to a token bucket gets the same masked-row count (one CUDA graph per bucket), and
+    no real masked row is lost; padding M to its own bucket instead gives several shapes per bucket."""
+    batches = draws(80, 24)
+    shapes, own = {}, {}
+    for b in batches:
+        padded = pad_to_buckets(b, 512, MASKED_BUCKET)
+        assert padded.masked_labels.numel() >= b.masked_labels.numel()
+        assert padded.masked_labels.numel() >= masked_rows_bound(padded.num_tokens, b.num_sequences)
+        shapes.setdefault(padded.num_tokens, set()).add(padded.masked_labels.numel())
+        old = pad_to_buckets(b, 512, MASKED_BUCKET, mask_rate=0)
+        own.setdefault(old.num_tokens, set()).add(old.masked_labels.numel())
+    assert all(len(m) == 1 for m in shapes.values()), shapes
+    assert any(len(m) > 1 for m in own.values())  # the draws do separate the two rules
+
+
+def test_likely_buckets_cover_the_runs_batches_and_warm_up_batches_match_their_shapes():
+    lengths = WIKI_PHASE2.sample(50_000, np.random.default_rng(1))
+    buckets = likely_token_buckets(lengths, 32, 512)
+    assert buckets == sorted(buckets) and all(b % 512 == 0 for b in buckets)
+    assert len(buckets) <= 9 * np.sqrt(32) * lengths.std() / 512 + 2  # +-4.5 sd of a sum of 32 lengths
+    real = {}
+    for b in draws(150, 32, seed=2):
+        padded = pad_to_buckets(b, 512, MASKED_BUCKET)
+        real[padded.num_tokens] = padded.masked_labels.numel()
+    assert set(real) <= set(buckets), (sorted(real), buckets)
+    for bucket in buckets:
+        warm = pad_to_buckets(bucket_batch(bucket, 32, 512, vocab_size=30522), 512, MASKED_BUCKET)
+        assert warm.num_tokens == bucket and warm.num_sequences == 33 and warm.seq.max_seqlen == 512
+        assert warm.masked_labels.numel() == real.get(bucket, warm.masked_labels.numel())
+    with pytest.raises(ValueError, match="pads to 512"):
+        bucket_batch(512, 300, 512, vocab_size=30522)  # 300 sequences of 2 tokens or more do not fit in 511
+
+
+def test_shape_count_bench_table_and_json(tmp_path, capsys):
+    """bench/static_shapes.py: with M tied to T and the warm-up's buckets no shape is new in the timed steps;
+    with M in its own bucket some are (the H100 CUDA-graph run's slowdown)."""
+    from script_modules import load_script
+
+    bench = load_script("bench/static_shapes.py")
+    out = tmp_path / "shapes.json"
+    assert bench.main(["--buckets", "512", "--batch", "48", "--steps", "60", "--seeds", "2", "--json", str(out)]) == 0
+    own, tied = json.loads(out.read_text())["rows"]
+    assert (own["masked_rule"], tied["masked_rule"]) == bench.RULES
+    assert tied["warmed_new"] == 0 < own["timed_new"] and tied["shapes"] < own["shapes"]
+    assert "timed_new" in capsys.readouterr().out

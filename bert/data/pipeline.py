@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from bert.balance import Strategy
@@ -56,6 +57,11 @@ class TrainLoader:
         self.step = 0  # batches handed to the caller so far
         self._reader = SampleReader(self.plan.index)
         self._worker: Prefetcher | None = None
+
+    @property
+    def sample_lengths(self) -> np.ndarray:
+        """Tokens per sample of the whole training set (the index the plan draws from)."""
+        return self.plan.index.lengths
 
     @property
     def samples_seen(self) -> int:

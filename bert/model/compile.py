@@ -30,6 +30,7 @@ COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backe
     "reduce-overhead": ("inductor", "reduce-overhead"),
     "debug": ("aot_eager", None),
 }
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor records one CUDA graph per distinct shape
 
 
 def _cxx_compiler() -> str | None:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from bert.batch import Batch
+from bert.model.compile import CUDA_GRAPH_MODES
 from bert.optim.compiled import warm_up_step
-from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+from bert.static_shapes import MASKED_BUCKET, bucket_batch, likely_token_buckets, pad_to_buckets
 from bert.synthetic import random_batch
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
@@ -55,20 +56,39 @@ def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractConte
     return seconds
 
 
-def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
-    """With COMPILE set, compile now (untimed init) and log the seconds; None when COMPILE=off."""
+def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
+    """The synthetic batches the warm-up runs: one, or with STATIC_TOKENS under a CUDA-graph COMPILE mode one
+    per token bucket the run is likely to meet (`likely_token_buckets` over the training set's lengths), so
+    that every graph is recorded before run_start and the timed steps only replay."""
     model_cfg, data = run.cfg.model, run.cfg.data
+    model = run.ddp.module
+    vocab, seed = model.config.real_vocab_size, run.cfg.run.seed
+    max_len = min(data.max_seq_length, model.config.max_position_embeddings)
+    if not model_cfg.static_tokens:
+        return [warmup_batch(data.train_batch_size, max_len, device, vocab, seed=seed)]
+    if model_cfg.compile not in CUDA_GRAPH_MODES:  # one dynamic graph serves every bucket
+        batch = warmup_batch(data.train_batch_size, max_len, device, vocab, seed=seed)
+        return [pad_to_buckets(batch, model_cfg.static_tokens, MASKED_BUCKET)]
+    buckets = likely_token_buckets(run.loader.sample_lengths, data.train_batch_size, model_cfg.static_tokens, max_len)
+    return [pad_to_buckets(bucket_batch(b, data.train_batch_size, model_cfg.static_tokens, vocab, seed, max_len).to(
+        device), model_cfg.static_tokens, MASKED_BUCKET) for b in buckets]
+
+
+def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
+    """With COMPILE set, compile now (untimed init) and log the seconds; None when COMPILE=off. Under a
+    CUDA-graph mode each batch runs twice: inductor's graph trees warm a new shape up on its first call and
+    record it on the second."""
+    model_cfg = run.cfg.model
     if model_cfg.compile == "off":
         return None
-    model = run.ddp.module
-    batch = warmup_batch(data.train_batch_size, min(data.max_seq_length, model.config.max_position_embeddings),
-                         device, model.config.real_vocab_size, seed=run.cfg.run.seed)
-    if model_cfg.static_tokens:
-        batch = pad_to_buckets(batch, model_cfg.static_tokens, MASKED_BUCKET)
-    seconds = warm_up(model, batch, run.autocast)
-    log.event("model_compile_seconds", round(seconds, 3), metadata={"compile": model_cfg.compile})
+    batches = warmup_batches(run, device)
+    calls = 2 if model_cfg.compile in CUDA_GRAPH_MODES else 1
+    seconds = sum(warm_up(run.ddp.module, batch, run.autocast) for batch in batches for _ in range(calls))
+    log.event("model_compile_seconds", round(seconds, 3),
+              metadata={"compile": model_cfg.compile, "shapes": len(batches)})
     if run.env.is_main:
-        print(f"compile: COMPILE={model_cfg.compile}: first forward+backward took {seconds:.1f} s "
+        shapes = f" on {len(batches)} token buckets" if len(batches) > 1 else ""
+        print(f"compile: COMPILE={model_cfg.compile}: first forward+backward{shapes} took {seconds:.1f} s "
               "(before run_start)", flush=True)
     if run.cfg.optim.compile_optimizer:
         step_seconds = warm_up_step(run.optimizer)

@@ -1,0 +1,88 @@
+"""How many step shapes a run meets under STATIC_TOKENS, and how many a CUDA-graph run records in its timed steps.
+
+Under COMPILE=reduce-overhead inductor records one CUDA graph per distinct (T, M) shape, and a recording costs
+about a step or more. On one H100 (results/bench/train_gpu_cuda_graphs.json) STATIC_TOKENS=512 ran at 471
+samples/s against 690 compiled without graphs, its progress intervals swinging between 389 and 689. This
+counts, for batches of the phase-2 length mix ([000] appendix C) masked as create_pretraining_data masks
+(min(76, max(1, round(0.15 x length))) per sequence):
+
+    shapes      distinct (T, M) pairs over `--steps` steps of one rank
+    timed_new   pairs first met after `--warmup-steps` (each one recorded inside the timed run)
+    warmed_new  the same when the warm-up first records every bucket `likely_token_buckets` names
+                (bert.train.warmup), which is what the driver now does
+    token_waste padding tokens over real tokens
+    rows_waste  padding masked rows over real ones
+
+for M padded to its own bucket of 64 (the rule before) and to the bound that ties it to T's bucket
+(bert.static_shapes.masked_rows_bound, the rule now). Mean over `--seeds` runs. CPU only, seconds.
+
+    .venv/bin/python bench/static_shapes.py     # writes results/bench/static_shapes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bert.lengths import WIKI_PHASE2
+from bert.static_shapes import MASKED_BUCKET, likely_token_buckets, masked_rows_bound, round_up
+
+RULES = ("own bucket", "tied to T")
+
+
+def masked_counts(lengths: np.ndarray) -> np.ndarray:
+    return np.minimum(76, np.maximum(1, np.round(0.15 * lengths))).astype(np.int64)
+
+
+def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    warmed = {(b, round_up(masked_rows_bound(b, batch), MASKED_BUCKET))
+              for b in likely_token_buckets(WIKI_PHASE2.sample(100_000, rng), batch, bucket)}
+    seen, first, tokens, pad_tokens, rows, pad_rows = set(), {}, 0, 0, 0, 0
+    for step in range(steps):
+        lengths = WIKI_PHASE2.sample(batch, rng)
+        t, m = int(lengths.sum()), int(masked_counts(lengths).sum())
+        t_pad = round_up(t + 1, bucket)
+        m_pad = round_up(m if rule == RULES[0] else max(m, masked_rows_bound(t_pad, batch)), MASKED_BUCKET)
+        first.setdefault((t_pad, m_pad), step)
+        seen.add((t_pad, m_pad))
+        tokens, pad_tokens, rows, pad_rows = tokens + t, pad_tokens + t_pad - t, rows + m, pad_rows + m_pad - m
+    late = [shape for shape, step in first.items() if step >= warmup_steps]
+    return {"shapes": len(seen), "timed_new": len(late), "warmed_new": sum(s not in warmed for s in late),
+            "token_waste": pad_tokens / tokens, "rows_waste": pad_rows / rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--buckets", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="STATIC_TOKENS values")
+    p.add_argument("--batch", type=int, default=96, help="sequences per step and rank")
+    p.add_argument("--steps", type=int, default=150, help="steps of the run (bench/train_gpu.py's 30 + 120)")
+    p.add_argument("--warmup-steps", type=int, default=30, help="steps before the timed window")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--json", type=Path, default=Path("results/bench/static_shapes.json"))
+    args = p.parse_args(argv)
+    rows = []
+    for bucket in args.buckets:
+        for rule in RULES:
+            runs = [one_run(bucket, args.batch, args.steps, args.warmup_steps, rule, s) for s in range(args.seeds)]
+            rows.append({"static_tokens": bucket, "masked_rule": rule,
+                         **{k: float(np.mean([r[k] for r in runs])) for k in runs[0]}})
+    print(f"batch {args.batch}, {args.steps} steps ({args.warmup_steps} before the window), mean of {args.seeds} runs")
+    print(f"{'STATIC_TOKENS':>13} {'masked rows':>12} {'shapes':>7} {'timed_new':>10} {'warmed_new':>11} "
+          f"{'token_waste':>12} {'rows_waste':>11}")
+    for r in rows:
+        print(f"{r['static_tokens']:>13} {r['masked_rule']:>12} {r['shapes']:>7.1f} {r['timed_new']:>10.1f} "
+              f"{r['warmed_new']:>11.1f} {r['token_waste']:>12.3f} {r['rows_waste']:>11.3f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                                     "seeds": args.seeds, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
