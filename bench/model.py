@@ -26,6 +26,11 @@ between variants meaningful.
                       compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why
     master-bf16/<name>  unpadded/<name> as MASTER_WEIGHTS=1 runs it (bert.optim.master): bf16 weights, no
                       autocast, the AdamW step on fp32 masters (cast the gradients up, update, copy back), on CPU too
+    master-bf16-lamb/<name>  the same with the driver's LAMB (`build_optimizer`: decay groups, the schedule's
+                      device LR, `after` clip in the step; foreach LAMB, or apex FusedLAMB when installed);
+                      master-bf16-lamb-copt/<name> (with `--compile MODE`) with that update compiled
+                      (COMPILE_OPTIMIZER=1, bert.optim.compiled; capturable LAMB, warmed up untimed), the model
+                      eager: the two rows isolate the optimizer's cost
     hf                transformers BertForPreTraining (SDPA), padded, MLM head on every token
 
 Our model computes Q, K and V with one fused GEMM (`attention.self.qkv`); results written before that
@@ -41,6 +46,8 @@ without bf16 matrix units that is slower than fp32: the row is there to check th
     python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
     python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
     python bench/model.py --device cuda --variants unpadded/varlen master-bf16/varlen   # autocast vs master weights
+    python bench/model.py --device cuda --compile default --variants master-bf16/varlen master-bf16-lamb/varlen \
+        master-bf16-lamb-copt/varlen    # fused AdamW vs eager LAMB vs compiled LAMB, all on fp32 masters
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import torch
 from bert.balance.lab.length_pmf import LengthPMF
 from bert.balance.stratify import strata_counts
 from bert.batch import Batch
+from bert.config import from_flat
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
@@ -69,6 +77,8 @@ from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.padding import PadLayout, pad
 from bert.model.precision import AUTOCAST_DTYPES  # the driver's (fp8: bf16 outside the float8 GEMMs)
+from bert.optim import build_optimizer, build_schedule
+from bert.optim.compiled import compile_step, warm_up_step
 from bert.optim.master import MasterWeights
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
@@ -169,7 +179,9 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
                        len(static.masked_labels), B + 1)
         specs[f"static{static_tokens}/{fast}"] = (*static_spec, False)
     specs[f"master-bf16/{fast}"] = specs[f"unpadded/{fast}"]
+    specs[f"master-bf16-lamb/{fast}"] = specs[f"unpadded/{fast}"]
     if compile != "off":
+        specs[f"master-bf16-lamb-copt/{fast}"] = specs[f"unpadded/{fast}"]  # the optimizer compiled, not the model
         specs[f"compiled/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
         if static_tokens:
             specs[f"compiled-static{static_tokens}/{fast}"] = (*static_spec, True)
@@ -255,6 +267,27 @@ def master_step(model, loss_fn, device: str):
     return make_step(model, loss_fn, device, optimizer, precision="fp32")  # fp32: no autocast
 
 
+def master_lamb_step(model, loss_fn, device: str, compile: str = "off"):
+    """MASTER_WEIGHTS=1 with the driver's LAMB, as `bert.train.build` makes it (COMPILE_OPTIMIZER=1 when `compile`
+    is a mode: the update compiled and warmed up here, untimed); the model itself stays eager."""
+    cfg = from_flat(optimizer="lamb", learning_rate=1e-4, warmup_steps=10, max_steps=1000, weight_decay_rate=0.01,
+                    grad_clip="after", master_weights=True, precision="bf16", compile=compile,
+                    compile_optimizer=compile != "off").optim
+    optimizer = build_optimizer(model, cfg, torch.bfloat16)
+    build_schedule(optimizer, cfg)  # the LR as a device tensor, as in the driver
+    if compile != "off":
+        compile_step(optimizer, compile)
+        warm_up_step(optimizer)
+    return make_step(model, loss_fn, device, optimizer, precision="fp32")
+
+
+def step_for(name: str, model, loss_fn, device: str, compile: str):
+    """The training step a variant times: master weights (AdamW or LAMB) or autocast over fp32 weights."""
+    if name.startswith("master-bf16-lamb"):
+        return master_lamb_step(model, loss_fn, device, compile if "-copt/" in name else "off")
+    return (master_step if name.startswith("master-") else make_step)(model, loss_fn, device)
+
+
 def time_steps(steps: dict, repeats: int, device: str, clock=time.perf_counter, quiet: bool = False
                ) -> dict[str, list[float]]:
     """One untimed warm-up call of each step (allocator, optimizer state, kernel selection, compilation), then
@@ -320,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench/model.py: fp8/* variants skipped: {e}", file=sys.stderr)
             fp8 = False
     variants = build_variants(cfg, batch, args.device, args.variants, args.compile, args.static_tokens, fp8)
-    steps = {name: (master_step if name.startswith("master-") else make_step)(model, loss_fn, args.device)
+    steps = {name: step_for(name, model, loss_fn, args.device, args.compile)
              for name, (model, loss_fn, _) in variants.items()}
     matmul, matmul_flops = make_matmul(args.device)
     steps["matmul"] = matmul
@@ -372,10 +405,10 @@ def print_table(report: dict) -> None:
           f"matmul {report['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
     print(f"{report['draw']} batch: {report['draw_rule']}")
     ratio = lambda x: "-" if x is None else f"{x:.2f}x"
-    print(f"{'variant':<26}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
+    print(f"{'variant':<30}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'vs padded':>11}{'vs HF':>8}"
           f"{'GFLOP/s':>9}{'/matmul':>9}")
     for r in report["results"]:
-        print(f"{r['variant']:<26}{r['median_s']:>8.3f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
+        print(f"{r['variant']:<30}{r['median_s']:>8.3f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
               f"{ratio(r['vs_padded']):>11}{ratio(r['vs_hf']):>8}{r['achieved_flops'] / 1e9:>9.1f}"
               f"{r['fraction_of_matmul']:>9.2f}")
 

@@ -105,8 +105,9 @@ class OptimConfig:
     max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
     optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
                                    "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
-    compile_optimizer: bool = opt(False, "compile the optimizer step with COMPILE's mode (a CUDA graph under "
-                                  "reduce-overhead; bert.optim.compiled)", env="COMPILE_OPTIMIZER")
+    compile_optimizer: bool = opt(False, "compile the optimizer step (MASTER_WEIGHTS=1: the update over the "
+                                  "fp32 masters) with COMPILE's backend, no CUDA graphs; bert.optim.compiled",
+                                  env="COMPILE_OPTIMIZER")
     master_weights: bool = opt(False, "the model's weights in the compute dtype (PRECISION, autocast off), fp32 "
                                "masters and state in the optimizer (bert.optim.master)", env="MASTER_WEIGHTS")
 
@@ -216,9 +217,6 @@ class TrainConfig:
         if self.optim.master_weights and self.optim.optimizer_sharding:
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with OPTIMIZER_SHARDING=1 "
                               "(the sharded update keeps no fp32 masters)")
-        if self.optim.master_weights and self.optim.compile_optimizer:
-            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with COMPILE_OPTIMIZER=1 "
-                              "(its warm-up restores the model's weights, not the fp32 masters)")
         if environ is not None:
             check_node_size(self.dist, environ)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run

@@ -15,7 +15,8 @@ References, all independent of `MasterWeights`:
     After the steps, eval on the compute-dtype model (autocast off) equals the reference cast down;
   * checkpoints: save, load into a model built from another seed, continue == never interrupted; the file
     holds the fp32 masters, and a plain fp32 run (MASTER_WEIGHTS=0) loads the same weights and state;
-  * the parse-time refusals (fp32/fp8, OPTIMIZER_SHARDING=1, COMPILE_OPTIMIZER=1), one line each.
+  * the parse-time refusals (fp32/fp8, OPTIMIZER_SHARDING=1), one line each; COMPILE_OPTIMIZER=1 parses with it
+    (the compiled update: tests/test_optim_compiled.py).
 """
 
 from __future__ import annotations
@@ -299,8 +300,6 @@ BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSI
 @pytest.mark.parametrize("env, message", [
     ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16 or fp16, not fp32"),
     ({"MASTER_WEIGHTS": "1", "PRECISION": "fp8", "STATIC_TOKENS": "512"}, r"\$MASTER_WEIGHTS = True needs .* not fp8"),
-    ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "COMPILE": "debug", "COMPILE_OPTIMIZER": "1"},
-     r"\$MASTER_WEIGHTS = True cannot be combined with COMPILE_OPTIMIZER=1"),
     ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER_SHARDING": "1"},
      r"\$MASTER_WEIGHTS = True cannot be combined with OPTIMIZER_SHARDING=1"),
     ({"MASTER_WEIGHTS": "yes please"}, r"\$MASTER_WEIGHTS = 'yes please' from \$MASTER_WEIGHTS is not a valid bool"),
@@ -317,3 +316,6 @@ def test_supported_combinations_parse():
             cfg = from_env_and_args([], {**BASE, "MASTER_WEIGHTS": "1", "PRECISION": precision, "GRAD_CLIP": clip,
                                          "GRAD_BUCKETS": "balanced", "GRAD_REDUCE": "hierarchical"})
             assert cfg.optim.master_weights and hook_clip_mode(cfg.optim) == ("none" if clip == "after" else clip)
+        cfg = from_env_and_args([], {**BASE, "MASTER_WEIGHTS": "1", "PRECISION": precision, "COMPILE": "debug",
+                                     "COMPILE_OPTIMIZER": "1"})
+        assert cfg.optim.master_weights and cfg.optim.compile_optimizer

@@ -20,6 +20,12 @@ every weight down at every forward (and LayerNorm's inputs back up) -- about 11 
               5. the masters are copied into the model's weights (foreach copy: round to nearest)
               No host sync, except the overflow check under fp16 (GradScaler's own path has it too).
 
+COMPILE_OPTIMIZER=1 compiles steps 1 and 3-5 as one function (`update_masters`; bert.optim.compiled), so
+inductor fuses the cast up, the unscale, the clip, the inner update and the copy back into a few kernels
+instead of ~20 foreach launches over every tensor. The overflow check stays outside: it reads found_inf on
+the host, and a skipped step must run nothing. The inner optimizer is then the capturable one (LAMB's update
+count on the device), and the scale and the LR reach the compiled code as tensors, so no step recompiles.
+
 So the masters after a step are exactly what the plain fp32 optimizer makes from the fp32-cast gradients,
 and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py).
 
@@ -76,6 +82,10 @@ class MasterWeights(torch.optim.Optimizer):
             i += k
         self.inner = build_inner(master_groups)
         self.clip_after = clip_after
+        self.compute_dtype = compute_dtype
+        # what `step` runs after its host-side checks; COMPILE_OPTIMIZER=1 replaces it by its compiled form
+        # (bert.optim.compiled.compile_step)
+        self.update_masters = self._update_masters
         super().__init__(groups, self.inner.defaults)
 
     @torch.no_grad()
@@ -88,17 +98,23 @@ class MasterWeights(torch.optim.Optimizer):
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         if not pairs:
             return
-        params, masters = [p for p, _ in pairs], [m for _, m in pairs]
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        # as GradScaler.unscale_: 1 / scale in float64, then fp32 (a power of two: exact either way)
+        inv_scale = self.grad_scale.double().reciprocal().float() if found_inf is not None else None
+        self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale)
+
+    def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None) -> None:
+        """Steps 1 and 3-5 over the parameters that have a gradient: no host sync and no host value that changes
+        between steps (the LR and the scale are tensors), so COMPILE_OPTIMIZER=1 compiles it whole."""
         grads = [torch.empty_like(m) for m in masters]
         torch._foreach_copy_(grads, [p.grad for p in params])
-        if found_inf is not None:
-            torch._foreach_mul_(grads, self.grad_scale.double().reciprocal().float())  # as GradScaler.unscale_
+        if inv_scale is not None:
+            torch._foreach_mul_(grads, inv_scale)
         for m, g in zip(masters, grads):
             m.grad = g
         if self.clip_after is not None:
             clip_after_allreduce(masters, self.clip_after)
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
         self.inner.step()
         for m in masters:
             m.grad = None
