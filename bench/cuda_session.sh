@@ -13,6 +13,8 @@
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
+#   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
+#                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
 #   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
 #                    (each under DRIVER_LIMIT seconds, default 420)
 set -u
@@ -28,6 +30,7 @@ declare -A DRIVERS=(
   [bf16]=""
   [autocast]="--env MASTER_WEIGHTS=0"
   [compiled]="--compile default --bench-repeats 0"
+  [compiled-opt]="--compile default --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   [graphs]="--compile reduce-overhead --static-tokens 512 --bench-repeats 0"
   # 512 left about nine token counts, one CUDA graph each (471 samples/s); 4096 leaves two or three
   [graphs4k]="--compile reduce-overhead --static-tokens 4096 --bench-repeats 0"
@@ -79,6 +82,10 @@ for name in "$@"; do
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \
         --json "$WORK/model_cuda_graphs.json" ;;
+    model-optimizer)
+      step model-optimizer 420 python3 bench/model.py --device cuda --batch-size 96 --compile default \
+        --variants master-bf16/varlen master-bf16-lamb/varlen master-bf16-lamb-copt/varlen \
+        --json "$WORK/model_cuda_optimizer.json" ;;
     driver-*)
       key=${name#driver-}
       [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }

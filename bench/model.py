@@ -99,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch intra-op threads (CPU; default: torch's choice)")
     p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU time (CPU only)")
     p.add_argument("--json", type=Path, help="default: results/bench/model_<device>.json")
-    p.add_argument("--compile", default="off", help="COMPILE mode for the compiled/* variants (off: none; "
-                   "on the CPU inductor takes minutes: try debug)")
+    p.add_argument("--compile", default="off", help="COMPILE mode for the compiled/* variants and the compiled "
+                   "optimizer of master-bf16-lamb-copt/* (off: none; on the CPU inductor takes minutes: try debug)")
     p.add_argument("--static-tokens", type=int, default=0, help="token bucket of the static<N>/* variants (0: none)")
     p.add_argument("--precision", choices=("default", "fp8"), default="default",
                    help="fp8: add the fp8/* variants (CUDA); every other variant runs bf16 on CUDA, fp32 on the CPU")

@@ -17,7 +17,7 @@ one that completes the norms of tensors split across ranks.
 
 `capturable=True` keeps the update count t on the parameters' device and computes the bias corrections
 there, as torch's capturable Adam does: a compiled step (`bert.optim.compiled`, COMPILE_OPTIMIZER=1) then
-has no host value that changes every step, so one graph (one CUDA graph under reduce-overhead) serves
+has no host value that changes every step, so one graph serves
 every step. The corrections are then fp32 instead of the host's float64 (a relative difference ~1e-7).
 """
 
