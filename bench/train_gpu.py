@@ -48,6 +48,7 @@ from bert.model.attention import resolve_backend
 from bert.model.config import NAMED
 from bert.model.precision import AUTOCAST_DTYPES
 from bert.optim import build_optimizer, build_schedule
+from bert.optim.compiled import compile_step, warm_up_step
 from bert.synthetic import random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,11 +204,14 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
                                            cfg.model.static_tokens, fp8=cfg.model.precision == "fp8")[name]
     optimizer = build_optimizer(model, cfg.optim, AUTOCAST_DTYPES.get(cfg.model.precision, torch.float32))
     build_schedule(optimizer, cfg.optim)  # puts the LR on the device, as in the driver
+    if cfg.optim.compile_optimizer:  # as bert.train.build and the warm-up before run_start
+        compile_step(optimizer, cfg.model.compile)
+        warm_up_step(optimizer)
     # MASTER_WEIGHTS=1 casts the model inside build_optimizer and runs without autocast, as the driver does
     step = make_step(model, loss_fn, device, optimizer, "fp32" if cfg.optim.master_weights else cfg.model.precision)
     median = statistics.median(time_steps({name: step}, repeats, device, quiet=True)[name])
     return {"variant": name, "optimizer": type(optimizer).__name__, "precision": cfg.model.precision,
-            "master_weights": cfg.optim.master_weights,
+            "master_weights": cfg.optim.master_weights, "compile_optimizer": cfg.optim.compile_optimizer,
             "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "repeats": repeats,
             "median_s": median, "samples_per_s": len(lengths) / median, "tokens_per_s": int(sum(lengths)) / median,
             "tflops": flops / median / 1e12}

@@ -101,11 +101,13 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
 @pytest.mark.parametrize("master", ("0", "1"))
 def test_bench_step_builds_the_drivers_optimizer(data, tmp_path, master):
     """The bench step takes the driver's optimizer, master weights included (the model cast to bf16 inside
-    build_optimizer: a bench that did not pass the compute dtype failed here on the GPU)."""
+    build_optimizer: a bench that did not pass the compute dtype failed here on the GPU). COMPILE_OPTIMIZER=1
+    (compiled there as the driver compiles it) is left to the GPU: it compiles the model too, ~50 s here."""
     args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(data), "--bert-config",
                              "tiny", "--precision", "bf16", "--env", f"MASTER_WEIGHTS={master}"])
     step = bench.bench_step(bench.driver_env(args, tmp_path / "run"), "cpu", repeats=1, seed=0)
     assert step["master_weights"] is (master == "1") and step["precision"] == "bf16"
+    assert step["compile_optimizer"] is False
     assert step["optimizer"] == ("MasterWeights" if master == "1" else "AdamW") and step["samples_per_s"] > 0
 
 

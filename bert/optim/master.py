@@ -20,14 +20,15 @@ every weight down at every forward (and LayerNorm's inputs back up) -- about 11 
               5. the masters are copied into the model's weights (foreach copy: round to nearest)
               No host sync, except the overflow check under fp16 (GradScaler's own path has it too).
 
-COMPILE_OPTIMIZER=1 compiles steps 1 and 3-5 as one function (`update_masters`; bert.optim.compiled), so
+COMPILE_OPTIMIZER=1 compiles steps 1-5 as one function (`update_masters`; bert.optim.compiled), so
 inductor fuses the cast up, the unscale, the clip, the inner update and the copy back into a few kernels
 instead of ~20 foreach launches over every tensor. The overflow check stays outside: it reads found_inf on
 the host, and a skipped step must run nothing. The inner optimizer is then the capturable one (LAMB's update
 count on the device), and the scale and the LR reach the compiled code as tensors, so no step recompiles.
 
 So the masters after a step are exactly what the plain fp32 optimizer makes from the fp32-cast gradients,
-and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py).
+and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py); compiled,
+the masters are within fp32 rounding of the eager ones (inductor reorders sums; tests/test_optim_compiled.py).
 
 fp16: the GradScaler hands its scale and inf flag to `step` (`_step_supports_amp_scaling`); it checks
 the fp16 gradients for inf/NaN itself first. The scaled gradients are fp16 now, so scale x |g| above
@@ -105,8 +106,9 @@ class MasterWeights(torch.optim.Optimizer):
         self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale)
 
     def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None) -> None:
-        """Steps 1 and 3-5 over the parameters that have a gradient: no host sync and no host value that changes
-        between steps (the LR and the scale are tensors), so COMPILE_OPTIMIZER=1 compiles it whole."""
+        """Steps 1-5 (step 2's skip is `step`'s) over the parameters that have a gradient: no host sync and no
+        host value that changes between steps (the LR and the scale are tensors), so COMPILE_OPTIMIZER=1
+        compiles it whole."""
         grads = [torch.empty_like(m) for m in masters]
         torch._foreach_copy_(grads, [p.grad for p in params])
         if inv_scale is not None:
