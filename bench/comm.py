@@ -10,7 +10,9 @@ is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the trai
 `apply_ddp` (GRAD_BUCKETS: ddp or balanced) + `install_clipping(..., reduce=build_reduce(...))`, for every
 name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, and bf16 communication.
 Variants take turns: --rounds rounds of --steps timed steps each, so that load from other processes on a
-shared machine hits every variant alike.
+shared machine hits every variant alike. Each variant's model and wrapper are built once, in the first round,
+and warmed up then (until 2026-11-23 they were rebuilt every round; the balanced wrappers were never freed,
+and 16 rounds ran a rank out of memory).
 
 Recorded per variant: every step's time, their median and the fastest, and the CPU seconds all ranks spent
 (every thread: the work, which other load moves less than the wall time); bytes sent per rank *computed* from
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -132,6 +135,11 @@ class Gradients(nn.Module):
         return sum(p.sum() * c for p, c in zip(self.ps, self.cs))
 
 
+def uptime() -> str:
+    """What `uptime` says: the load averages over 1, 5 and 15 minutes (other agents share the host)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def timed(fn, repeats: int) -> float:
     """The fastest of `repeats` calls: on a shared machine the minimum is the least disturbed."""
     times = []
@@ -182,40 +190,50 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     fit = fit_local_link(args.world)
     variants = [v for v in timed_variants() if not args.only or variant_key(*v) in args.only]
     reduces: dict = {}  # one Reduce (and its process groups) per strategy and dtype, as a training run builds it
+    steps: dict = {}  # one model and wrapper per variant, built in the first round and kept, as in training (a
+    # dropped FusedDataParallel is never freed: the gradient hooks holding it live in C++, out of gc's sight)
     results: dict = {}
     # Rounds: every variant takes its turn in each, so a burst of load on the shared machine hits all alike.
     for _ in range(args.rounds):
         for reduce_name, buckets, comm_dtype in variants:
-            cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb,
-                            grad_comm_dtype=comm_dtype)
-            if (reduce_name, comm_dtype) not in reduces:
-                reduces[reduce_name, comm_dtype] = build_reduce(cfg.dist, env)
-            model = Gradients(shapes, rank)
-            wrapper = apply_ddp(model, cfg.dist)
-            install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name, comm_dtype])
-
-            def step(wrapper=wrapper, model=model) -> None:
-                wrapper().backward()
-                model.zero_grad(set_to_none=True)
-
-            for _ in range(args.warmup):
-                step()
-            if buckets == "ddp":
-                sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
-            else:
-                sizes = [b.numel() for b in wrapper.buffers]
-            name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
-            run = results.setdefault(variant_key(reduce_name, buckets, comm_dtype),
-                                     {"reduce": name, "buckets": buckets, "bucket_elements": sizes, "step_s": [],
-                                      "step_cpu_s": []})
+            key = variant_key(reduce_name, buckets, comm_dtype)
+            if key not in steps:
+                steps[key] = build_variant(args, rank, env, shapes, cap_mb, reduces, results, reduce_name, buckets,
+                                           comm_dtype)
+            run = results[key]
             for _ in range(args.steps):
-                wall, cpu = timed_step(step)
+                wall, cpu = timed_step(steps[key])
                 run["step_s"].append(wall)
                 run["step_cpu_s"].append(cpu)
-            del wrapper, model
     if rank == 0:
         torch.save({"fit": fit, "runs": results}, out)
     dist.destroy_process_group()
+
+
+def build_variant(args: argparse.Namespace, rank: int, env: DistEnv, shapes: list, cap_mb: float, reduces: dict,
+                  results: dict, reduce_name: str, buckets: str, comm_dtype: str):
+    """The step of one variant (model, wrapper, hook), run --warmup times; its entry in `results`."""
+    cfg = from_flat(grad_reduce=reduce_name, grad_buckets=buckets, bucket_cap_mb=cap_mb, grad_comm_dtype=comm_dtype)
+    if (reduce_name, comm_dtype) not in reduces:
+        reduces[reduce_name, comm_dtype] = build_reduce(cfg.dist, env)
+    model = Gradients(shapes, rank)
+    wrapper = apply_ddp(model, cfg.dist)
+    install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name, comm_dtype])
+
+    def step() -> None:
+        wrapper().backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    if buckets == "ddp":
+        sizes = [b.buffer().numel() for b in wrapper.reducer._get_zeros_like_grad_buckets()]
+    else:
+        sizes = [b.numel() for b in wrapper.buffers]
+    name = reduce_name if comm_dtype == "fp32" else f"{reduce_name}+{comm_dtype}"  # bf16: 2-byte model
+    results[variant_key(reduce_name, buckets, comm_dtype)] = {"reduce": name, "buckets": buckets,
+                                                              "bucket_elements": sizes, "step_s": [], "step_cpu_s": []}
+    return step
 
 
 def variant_key(reduce_name: str, buckets: str, comm_dtype: str) -> str:
@@ -288,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in scaled.parameters())
     cap_mb = args.bucket_cap_mb * params / report["params"]  # as many buckets as BERT-large has
     load_before = os.getloadavg()[0]
+    uptime_before = uptime()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.spawn(worker, args=(args, shapes, cap_mb, os.path.join(tmp, "store"), out), nprocs=args.world)
@@ -341,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                   "bucket_cap_mb_scaled": cap_mb, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                   "backend": "gloo",
                   "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+                  "uptime_before": uptime_before, "uptime_after": uptime(),
                   "bytes_sent": "computed from bucket sizes with bert.balance.lab.comm_model's formulas, not counted"},
         "bert_large_buckets": report,
         "local_fit": fit,

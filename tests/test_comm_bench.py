@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,26 @@ def test_bench_runs_every_registered_reduction_and_bucketing(tmp_path):
 def test_only_rejects_an_unknown_variant_before_running():
     with pytest.raises(SystemExit, match="unknown variant.*hierarchical/dpp.*choose from flat/ddp"):
         load("comm").main(["--only", "flat/ddp,hierarchical/dpp"])
+
+
+def test_profile_reads_the_cpu_time_of_every_live_thread():
+    load("comm")  # bench/comm_profile.py imports it by name, as it does when run from bench/
+    prof = load("comm_profile")
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:  # 0.3 s of this thread's CPU, then stay alive until read
+        start = time.thread_time()
+        while time.thread_time() - start < 0.3:
+            pass
+        spun.set()
+        release.wait()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    spun.wait()
+    seconds = prof.thread_cpu_s()
+    release.set()
+    thread.join()
+    # /proc counts in clock ticks (10 ms): the spinner's 0.3 s shows as at least 0.25 s, under its own id
+    assert seconds[thread.native_id][1] >= 0.25
+    assert threading.get_native_id() in seconds and thread.native_id != threading.get_native_id()

@@ -19,15 +19,24 @@ then differ in size, so nothing is padded).
 
 Ordering and overlap. Collectives (and sends) on one group must be issued in the same order on every rank.
 Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order
-on every rank). Step 2 runs on one thread and step 3 on another, each taking the buckets in that same
-order, and each of the three steps has its own group (two intra-node groups: one shared group would see
-the hook's and the step-3 thread's exchanges interleaved differently on different ranks). So bucket k's
-inter-node allreduce overlaps the backward pass, bucket k+1's reduce-scatter and bucket k-1's all-gather;
-the future DDP waits on is completed by the step-3 thread.
+on every rank). Steps 2 and 3 are issued by one worker thread taking the buckets in that same order; steps
+1 and 3 have separate intra-node groups, because the hook's and the worker's exchanges interleave
+differently on different ranks. The worker starts bucket k's inter-node allreduce before it waits for
+bucket k-1's all-gather, so the two overlap, and both overlap the backward pass and bucket k+1's
+reduce-scatter; the future DDP waits on is completed by the worker. (It was two threads, one per step: a
+thread hand-off per bucket more, for the same overlap.)
+
+Division by the world size is done on this rank's shard after the node sum (1/n of the bucket), not on the
+whole bucket first: with a power-of-two world it is exact either way (else within round-off). In fp16 the
+bucket is divided first, since a node sum of loss-scaled fp16 gradients could overflow before it.
 
 On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
 and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
-two of the ring's six message latencies and adds two thread hand-offs, so the two cost about the same.
+two of the ring's six message latencies, but takes five gloo calls and a thread hand-off per bucket where
+flat takes one call. Measured there (bench/comm_profile.py), CPU per step and rank: flat 1.00, the same
+allreduce from a Python hook 1.10 (the gradients are set to None every step, here as in bert/train/loop.py,
+and DDP fuses its division into copying them into the bucket only when no hook is registered), this hook
+1.14; wall time per step 1.03-1.10x flat's (bench/comm.py).
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
@@ -54,13 +63,22 @@ def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[
 class _Job:
     """One buffer on its way through the three steps; `work` is the step in flight."""
 
-    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending"):
+    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending",
+                 divide: float):
         self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
+        self.divide = divide  # what the shard is divided by after the node sum (1: the bucket already was)
         self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
 
     def finish(self) -> None:
-        if self.padded is not self.flat:
-            self.flat.copy_(self.padded[:self.flat.numel()])
+        """Wait for the all-gather in flight and hand the buffer back to DDP."""
+        try:
+            with _on_device(self.flat):
+                self.work.wait()
+                if self.padded is not self.flat:
+                    self.flat.copy_(self.padded[:self.flat.numel()])
+        except Exception as e:  # DDP's wait on the future raises it in the training thread
+            self.result.set_exception(e)
+            return
         self.result.set_result(self.flat)
 
 
@@ -109,9 +127,8 @@ class HierarchicalMean:
             raise ValueError(f"exchange must be p2p or collective, got {self.exchange!r}")
         self._sum = dist.AllreduceOptions()
         self._sum.asyncOp = True
-        self._to_inter: queue.SimpleQueue = queue.SimpleQueue()
-        self._to_gather: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         # Receive buffers of step 1, kept for the next step's bucket of the same size: a fresh CPU buffer
         # is page-faulted in by the kernel while gloo receives into it.
         self._spare: dict[tuple, list[Tensor]] = {}
@@ -121,18 +138,23 @@ class HierarchicalMean:
         return spare.pop() if spare else torch.empty_like(like)
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
-        flat.div_(self.world)
+        divide = self.world
+        if flat.dtype == torch.float16:  # the node sum must not overflow fp16's range: divide the bucket first
+            flat.div_(self.world)
+            divide = 1
         n = self.node_size
         if self.exchange == "p2p":  # chunks may differ in size by one element: nothing padded, nothing copied
             chunks = flat.tensor_split(n)
-            job = _Job(flat, flat, chunks, chunks[self.local], self._reduce_scatter(flat, chunks, chunks[self.local]))
+            padded, shard = flat, chunks[self.local]
         else:  # reduce_scatter/all_gather take n equal chunks (pad) and a separate shard
             padded = flat if flat.numel() % n == 0 else torch.cat([flat, flat.new_zeros(n - flat.numel() % n)])
             chunks = padded.tensor_split(n)
             shard = padded.new_empty(chunks[self.local].numel())
-            job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard))
-        self._start_threads()
-        self._to_inter.put(job)
+        job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard), divide)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._steps, name="hierarchical-steps", daemon=True)
+            self._worker.start()
+        self._jobs.put(job)
         return job.result
 
     def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
@@ -162,37 +184,31 @@ class HierarchicalMean:
             works.append(group.send([shard], peer, 0))
         return _Pending(works)
 
-    def _start_threads(self) -> None:
-        if not self._threads:
-            self._threads = [threading.Thread(target=run, name=f"hierarchical-{run.__name__}", daemon=True)
-                             for run in (self._inter_steps, self._gather_steps)]
-            for t in self._threads:
-                t.start()
-
-    def _inter_steps(self) -> None:
-        """Step 2 for every buffer in arrival order: one thread, so every rank issues them alike."""
+    def _steps(self) -> None:
+        """Steps 2 and 3 for every buffer in arrival order: one thread, so every rank issues them alike.
+        Bucket k-1's all-gather is waited for while bucket k's inter-node allreduce runs; when no bucket
+        is queued, it is finished at once (the last bucket of a backward pass has no successor)."""
+        gathering: _Job | None = None
         while True:
-            job = self._to_inter.get()
+            if gathering is not None and self._jobs.empty():
+                gathering.finish()
+                gathering = None
+            job = self._jobs.get()
             try:
                 with _on_device(job.flat):
-                    job.work.wait()
-                    job.work = _Pending([self.inter_group.allreduce([job.shard], self._sum)])
+                    job.work.wait()  # step 1 and the node sum
+                    if job.divide != 1:
+                        job.shard.div_(job.divide)
+                    inter = self.inter_group.allreduce([job.shard], self._sum)
+                    if gathering is not None:
+                        gathering.finish()
+                        gathering = None
+                    inter.wait()
+                    job.work = self._all_gather(job.padded, job.chunks, job.shard)
             except Exception as e:  # DDP's wait on the future raises it in the training thread
                 job.result.set_exception(e)
                 continue
-            self._to_gather.put(job)
-
-    def _gather_steps(self) -> None:
-        """Step 3 in arrival order; the buffer is handed back when its all-gather is done."""
-        while True:
-            job = self._to_gather.get()
-            try:
-                with _on_device(job.flat):
-                    job.work.wait()
-                    self._all_gather(job.padded, job.chunks, job.shard).wait()
-                    job.finish()
-            except Exception as e:
-                job.result.set_exception(e)
+            gathering = job
 
 
 def _key(t: Tensor) -> tuple:
@@ -200,5 +216,5 @@ def _key(t: Tensor) -> tuple:
 
 
 def _on_device(t: Tensor):
-    """The comm threads issue collectives on the tensor's GPU (a new thread starts on GPU 0)."""
+    """The worker thread issues collectives on the tensor's GPU (a new thread starts on GPU 0)."""
     return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
