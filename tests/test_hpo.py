@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import optuna
 import pytest
 from script_modules import ROOT, load_script
+from slurm_idle import needs_slurm
 
 from bert.config import from_env_and_args
 
@@ -80,7 +80,7 @@ def test_slurm_without_sbatch_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.slurm
-@pytest.mark.skipif(not shutil.which("sinfo"), reason="Slurm is not installed")
+@needs_slurm
 def test_job_array_tasks_share_one_storage(tmp_path):
     done = run_hpo(tmp_path, "--slurm", "--tasks", "2", "--trials", "2", "--study", "array")
     assert done.returncode == 0, done.stdout + done.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from slurm_idle import needs_slurm
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -231,15 +231,9 @@ def test_driver_with_a_parameter_server_trains_like_flat(tmp_path, synthetic_dat
         torch.testing.assert_close(w, weights[1][name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-def slurm_idle() -> bool:
-    if not (shutil.which("sinfo") and shutil.which("srun")):
-        return False
-    return "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(not slurm_idle(), reason="no idle local Slurm node (bash scripts/slurm_local.sh start)")
+@needs_slurm
 def test_slurm_step_with_a_server_task(tmp_path, synthetic_data):
     """Under srun the server is an extra task: 1 worker + 1 server on one node (run.sub's layout, 2 CPUs)."""
     out = tmp_path / "slurm"

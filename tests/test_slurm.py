@@ -8,25 +8,18 @@ third run that takes the next free index instead of overwriting.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from slurm_idle import needs_slurm
 from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, data_env, verify_flags
 
 PY = sys.executable
 
 
-def slurm_up() -> bool:
-    if not shutil.which("sinfo"):
-        return False
-    return "idle" in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True).stdout
-
-
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(
-    not slurm_up(), reason="no idle local Slurm node (bash scripts/slurm_local.sh install && ... start)"), NEEDS_DRIVER]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, needs_slurm, NEEDS_DRIVER]
 
 
 def sbatch(env: dict[str, str], out: Path) -> subprocess.CompletedProcess:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_idle import needs_slurm
 from test_harness import NEEDS_DRIVER, ROOT, SHORT_RUN, config_env, data_env
-from test_slurm import slurm_up
 
 PY = sys.executable
 
@@ -44,7 +44,7 @@ def events(log: Path) -> list[dict]:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.skipif(not slurm_up(), reason="no idle local Slurm node (bash scripts/slurm_local.sh start)")
+@needs_slurm
 @NEEDS_DRIVER
 def test_cancel_then_resume_from_finishes_the_experiment(tmp_path, synthetic_data):
     # The first eval at 1280 samples (40 steps of 2 x 16): the cancel comes well before it, the target (0.25)
