@@ -48,10 +48,11 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [(), ("--precision", "bf16", "--master_weights", "1")],
-                         ids=["fp32", "master-bf16"])
+@pytest.mark.parametrize("precision", [()], ids=["fp32"])
 def test_n_plus_n_steps_equal_2n_steps(tmp_path, precision):
-    """With master weights the checkpoint holds the fp32 masters and the resumed run continues bit for bit."""
+    """The resumed run continues bit for bit. (Master weights: the checkpoint holds the fp32 masters and
+    resumes exactly, tests/test_master_weights.py; the driver-level case here cost 16 s of CI for the same
+    checkpoint code.)"""
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
                     "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
