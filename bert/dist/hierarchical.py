@@ -36,7 +36,7 @@ two of the ring's six message latencies, but takes five gloo calls and a thread 
 flat takes one call. Measured there (bench/comm_profile.py), CPU per step and rank: flat 1.00, the same
 allreduce from a Python hook 1.10 (the gradients are set to None every step, here as in bert/train/loop.py,
 and DDP fuses its division into copying them into the bucket only when no hook is registered), this hook
-1.14; wall time per step 1.03-1.10x flat's (bench/comm.py).
+1.14; wall time per step 1.03-1.17x flat's over four runs (bench/comm.py).
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
