@@ -76,7 +76,7 @@ from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.padding import PadLayout, pad
-from bert.model.precision import AUTOCAST_DTYPES  # the driver's (fp8: bf16 outside the float8 GEMMs)
+from bert.model.precision import autocast_dtype  # the driver's rule (fp8: bf16 outside the float8 GEMMs)
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.compiled import compile_step, warm_up_step
 from bert.optim.master import MasterWeights
@@ -242,11 +242,12 @@ def timed(fn, device: str, clock) -> float:
 
 
 def make_step(model, loss_fn, device: str, optimizer: torch.optim.Optimizer | None = None,
-              precision: str | None = None):
+              precision: str | None = None, master_weights: bool = False):
     """One training step as a closure: forward + backward + `optimizer` (default AdamW) under `precision`'s
-    autocast, as the driver's (default bf16 on CUDA, fp32 on the CPU; fp16 runs without a loss scaler)."""
+    autocast as the driver's (default bf16 on CUDA, fp32 on the CPU; fp16 runs without a loss scaler), none
+    under master weights."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    dtype = AUTOCAST_DTYPES.get(precision or ("bf16" if device == "cuda" else "fp32"))
+    dtype = autocast_dtype(precision or ("bf16" if device == "cuda" else "fp32"), master_weights)
     autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def step() -> None:
@@ -264,7 +265,7 @@ def master_step(model, loss_fn, device: str):
     fp32 masters), no autocast."""
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-5, fused=device == "cuda")  # noqa: E731
     optimizer = MasterWeights([{"params": list(model.parameters())}], adamw, torch.bfloat16)
-    return make_step(model, loss_fn, device, optimizer, precision="fp32")  # fp32: no autocast
+    return make_step(model, loss_fn, device, optimizer, master_weights=True)
 
 
 def master_lamb_step(model, loss_fn, device: str, compile: str = "off"):
@@ -278,7 +279,7 @@ def master_lamb_step(model, loss_fn, device: str, compile: str = "off"):
     if compile != "off":
         compile_step(optimizer, compile)
         warm_up_step(optimizer)
-    return make_step(model, loss_fn, device, optimizer, precision="fp32")
+    return make_step(model, loss_fn, device, optimizer, master_weights=True)
 
 
 def step_for(name: str, model, loss_fn, device: str, compile: str):

@@ -46,7 +46,7 @@ from bert.data.index import LengthIndex
 from bert.model import BertConfig
 from bert.model.attention import resolve_backend
 from bert.model.config import NAMED
-from bert.model.precision import AUTOCAST_DTYPES
+from bert.model.precision import compute_dtype
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.compiled import compile_step, warm_up_step
 from bert.synthetic import random_batch
@@ -202,13 +202,12 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
     batch = random_batch(lengths, seed=seed).to(device)
     model, loss_fn, flops = build_variants(model_cfg, batch, device, [name], cfg.model.compile,
                                            cfg.model.static_tokens, fp8=cfg.model.precision == "fp8")[name]
-    optimizer = build_optimizer(model, cfg.optim, AUTOCAST_DTYPES.get(cfg.model.precision, torch.float32))
+    optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
     build_schedule(optimizer, cfg.optim)  # puts the LR on the device, as in the driver
     if cfg.optim.compile_optimizer:  # as bert.train.build and the warm-up before run_start
         compile_step(optimizer, cfg.model.compile)
         warm_up_step(optimizer)
-    # MASTER_WEIGHTS=1 casts the model inside build_optimizer and runs without autocast, as the driver does
-    step = make_step(model, loss_fn, device, optimizer, "fp32" if cfg.optim.master_weights else cfg.model.precision)
+    step = make_step(model, loss_fn, device, optimizer, cfg.model.precision, cfg.optim.master_weights)
     median = statistics.median(time_steps({name: step}, repeats, device, quiet=True)[name])
     return {"variant": name, "optimizer": type(optimizer).__name__, "precision": cfg.model.precision,
             "master_weights": cfg.optim.master_weights, "compile_optimizer": cfg.optim.compile_optimizer,

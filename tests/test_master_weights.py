@@ -96,6 +96,21 @@ def assert_within_one_rounding(model, reference, dtype) -> None:
 # -- the update itself --------------------------------------------------------------------------------------
 
 
+def test_precision_decides_the_compute_and_autocast_dtypes():
+    """The one rule the driver, its record and the benchmarks share (bert.model.precision)."""
+    from bert.model.precision import autocast_dtype, compute_dtype
+
+    assert [compute_dtype(p) for p in ("fp32", "bf16", "fp16", "fp8")] == [
+        torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
+    assert [autocast_dtype(p) for p in ("fp32", "bf16", "fp16", "fp8")] == [None, torch.bfloat16, torch.float16,
+                                                                           torch.bfloat16]
+    assert autocast_dtype("bf16", master_weights=True) is None and autocast_dtype("fp16", True) is None
+    with autocast_for("bf16", torch.device("cpu"), master_weights=True)():
+        assert not torch.is_autocast_enabled("cpu")
+    with autocast_for("bf16", torch.device("cpu"))():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
 def test_masters_are_the_fp32_initialisation_and_the_model_is_cast(tmp_path):
     """INIT_CHECKPOINT: fp32 values that bf16 cannot hold come through build_model into the masters unrounded."""
     (tmp_path / "micro.json").write_text(json.dumps(MICRO.to_dict()))

@@ -30,7 +30,9 @@ COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backe
     "reduce-overhead": ("inductor", "reduce-overhead"),
     "debug": ("aot_eager", None),
 }
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # inductor records one CUDA graph per distinct shape
+# The inductor modes that record CUDA graphs (one per distinct shape), each with its mode without them
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+CUDA_GRAPH_MODES = tuple(WITHOUT_CUDA_GRAPHS)
 
 
 def _cxx_compiler() -> str | None:

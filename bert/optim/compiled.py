@@ -28,10 +28,8 @@ import time
 
 import torch
 
-from bert.model.compile import COMPILE_MODES
+from bert.model.compile import COMPILE_MODES, WITHOUT_CUDA_GRAPHS
 from bert.optim.master import MasterWeights
-
-NO_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Optimizer:
@@ -40,7 +38,7 @@ def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Opt
     if COMPILE_MODES[name] is None:
         raise ValueError(f"COMPILE_OPTIMIZER=1 needs a COMPILE mode to compile the step with, not COMPILE={name}")
     backend, mode = COMPILE_MODES[name]
-    mode = NO_CUDA_GRAPHS.get(mode, mode)
+    mode = WITHOUT_CUDA_GRAPHS.get(mode, mode)
     if isinstance(optimizer, MasterWeights):  # GradScaler calls its step, which checks for overflow first
         optimizer.update_masters = torch.compile(optimizer.update_masters, backend=backend, mode=mode)
     else:

@@ -20,7 +20,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
 from bert.model.init_checkpoint import load_init_checkpoint
-from bert.model.precision import AUTOCAST_DTYPES
+from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
@@ -54,13 +54,12 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
 
 
 def autocast_for(precision: str, device: torch.device, master_weights: bool = False):
-    """bf16/fp16 autocast over fp32 weights. Off under fp32, and under master weights: the weights are in the
-    compute dtype already, and autocast would only cast LayerNorm, softmax and the like up to fp32 and their
-    outputs back down (the casts master weights exist to remove); their bf16/fp16 kernels accumulate in
-    fp32, and the model takes its losses in fp32 (`bert.model.pretraining`)."""
-    if precision == "fp32" or master_weights:
+    """bf16/fp16 autocast over fp32 weights; off under fp32 and under master weights (`autocast_dtype`), whose
+    bf16/fp16 kernels accumulate in fp32 and whose model takes its losses in fp32 (`bert.model.pretraining`)."""
+    dtype = autocast_dtype(precision, master_weights)
+    if dtype is None:
         return functools.partial(torch.autocast, device.type, enabled=False)
-    return functools.partial(torch.autocast, device.type, dtype=AUTOCAST_DTYPES[precision])
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
@@ -73,7 +72,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
         device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
     # Before DDP: with MASTER_WEIGHTS=1 it casts the model, and DDP's buckets take the parameters' dtype.
-    optimizer = build_optimizer(model, cfg.optim, AUTOCAST_DTYPES.get(cfg.model.precision, torch.float32))
+    optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
     if cfg.optim.compile_optimizer:
         compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     ddp = apply_ddp(model, cfg.dist)

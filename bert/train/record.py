@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bert.model.attention import resolve_backend
+from bert.model.precision import autocast_dtype
 from bert.train.loop import Run
 
 
@@ -41,7 +42,7 @@ def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
             "update_class": f"{update.__module__}.{update.__qualname__}",  # inside a sharded/master-weight optimizer
             "weight_dtype": str(weights.dtype).removeprefix("torch."),  # the model's (bf16/fp16 with master weights)
             "master_weights": cfg.optim.master_weights,
-            "autocast": cfg.model.precision != "fp32" and not cfg.optim.master_weights,
+            "autocast": autocast_dtype(cfg.model.precision, cfg.optim.master_weights) is not None,
             "clipper_class": type(run.clipper).__qualname__,
             "precision": cfg.model.precision,
             "fp16_loss_scaling": run.scaler.is_enabled(),

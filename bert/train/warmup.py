@@ -64,14 +64,15 @@ def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     model = run.ddp.module
     vocab, seed = model.config.real_vocab_size, run.cfg.run.seed
     max_len = min(data.max_seq_length, model.config.max_position_embeddings)
-    if not model_cfg.static_tokens:
-        return [warmup_batch(data.train_batch_size, max_len, device, vocab, seed=seed)]
-    if model_cfg.compile not in CUDA_GRAPH_MODES:  # one dynamic graph serves every bucket
-        batch = warmup_batch(data.train_batch_size, max_len, device, vocab, seed=seed)
-        return [pad_to_buckets(batch, model_cfg.static_tokens, MASKED_BUCKET)]
-    buckets = likely_token_buckets(run.loader.sample_lengths, data.train_batch_size, model_cfg.static_tokens, max_len)
-    return [pad_to_buckets(bucket_batch(b, data.train_batch_size, model_cfg.static_tokens, vocab, seed, max_len).to(
-        device), model_cfg.static_tokens, MASKED_BUCKET) for b in buckets]
+    bucket, sequences = model_cfg.static_tokens, data.train_batch_size
+    if not bucket:
+        return [warmup_batch(sequences, max_len, device, vocab, seed=seed)]
+    if model_cfg.compile in CUDA_GRAPH_MODES:
+        batches = [bucket_batch(b, sequences, bucket, vocab, seed, max_len)
+                   for b in likely_token_buckets(run.loader.sample_lengths, sequences, bucket, max_len)]
+    else:  # one dynamic graph serves every bucket
+        batches = [warmup_batch(sequences, max_len, torch.device("cpu"), vocab, seed=seed)]
+    return [pad_to_buckets(b.to(device), bucket, MASKED_BUCKET) for b in batches]
 
 
 def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
