@@ -4,7 +4,7 @@ Under COMPILE=reduce-overhead inductor records one CUDA graph per distinct (T, M
 about a step or more. On one H100 (results/bench/train_gpu_cuda_graphs.json) STATIC_TOKENS=512 ran at 471
 samples/s against 690 compiled without graphs, its progress intervals swinging between 389 and 689. This
 counts, for batches of the phase-2 length mix ([000] appendix C) masked as create_pretraining_data masks
-(min(76, max(1, round(0.15 x length))) per sequence):
+(`bert.data.format.predictions_per_sequence`, as data/make_random_shards.py writes them):
 
     shapes      distinct (T, M) pairs over `--steps` steps of one rank
     timed_new   pairs first met after `--warmup-steps` (each one recorded inside the timed run)
@@ -28,14 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bert.data.format import predictions_per_sequence
 from bert.lengths import WIKI_PHASE2
 from bert.static_shapes import MASKED_BUCKET, likely_token_buckets, masked_rows_bound, round_up
 
 RULES = ("own bucket", "tied to T")
-
-
-def masked_counts(lengths: np.ndarray) -> np.ndarray:
-    return np.minimum(76, np.maximum(1, np.round(0.15 * lengths))).astype(np.int64)
 
 
 def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, seed: int) -> dict:
@@ -45,7 +42,7 @@ def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, s
     seen, first, tokens, pad_tokens, rows, pad_rows = set(), {}, 0, 0, 0, 0
     for step in range(steps):
         lengths = WIKI_PHASE2.sample(batch, rng)
-        t, m = int(lengths.sum()), int(masked_counts(lengths).sum())
+        t, m = int(lengths.sum()), int(predictions_per_sequence(lengths).sum())
         t_pad = round_up(t + 1, bucket)
         m_pad = round_up(m if rule == RULES[0] else max(m, masked_rows_bound(t_pad, batch)), MASKED_BUCKET)
         first.setdefault((t_pad, m_pad), step)

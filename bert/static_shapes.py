@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from bert.batch import Batch, SeqLayout
+from bert.data.format import MASK_RATE
 
 IGNORE = -100  # label skipped by the MLM and NSP losses (torch's cross_entropy ignore_index)
 PAD_ID = 0  # [PAD] in the BERT vocabulary
 MASKED_BUCKET = 64  # masked rows are padded to a multiple of this (the driver's choice; ~76 per sequence at most)
-MASK_RATE = 0.15  # create_pretraining_data's masked_lm_prob, which the MLPerf shards were made with ([Google-BERT])
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -26,24 +26,16 @@ import numpy as np
 from md5_list import write_md5_list
 
 from bert.batch import Sample
-from bert.data.format import MAX_PREDICTIONS, write_varlength_shard
+from bert.data.format import MAX_PREDICTIONS, predictions_per_sequence, write_varlength_shard
 from bert.lengths import WIKI_PHASE2, LengthMix
 from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP
 
 VOCAB_SIZE = 30522  # the MLPerf (bert-base-uncased) vocab
-MASK_PROB = 0.15
-FRAMING = 3  # [CLS], [SEP], [SEP]: tokens that are never masked
 
 
 def length_mix(min_length: int) -> LengthMix:
     """WIKI_PHASE2 with its shortest sequence at `min_length` (strata shares unchanged)."""
     return replace(WIKI_PHASE2, min_length=min_length)
-
-
-def predictions_per_sequence(lengths: np.ndarray, max_predictions: int = MAX_PREDICTIONS) -> np.ndarray:
-    """create_pretraining_data's count: min(max_predictions, max(1, round(0.15 x length))), at most the words."""
-    wanted = np.maximum(1, np.rint(lengths * MASK_PROB).astype(np.int64))
-    return np.minimum(np.minimum(wanted, max_predictions), lengths - FRAMING)
 
 
 def random_samples(lengths: np.ndarray, rng: np.random.Generator, max_predictions: int = MAX_PREDICTIONS

@@ -49,6 +49,8 @@ FIXED_PRED_KEYS: tuple[str, ...] = ("masked_lm_positions", "masked_lm_ids")
 FIXED_KEYS: tuple[str, ...] = (*FIXED_SEQ_KEYS, *FIXED_PRED_KEYS, NSP_KEY)
 FIXED_DTYPE = np.dtype(np.int32)
 MAX_SEQ_LENGTH, MAX_PREDICTIONS = 512, 76
+MASK_RATE = 0.15  # create_pretraining_data's masked_lm_prob, which the MLPerf shards were made with ([Google-BERT])
+FRAMING = 3  # [CLS], [SEP], [SEP]: tokens that are never masked
 FIXED_BLOCK = 4096  # samples padded at a time by the fixed-length writer
 
 
@@ -355,3 +357,10 @@ def fixed_to_varlength(src: str | os.PathLike, dst: str | os.PathLike) -> int:
         return write_varlength_shard(dst, samples)
     except ValueError as e:  # e.g. token ids beyond int16: data made with a vocab far larger than MLPerf's
         raise ShardError(f"{src}: cannot convert to varlength: {e}") from e
+
+
+def predictions_per_sequence(lengths: np.ndarray, max_predictions: int = MAX_PREDICTIONS) -> np.ndarray:
+    """create_pretraining_data's masked count per sequence: min(max_predictions, max(1, round(MASK_RATE x
+    length))), at most the words."""
+    wanted = np.maximum(1, np.rint(np.asarray(lengths) * MASK_RATE).astype(np.int64))
+    return np.minimum(np.minimum(wanted, max_predictions), np.asarray(lengths) - FRAMING)
