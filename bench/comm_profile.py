@@ -6,8 +6,11 @@ a trivial backward), three variants taking turns in every round:
 
     flat          DDP's own allreduce: one C++ call per bucket, the division by the world fused into DDP's
                   copy of each gradient into its bucket
-    flat-hook     the same allreduce from a Python comm hook (`reduce_hook(allreduce_mean())`): what any
-                  hook pays before it does anything different (a Python call per bucket, a separate division)
+    hook-sum      the same allreduce from a Python comm hook, without the division (its result is the sum, W
+                  times the mean: only its cost is of use): what the hook mechanism itself costs, a Python
+                  call and a Future callback per bucket
+    flat-hook     `reduce_hook(allreduce_mean())`: the above plus the division by the world size, a pass over
+                  every bucket that DDP without a hook fuses into copying the gradients into their buckets
     hierarchical  the `HierarchicalMean` hook (bert/dist/hierarchical.py)
 
 Per variant, the mean over ranks of every thread's CPU per step (user + system, from /proc/self/task: the
@@ -45,7 +48,7 @@ from bert.dist.reduce import allreduce_mean, build_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("flat", "flat-hook", "hierarchical")
+VARIANTS = ("flat", "hook-sum", "flat-hook", "hierarchical")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -84,6 +87,11 @@ class HookTimer:
         return fut
 
 
+def allreduce_sum(flat: torch.Tensor) -> torch.futures.Future:
+    """`allreduce_mean` without its division: the hook's own cost (the result is W times the mean)."""
+    return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, store: str, out: str) -> None:
     torch.set_num_threads(1)
     world = 4
@@ -91,7 +99,7 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     env = DistEnv(rank, world, rank % 2, 2, "localhost", 0)
     cfg = from_flat(grad_reduce="hierarchical", grad_buckets="ddp", bucket_cap_mb=cap_mb).dist
     hierarchical = HookTimer(build_reduce(cfg, env))
-    reduces = {"flat": None, "flat-hook": allreduce_mean(), "hierarchical": hierarchical}
+    reduces = {"flat": None, "hook-sum": allreduce_sum, "flat-hook": allreduce_mean(), "hierarchical": hierarchical}
     labels = {threading.get_native_id(): "training thread"}
     cpu = {v: collections.Counter() for v in VARIANTS}
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
