@@ -11,8 +11,8 @@ is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the trai
 name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, and bf16 communication.
 Variants take turns: --rounds rounds of --steps timed steps each, so that load from other processes on a
 shared machine hits every variant alike. Each variant's model and wrapper are built once, in the first round,
-and warmed up then (until 2026-11-23 they were rebuilt every round; the balanced wrappers were never freed,
-and 16 rounds ran a rank out of memory).
+and warmed up then (until 2026-11-23 they were rebuilt every round, and a dropped balanced wrapper was never freed
+until its hooks held it weakly: 16 rounds ran a rank out of memory).
 
 Recorded per variant: every step's time, their median and the fastest, and the CPU seconds all ranks spent
 (every thread: the work, which other load moves less than the wall time); bytes sent per rank *computed* from
@@ -190,8 +190,7 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     fit = fit_local_link(args.world)
     variants = [v for v in timed_variants() if not args.only or variant_key(*v) in args.only]
     reduces: dict = {}  # one Reduce (and its process groups) per strategy and dtype, as a training run builds it
-    steps: dict = {}  # one model and wrapper per variant, built in the first round and kept, as in training (a
-    # dropped FusedDataParallel is never freed: the gradient hooks holding it live in C++, out of gc's sight)
+    steps: dict = {}  # one model and wrapper per variant, built in the first round and kept, as in training
     results: dict = {}
     # Rounds: every variant takes its turn in each, so a burst of load on the shared machine hits all alike.
     for _ in range(args.rounds):

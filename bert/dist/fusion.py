@@ -30,6 +30,7 @@ Unlike DDP, module buffers are broadcast from rank 0 once, at wrap time, not bef
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -93,8 +94,11 @@ class FusedDataParallel(nn.Module):
         self._recording: list[int] | None = []
         self._order_fixed = False
         self._set_layout(list(reversed(range(len(self.params)))))
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._grad_ready(i))
+        # The hooks live on the parameters and hold only a weak reference to the wrapper, and they are removed
+        # when it is collected: a wrapper that is dropped (a benchmark building several) is freed with its buffer.
+        me = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(_grad_ready(me, i)) for i, p in enumerate(self.params)]
+        weakref.finalize(self, _remove, handles)
 
     # ---- layout --------------------------------------------------------------------------------
     def _set_layout(self, order: list[int]) -> None:
@@ -167,19 +171,17 @@ class FusedDataParallel(nn.Module):
         self._queued = False
         self.arrived_at_launch: list[int] = []  # gradients in place when each slice started (overlap)
 
-    def _grad_ready(self, i: int) -> Callable[[Tensor], None]:
-        def hook(p: Tensor) -> None:
-            if not self._armed:
-                return
-            if not self._queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                self._queued = True
-            if self._recording is not None:
-                self._recording.append(i)
-            self._place(i)
-            self._launch_ready()
-
-        return hook
+    def _grad_ready(self, i: int) -> None:
+        """Parameter i's gradient is accumulated: place it; start every slice that is now complete."""
+        if not self._armed:
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        if self._recording is not None:
+            self._recording.append(i)
+        self._place(i)
+        self._launch_ready()
 
     def _place(self, i: int) -> None:
         p, view = self.params[i], self.views[i]
@@ -218,6 +220,20 @@ class FusedDataParallel(nn.Module):
         launched = self.arrived_at_launch
         self._reset()
         self.arrived_at_launch = launched
+
+
+def _grad_ready(wrapper: weakref.ref, i: int) -> Callable[[Tensor], None]:
+    def hook(p: Tensor) -> None:
+        live = wrapper()
+        if live is not None:
+            live._grad_ready(i)
+
+    return hook
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def ddp_bucket_bytes(shapes_in_ready_order: list[tuple[int, ...]], element_size: int, cap_mb: float,
