@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,3 +20,17 @@ def synthetic_data(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, str(ROOT / "data" / "make_synthetic_dataset.py"), "--out", str(out)], check=True,
                    capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_slurm_module_at_a_time(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[None]:
+    """scripts/test.sh runs two pytest-xdist workers, a module to each (`--dist loadfile`, so a module fixture such
+    as test_harness's ten runs is built once). A module with tests on the one local Slurm holds a lock shared by
+    the workers until it ends: they share its single node, and test_slurm_local stops and restarts it.
+    (xdist's own `--dist loadgroup` ignores its groups under pytest 9.)"""
+    if not any(item.get_closest_marker("slurm") for item in request.session.items if item.module is request.module):
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "slurm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
