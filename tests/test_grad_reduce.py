@@ -115,7 +115,9 @@ def worker(rank: int, store: str, out: str) -> None:
         assert (reduce is None) == (name in ("flat", "flat_f64"))
         for mode in MODES:
             results[name, mode] = run(mode, recorded(reduce, sizes[name, mode]) if reduce else None, dtype, rank)
-    torch.save((results, sizes), f"{out}.{rank}")
+        if name == "hierarchical_fp16":  # 40000 on every rank: a node sum before the division would overflow fp16
+            probe = reduce(torch.full((11,), 40000.0)).wait()
+    torch.save((results, sizes, probe), f"{out}.{rank}")
     dist.destroy_process_group()
 
 
@@ -131,6 +133,9 @@ def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}")[0] for r in range(WORLD)]
     sizes = torch.load(f"{out}.0")[1]
+    # fp16 communication: the bucket is divided by the world before the node sum (2 x 40000 > 65504, fp16's max)
+    for r in range(WORLD):
+        assert torch.equal(torch.load(f"{out}.{r}")[2], torch.full((11,), 40000.0)), r
     # the cases the test is for: several buckets once DDP rebuilt them (step 1), some of odd size
     assert len(sizes["hierarchical", "bucket"]) >= 1 + 3 and any(n % NODE for n in sizes["hierarchical", "none"])
     assert len(sizes["hierarchical", "before"]) == STEPS  # clip-before: one concatenated reduction per step
