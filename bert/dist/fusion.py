@@ -81,7 +81,8 @@ class FusedDataParallel(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
-            raise ValueError(f"balanced fusion buffers need one gradient dtype, the model has {sorted(map(str, dtypes))}")
+            raise ValueError("balanced fusion buffers need one gradient dtype, "
+                             f"the model has {sorted(map(str, dtypes))}")
         self.cap_bytes = bucket_cap_mb * MB
         with torch.no_grad():  # DDP's start: every rank holds rank 0's weights and buffers
             for t in [*module.parameters(), *module.buffers()]:
@@ -97,7 +98,7 @@ class FusedDataParallel(nn.Module):
         # The hooks live on the parameters and hold only a weak reference to the wrapper, and they are removed
         # when it is collected: a wrapper that is dropped (a benchmark building several) is freed with its buffer.
         me = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(_grad_ready(me, i)) for i, p in enumerate(self.params)]
+        handles = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, i)) for i, p in enumerate(self.params)]
         weakref.finalize(self, _remove, handles)
 
     # ---- layout --------------------------------------------------------------------------------
@@ -222,7 +223,9 @@ class FusedDataParallel(nn.Module):
         self.arrived_at_launch = launched
 
 
-def _grad_ready(wrapper: weakref.ref, i: int) -> Callable[[Tensor], None]:
+def _weak_grad_hook(wrapper: weakref.ref, i: int) -> Callable[[Tensor], None]:
+    """Parameter i's post-accumulate-grad hook: calls the wrapper while it lives, does nothing after."""
+
     def hook(p: Tensor) -> None:
         live = wrapper()
         if live is not None:
