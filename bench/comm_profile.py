@@ -12,6 +12,9 @@ a trivial backward), three variants taking turns in every round:
     flat-hook     `reduce_hook(allreduce_mean())`: the above plus the division by the world size, a pass over
                   every bucket that DDP without a hook fuses into copying the gradients into their buckets
     hierarchical  the `HierarchicalMean` hook (bert/dist/hierarchical.py)
+    hierarchical-sum  the same without its division (the sum, W times the mean: only its cost is of use): what
+                  the hierarchy would cost if the gradients came pre-divided, as with Horovod's and apex's
+                  gradient_predivide_factor
 
 Per variant, the mean over ranks of every thread's CPU per step (user + system, from /proc/self/task: the
 training thread, gloo's TCP loop and per-group run loops, the hierarchical worker), the median step, and on
@@ -44,11 +47,12 @@ from bert.config import from_flat
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
+from bert.dist.hierarchical import HierarchicalMean
 from bert.dist.reduce import allreduce_mean, build_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("flat", "hook-sum", "flat-hook", "hierarchical")
+VARIANTS = ("flat", "hook-sum", "flat-hook", "hierarchical", "hierarchical-sum")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -92,6 +96,17 @@ def allreduce_sum(flat: torch.Tensor) -> torch.futures.Future:
     return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+class HierarchicalSum(HierarchicalMean):
+    """`HierarchicalMean` without its division by the world size (it divides by `self.world` and nowhere else)."""
+
+    def __call__(self, flat: torch.Tensor) -> torch.futures.Future:
+        world, self.world = self.world, 1
+        try:
+            return super().__call__(flat)
+        finally:
+            self.world = world
+
+
 def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, store: str, out: str) -> None:
     torch.set_num_threads(1)
     world = 4
@@ -99,7 +114,8 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     env = DistEnv(rank, world, rank % 2, 2, "localhost", 0)
     cfg = from_flat(grad_reduce="hierarchical", grad_buckets="ddp", bucket_cap_mb=cap_mb).dist
     hierarchical = HookTimer(build_reduce(cfg, env))
-    reduces = {"flat": None, "hook-sum": allreduce_sum, "flat-hook": allreduce_mean(), "hierarchical": hierarchical}
+    reduces = {"flat": None, "hook-sum": allreduce_sum, "flat-hook": allreduce_mean(), "hierarchical": hierarchical,
+               "hierarchical-sum": HierarchicalSum(2)}
     labels = {threading.get_native_id(): "training thread"}
     cpu = {v: collections.Counter() for v in VARIANTS}
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -116,9 +132,9 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
             for _ in range(2):  # DDP rebuilds its buckets in the second step
                 step()
             hierarchical.cpu_ns.clear()
-            worker_thread = getattr(hierarchical.reduce, "_worker", None)
-            if worker_thread is not None:
-                labels[worker_thread.native_id] = "hierarchical worker"
+            for reduce in (hierarchical.reduce, reduces["hierarchical-sum"]):
+                if getattr(reduce, "_worker", None) is not None:
+                    labels[reduce._worker.native_id] = "hierarchical worker"
             dist.barrier()
             before = thread_cpu_s()
             for _ in range(args.steps):

@@ -33,11 +33,12 @@ bucket is divided first, since a node sum of loss-scaled fp16 gradients could ov
 On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
 and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
 two of the ring's six message latencies, but takes five gloo calls and a thread hand-off per bucket where
-flat takes one call. Measured there (bench/comm_profile.py, idle VM), CPU per step and rank: flat 1.00;
-the same allreduce from a Python hook that does not divide 1.02 (the hook mechanism itself); with the
-division 1.09 (a pass over every bucket, which DDP without a hook fuses into copying the gradients into
-their buckets); this hook 1.12 (half a division pass, the node sum on the worker thread, five gloo calls). Wall time
-per step 1.03-1.17x flat's over four runs of bench/comm.py.
+flat takes one call. Measured there (bench/comm_profile.py, two runs of 8 and 12 rounds), CPU per step and
+rank: flat 1.00; the same allreduce from a Python hook that does not divide 1.02-1.06 (the hook mechanism
+itself); with the division 1.09-1.15 (a pass over every bucket, which DDP without a hook fuses into copying
+the gradients into their buckets); this hook 1.12-1.13, and 1.04 without its division (half a pass): so
+beyond the division the hierarchy costs no more than any hook. Wall time per step 1.03-1.17x flat's over
+six runs of bench/comm.py.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
