@@ -48,8 +48,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [()], ids=["fp32"])
-def test_n_plus_n_steps_equal_2n_steps(tmp_path, precision):
+def test_n_plus_n_steps_equal_2n_steps(tmp_path):
     """The resumed run continues bit for bit. (Master weights: the checkpoint holds the fp32 masters and
     resumes exactly, tests/test_master_weights.py; the driver-level case here cost 16 s of CI for the same
     checkpoint code.)"""
@@ -57,12 +56,12 @@ def test_n_plus_n_steps_equal_2n_steps(tmp_path, precision):
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
                     "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    jobs = [driver(data, whole, *precision), driver(data, split, "--steps_this_job", str(N), *precision)]
+    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", str(N))]
     (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
     assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
     assert rc_first == 0, log_first[-3000:]  # pre-empted after a checkpoint
     assert (split / "checkpoints" / "latest").read_text().strip() == f"step_{N:08d}"
-    rc_second, log_second = finish(driver(data, split, "--resume", "1", *precision))
+    rc_second, log_second = finish(driver(data, split, "--resume", "1"))
     assert rc_second == 1, log_second[-3000:]
 
     assert len(losses(whole)) == 2 * N
