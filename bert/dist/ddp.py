@@ -15,7 +15,7 @@ from bert.dist.fusion import FusedDataParallel
 def _ddp(model: torch.nn.Module, cfg: DistConfig) -> DDP:
     # device_ids=None: batches arrive on the device already, and DDP must not re-build the Batch dataclass.
     return DDP(model, device_ids=None, bucket_cap_mb=cfg.bucket_cap_mb,
-               gradient_as_bucket_view=True)  # no second copy of the gradients; Samsung did the same
+               gradient_as_bucket_view=True)  # .grad becomes its bucket view: no second copy in memory; as Samsung
 
 
 def _balanced(model: torch.nn.Module, cfg: DistConfig) -> FusedDataParallel:

@@ -92,6 +92,10 @@ def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
     run.scaler.step(run.optimizer)  # under fp16, skipped when the gradient is not finite
     run.scaler.update()
     run.schedule.step()
+    # Dropped, not zeroed: the next backward's gradients are then fresh tensors that autograd hands over
+    # as they are, and DDP copies each into its bucket once (dividing by the world in the same pass when
+    # no hook is registered). Zeroed bucket views would cost a zero, an accumulating add and DDP's
+    # separate division: three passes over the gradients instead of one.
     run.optimizer.zero_grad(set_to_none=True)
     return loss_sum
 
