@@ -1,11 +1,11 @@
 """Gradient reduction strategies on gloo, measured and modelled (Herring [003] §III-IV; issue 10 item 5).
 
 Four gloo processes stand for 2 nodes x 2 GPUs (each gets a DistEnv with local_world_size=2, so the
-hierarchical and PS reductions form their node groups as on a cluster). They average the gradients of a
-model with BERT-large's 302 gradient tensors (Herring's 398 with Q, K, V fused), every dimension divided
-by --scale (hidden 1024, FFN 4096,
-vocabulary 30528, positions 512; 24 layers kept): 1/scale^2 of the bytes, the same tensor mix and, since
-the bucket cap is scaled with it, the same number of buckets as BERT-large at 25 MB. The backward pass
+hierarchical and PS reductions form their node groups as on a cluster). They average the gradients (the
+1/W on the loss where a hook reduces, as the driver has it in fp32/bf16) of a model with BERT-large's 302
+gradient tensors (Herring's 398 with Q, K, V fused), every dimension divided by --scale (hidden 1024, FFN
+4096, vocabulary 30528, positions 512; 24 layers kept): 1/scale^2 of the bytes, the same tensor mix and,
+since the bucket cap is scaled with it, the same number of buckets as BERT-large at 25 MB. The backward pass
 is trivial (loss = sum_i c_i·sum(p_i)), so a step is the reduction, as the training driver runs it:
 `apply_ddp` (GRAD_BUCKETS: ddp or balanced) + `install_clipping(..., reduce=build_reduce(...))`, for every
 name in `REDUCTIONS` at run time but `ps` (`timed_variants`), both bucketings, and bf16 communication.
@@ -217,10 +217,11 @@ def build_variant(args: argparse.Namespace, rank: int, env: DistEnv, shapes: lis
         reduces[reduce_name, comm_dtype] = build_reduce(cfg.dist, env)
     model = Gradients(shapes, rank)
     wrapper = apply_ddp(model, cfg.dist)
-    install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name, comm_dtype])
+    # the mean's 1/W on the loss, as the driver in fp32/bf16 (bert.dist.reduce.mean_placement)
+    clipper = install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name, comm_dtype], mean_at="loss")
 
     def step() -> None:
-        wrapper().backward()
+        (wrapper() * clipper.loss_factor).backward()
         model.zero_grad(set_to_none=True)
 
     for _ in range(args.warmup):

@@ -2,19 +2,18 @@
 hook vs GRAD_REDUCE=hierarchical (issue 10: hierarchical within 10 % of flat on 4 gloo processes).
 
 bench/comm.py's setup (4 gloo processes as 2 nodes x 2, BERT-large / --scale gradients in DDP's buckets,
-a trivial backward), three variants taking turns in every round:
+a trivial backward), the variants taking turns in every round. Every Reduce sums; where the mean's 1/W
+goes is `install_clipping`'s `mean_at` (bert.dist.reduce):
 
-    flat          DDP's own allreduce: one C++ call per bucket, the division by the world fused into DDP's
-                  copy of each gradient into its bucket
-    hook-sum      the same allreduce from a Python comm hook, without the division (its result is the sum, W
-                  times the mean: only its cost is of use): what the hook mechanism itself costs, a Python
-                  call and a Future callback per bucket
-    flat-hook     `reduce_hook(allreduce_mean())`: the above plus the division by the world size, a pass over
-                  every bucket that DDP without a hook fuses into copying the gradients into their buckets
-    hierarchical  the `HierarchicalMean` hook (bert/dist/hierarchical.py)
-    hierarchical-sum  the same without its division (the sum, W times the mean: only its cost is of use): what
-                  the hierarchy would cost if the gradients came pre-divided, as with Horovod's and apex's
-                  gradient_predivide_factor
+    flat                  DDP's own allreduce: one C++ call per bucket, the division by the world fused into
+                          DDP's copy of each gradient into its bucket
+    flat-hook             `allreduce_sum` from a Python comm hook, the 1/W on the loss (the driver in fp32/bf16
+                          with GRAD_CLIP=before/bucket): what the hook mechanism itself costs, a Python call and a
+                          Future callback per bucket
+    flat-hook-divided     the same, the 1/W on each bucket (`divided`, PRECISION=fp16): plus a pass over every
+                          bucket, which DDP without a hook fuses into its copy
+    hierarchical          the `HierarchicalSum` hook (bert/dist/hierarchical.py), the 1/W on the loss
+    hierarchical-divided  the same, the 1/W on each bucket
 
 Per variant, the mean over ranks of every thread's CPU per step (user + system, from /proc/self/task: the
 training thread, gloo's TCP loop and per-group run loops, the hierarchical worker), the median step, and on
@@ -47,12 +46,14 @@ from bert.config import from_flat
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
-from bert.dist.hierarchical import HierarchicalMean
-from bert.dist.reduce import allreduce_mean, build_reduce
+from bert.dist.reduce import allreduce_sum, build_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("flat", "hook-sum", "flat-hook", "hierarchical", "hierarchical-sum")
+# variant: (the Reduce's name, where the 1/W goes)
+VARIANTS = {"flat": ("flat", "loss"), "flat-hook": ("allreduce_sum", "loss"),
+            "flat-hook-divided": ("allreduce_sum", "bucket"), "hierarchical": ("hierarchical", "loss"),
+            "hierarchical-divided": ("hierarchical", "bucket")}
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -91,22 +92,6 @@ class HookTimer:
         return fut
 
 
-def allreduce_sum(flat: torch.Tensor) -> torch.futures.Future:
-    """`allreduce_mean` without its division: the hook's own cost (the result is W times the mean)."""
-    return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-class HierarchicalSum(HierarchicalMean):
-    """`HierarchicalMean` without its division by the world size (it divides by `self.world` and nowhere else)."""
-
-    def __call__(self, flat: torch.Tensor) -> torch.futures.Future:
-        world, self.world = self.world, 1
-        try:
-            return super().__call__(flat)
-        finally:
-            self.world = world
-
-
 def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, store: str, out: str) -> None:
     torch.set_num_threads(1)
     world = 4
@@ -114,8 +99,7 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
     env = DistEnv(rank, world, rank % 2, 2, "localhost", 0)
     cfg = from_flat(grad_reduce="hierarchical", grad_buckets="ddp", bucket_cap_mb=cap_mb).dist
     hierarchical = HookTimer(build_reduce(cfg, env))
-    reduces = {"flat": None, "hook-sum": allreduce_sum, "flat-hook": allreduce_mean(), "hierarchical": hierarchical,
-               "hierarchical-sum": HierarchicalSum(2)}
+    reduces = {"flat": None, "allreduce_sum": allreduce_sum(), "hierarchical": hierarchical}
     labels = {threading.get_native_id(): "training thread"}
     cpu = {v: collections.Counter() for v in VARIANTS}
     wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -123,18 +107,18 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
         for name in VARIANTS:
             model = comm.Gradients(shapes, rank)
             wrapper = apply_ddp(model, cfg)
-            install_clipping(wrapper, "none", 1.0, None, reduce=reduces[name])
+            reduce_name, mean_at = VARIANTS[name]
+            clipper = install_clipping(wrapper, "none", 1.0, None, reduce=reduces[reduce_name], mean_at=mean_at)
 
-            def step(wrapper=wrapper, model=model) -> None:
-                wrapper().backward()
+            def step(wrapper=wrapper, model=model, factor=clipper.loss_factor) -> None:
+                (wrapper() * factor).backward()
                 model.zero_grad(set_to_none=True)
 
             for _ in range(2):  # DDP rebuilds its buckets in the second step
                 step()
             hierarchical.cpu_ns.clear()
-            for reduce in (hierarchical.reduce, reduces["hierarchical-sum"]):
-                if getattr(reduce, "_worker", None) is not None:
-                    labels[reduce._worker.native_id] = "hierarchical worker"
+            if hierarchical.reduce._worker is not None:
+                labels[hierarchical.reduce._worker.native_id] = "hierarchical worker"
             dist.barrier()
             before = thread_cpu_s()
             for _ in range(args.steps):
@@ -147,7 +131,7 @@ def worker(rank: int, args: argparse.Namespace, shapes: list, cap_mb: float, sto
                 cpu[name][labels.get(tid, kernel_name)] += spent / (args.steps * args.rounds)
             if name == "hierarchical" and rank == 0:
                 hook_us = [ns / 1e3 for ns in hierarchical.cpu_ns]
-            del wrapper, model
+            del wrapper, model, clipper
     gathered = [None] * world
     dist.all_gather_object(gathered, {"cpu": cpu, "wall": wall})
     if rank == 0:
@@ -181,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"4 gloo processes as 2 nodes x 2, BERT-large / {args.scale}, DDP's buckets ({len(hook) // args.steps} "
           f"per step); {args.rounds} rounds x {args.steps} steps; {uptime_before}")
     for name, r in result.items():
-        print(f"{name:<13} median step {r['median_step_ms']:7.1f} ms, CPU per step and rank "
+        print(f"{name:<20} median step {r['median_step_ms']:7.1f} ms, CPU per step and rank "
               f"{r['cpu_ms_per_step_per_rank']:6.1f} ms "
               f"({r['cpu_ms_per_step_per_rank'] / result['flat']['cpu_ms_per_step_per_rank']:.2f}x flat):")
         for thread, ms in r["threads_cpu_ms_per_step"].items():

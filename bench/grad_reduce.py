@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from bert.config import from_flat
 from bert.dist.env import DistEnv
-from bert.dist.reduce import allreduce_mean, build_reduce
+from bert.dist.reduce import allreduce_sum, build_reduce
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {"flat": ("flat", "fp32"), "hierarchical": ("hierarchical", "fp32"),
@@ -50,7 +50,8 @@ def worker(rank: int, args: argparse.Namespace, store: str, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)
     env = DistEnv(rank, args.world, rank % args.node, args.node, "localhost", 0)
-    reduces = {name: build_reduce(from_flat(grad_reduce=s, grad_comm_dtype=c).dist, env) or allreduce_mean()
+    # sums, as every Reduce on a hook path where the loss carries the 1/W (the driver in fp32/bf16)
+    reduces = {name: build_reduce(from_flat(grad_reduce=s, grad_comm_dtype=c).dist, env) or allreduce_sum()
                for name, (s, c) in STRATEGIES.items()}
     numel = int(args.bucket_mb * 2**20 / 4)
     buckets = [torch.randn(numel + (b if args.odd else 0)) for b in range(args.buckets)]
@@ -63,7 +64,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, queue) -> None:
             for fut in [reduce(b) for b in buckets]:
                 fut.wait()
             elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu])
-            dist.all_reduce(elapsed[:1], op=dist.ReduceOp.MAX)  # a round ends when the slowest rank has its mean
+            dist.all_reduce(elapsed[:1], op=dist.ReduceOp.MAX)  # a round ends when the slowest rank has its sum
             dist.all_reduce(elapsed[1:])  # CPU seconds of all ranks (all threads): the work, whatever the load
             if repeat:
                 times[name].append(float(elapsed[0]))

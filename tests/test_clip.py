@@ -6,8 +6,10 @@ processes, and the gradients DDP leaves in `.grad` are compared with the referen
   before: clip the whole local gradient to c by its local norm, then average;
   after:  average, then clip to c by the global norm.
 Every case goes through the unit the driver uses: `install_clipping` once, then the Clipper's
-`before_step` at every step, with no mode check in the caller. The float64 cases run the hooks on
-float64 gradients and must match the reference to rounding (1e-12).
+`before_step` at every step, with no mode check in the caller. The hooks' Reduce sums; the mean's 1/W
+is on each bucket, or (the `*_loss` cases, as the driver in fp32/bf16) on the loss, with a loss scale
+too. The float64 cases run the hooks on float64 gradients and must match the reference to rounding
+(1e-12).
 The bucket layout (which parameters, how many buckets) is recorded from the buckets DDP hands to
 the hook, so B is observed, not assumed.
 """
@@ -25,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bert.dist.clip as clip_unit
 from bert.dist.clip import ClipAfterAllreduce, Clipper, install_clipping
-from bert.dist.reduce import allreduce_mean
+from bert.dist.reduce import allreduce_sum
 
 SHAPES = [(24, 32), (32,), (32, 32), (32,), (16, 32), (16,), (40, 16)]
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0, 0.0005]  # some buckets clip, some do not
@@ -45,6 +47,11 @@ CASE_SETUP = {
     "none_f64": ("none", 0.008, 1.0, False, torch.float64),
     # an explicit Reduce (bert.dist.reduce) instead of DDP's built-in allreduce: the comm-hook path
     "after_reduce": ("after", 0.004, 1.0, False, torch.float64),
+    # the 1/W on the loss (the hooks only sum): the clip still acts on each rank's own gradient
+    "bucket_f64_loss": ("bucket", 0.008, 1.0, False, torch.float64),
+    "before_f64_loss": ("before", 0.008, 1.0, False, torch.float64),
+    "after_reduce_loss": ("after", 0.004, 1.0, False, torch.float64),
+    "fp16_scaled_loss": ("bucket", 0.004, 1024.0, False, torch.float32),
 }
 
 
@@ -83,7 +90,9 @@ def run_case(rank: int, case: str) -> dict:
     clip_unit.bucket_clip_hook = recording(originals[0], layout, index_of)
     clip_unit.clip_before_hook = recording(originals[1], layout, index_of)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scale != 1.0)
-    clipper = install_clipping(ddp, mode, C, scaler, reduce=allreduce_mean() if case.endswith("_reduce") else None)
+    clipper = install_clipping(ddp, mode, C, scaler, reduce=allreduce_sum() if "_reduce" in case else None,
+                               mean_at="loss" if case.endswith("_loss") else "bucket")
+    assert clipper.loss_factor == (1 / dist.get_world_size() if case.endswith("_loss") else 1.0)
     clip_unit.bucket_clip_hook, clip_unit.clip_before_hook = originals
     assert isinstance(clipper, ClipAfterAllreduce) == (mode == "after") and isinstance(clipper, Clipper)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # only for the scaler's unscale_ in `after`
@@ -93,8 +102,8 @@ def run_case(rank: int, case: str) -> dict:
         layout.clear()
         if accumulate:
             with ddp.no_sync():
-                ddp(fixed_grads(rank, 10 * step, dtype)).backward()
-        scaler.scale(ddp(fixed_grads(rank, step, dtype))).backward()
+                (ddp(fixed_grads(rank, 10 * step, dtype)) * clipper.loss_factor).backward()
+        scaler.scale(ddp(fixed_grads(rank, step, dtype)) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)  # what the training loop calls, whatever the mode
         result["steps"].append({
             "grads": [p.grad.detach().clone() / scale for p in model.ps],  # before/bucket leave them scaled

@@ -28,7 +28,7 @@ from bert.config import from_flat
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.fusion import FusedDataParallel, balanced_bounds, ddp_bucket_bytes
-from bert.dist.reduce import allreduce_mean
+from bert.dist.reduce import allreduce_sum
 
 SHAPES = [(24, 32), (32,), (32, 32), (32,), (16, 32), (16,), (40, 16)]  # 3024 float64 = 24192 bytes
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0, 0.0005]
@@ -43,6 +43,7 @@ CASES = {
     "before": ("before", False, False, False),
     "after": ("after", False, False, False),
     "reduce": ("after", True, False, False),
+    "bucket_loss": ("bucket", False, False, False),  # the 1/W on the loss, as the driver in fp32/bf16
     "accumulate": ("bucket", False, True, False),
     "apply_ddp": ("bucket", False, False, True),
 }
@@ -72,7 +73,8 @@ def run_case(rank: int, case: str) -> dict:
         assert isinstance(engine, FusedDataParallel)
     else:
         engine = FusedDataParallel(model, CAP_MB)
-    clipper = install_clipping(engine, mode, C, None, reduce=allreduce_mean() if explicit else None)
+    clipper = install_clipping(engine, mode, C, None, reduce=allreduce_sum() if explicit else None,
+                               mean_at="loss" if case.endswith("_loss") else "bucket")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     out: dict = {"steps": [], "local_order": None}
@@ -80,8 +82,8 @@ def run_case(rank: int, case: str) -> dict:
         model.zero_grad(set_to_none=not accumulate)  # accumulate: in-place zeroing of the views as well
         if accumulate:
             with engine.no_sync():
-                engine(fixed_grads(rank, 10 * step)).backward()
-        engine(fixed_grads(rank, step)).backward()
+                (engine(fixed_grads(rank, 10 * step)) * clipper.loss_factor).backward()
+        (engine(fixed_grads(rank, step)) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)
         out["steps"].append({"grads": [p.grad.detach().clone() for p in model.ps], "order": list(engine.order),
                              "bounds": list(engine.bounds), "bytes": engine.bucket_bytes(),

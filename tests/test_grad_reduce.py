@@ -1,7 +1,8 @@
 """Gradient reduction strategies (GRAD_REDUCE) and compressed communication (GRAD_COMM_DTYPE) through DDP.
 
 One spawn of 4 gloo processes laid out as 2 simulated nodes x 2 ranks (an explicit DistEnv) runs every
-clipping mode with every reduction, built by `build_reduce` from a config as the trainer does:
+clipping mode with every reduction, built by `build_reduce` from a config as the trainer does, with the
+mean's 1/W on the loss (the driver's choice in fp32/bf16) and on each bucket (its choice in fp16):
   hierarchical == flat to float32 round-off (float64: to 1e-12, and equal to the float64 mean by hand);
   bf16/fp16 communication stays within the bound of bert.dist.compress against the fp32 result:
       |compressed - fp32| <= (N+1)(u + 2 u32) mean_r |g_r| + (N+1) eta   elementwise (none/before/bucket:
@@ -33,14 +34,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bert.config import ConfigError, from_env_and_args, from_flat, launcher_layout
 from bert.dist.clip import install_clipping
 from bert.dist.env import DistEnv
-from bert.dist.hierarchical import HierarchicalMean, node_groups
-from bert.dist.reduce import build_reduce
+from bert.dist.hierarchical import HierarchicalSum, node_groups
+from bert.dist.reduce import build_reduce, divided
 
 WORLD, NODE = 4, 2
 SHAPES = [(7, 13), (33,), (16, 9), (5,), (21, 3), (1,)]  # odd sizes: uneven or padded shards
 SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0]
 C, STEPS, CAP_MB = 1.0, 2, 0.0002  # 200-byte buckets: several per model
 MODES = ("none", "after", "before", "bucket")
+PLACEMENTS = ("loss", "bucket")  # where the 1/W goes (bert.dist.reduce)
 # name: (GRAD_REDUCE, GRAD_COMM_DTYPE, gradient dtype)
 REDUCES = {
     "flat": ("flat", "fp32", torch.float32),
@@ -76,16 +78,16 @@ def fixed_grads(rank: int, step: int, dtype: torch.dtype) -> list[torch.Tensor]:
             for s, k in zip(SHAPES, SCALES)]
 
 
-def run(mode: str, reduce, dtype: torch.dtype, rank: int) -> list[list[torch.Tensor]]:
+def run(mode: str, reduce, dtype: torch.dtype, rank: int, mean_at: str) -> list[list[torch.Tensor]]:
     model = FixedGrad(dtype)
     ddp = DDP(model, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
-    clipper = install_clipping(ddp, mode, C, None, reduce=reduce)
+    clipper = install_clipping(ddp, mode, C, None, reduce=reduce, mean_at=mean_at)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     steps = []
     for step in range(STEPS):  # step 0 on DDP's first buckets, step 1 on the rebuilt ones
         model.zero_grad(set_to_none=True)
-        ddp(fixed_grads(rank, step, dtype)).backward()
+        (ddp(fixed_grads(rank, step, dtype)) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)
         steps.append([p.grad.detach().clone() for p in model.ps])
     return steps
@@ -105,18 +107,20 @@ def worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     env = DistEnv(rank, WORLD, rank % NODE, NODE, "localhost", 0)  # 2 nodes x 2 ranks on one host
-    results, sizes = {}, {(name, mode): [] for name in REDUCES for mode in MODES}
+    results, sizes = {}, {(name, mode, at): [] for name in REDUCES for mode in MODES for at in PLACEMENTS}
     for name, (strategy, comm, dtype) in REDUCES.items():
         cfg = from_flat(grad_reduce=strategy, grad_comm_dtype=comm).dist
         reduce = build_reduce(cfg, env)  # process groups built once per reduction, reused by every mode
         if "collective" in name:
-            reduce = HierarchicalMean(NODE, exchange="collective")
+            reduce = HierarchicalSum(NODE, exchange="collective")
         assert getattr(reduce, "exchange", None) in (None, "collective" if "collective" in name else "p2p")
         assert (reduce is None) == (name in ("flat", "flat_f64"))
         for mode in MODES:
-            results[name, mode] = run(mode, recorded(reduce, sizes[name, mode]) if reduce else None, dtype, rank)
+            for at in PLACEMENTS:
+                key = name, mode, at
+                results[key] = run(mode, recorded(reduce, sizes[key]) if reduce else None, dtype, rank, at)
         if name == "hierarchical_fp16":  # 40000 on every rank: a node sum before the division would overflow fp16
-            probe = reduce(torch.full((11,), 40000.0)).wait()
+            probe = divided(reduce, WORLD)(torch.full((11,), 40000.0)).wait()
     torch.save((results, sizes, probe), f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -133,17 +137,31 @@ def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
     mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}")[0] for r in range(WORLD)]
     sizes = torch.load(f"{out}.0")[1]
-    # fp16 communication: the bucket is divided by the world before the node sum (2 x 40000 > 65504, fp16's max)
+    # fp16 communication, 1/W on the bucket: divided before the node sum (2 x 40000 > 65504, fp16's max)
     for r in range(WORLD):
         assert torch.equal(torch.load(f"{out}.{r}")[2], torch.full((11,), 40000.0)), r
     # the cases the test is for: several buckets once DDP rebuilt them (step 1), some of odd size
-    assert len(sizes["hierarchical", "bucket"]) >= 1 + 3 and any(n % NODE for n in sizes["hierarchical", "none"])
-    assert len(sizes["hierarchical", "before"]) == STEPS  # clip-before: one concatenated reduction per step
+    for at in PLACEMENTS:
+        assert len(sizes["hierarchical", "bucket", at]) >= 1 + 3
+        assert any(n % NODE for n in sizes["hierarchical", "none", at])
+        assert len(sizes["hierarchical", "before", at]) == STEPS  # clip-before: one concatenated reduction per step
     for rank in range(1, WORLD):  # every rank holds the same mean
         for key, steps in results[rank].items():
             for got, want in zip(steps, results[0][key]):
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), (key, rank)
-    res = results[0]
+    for at in PLACEMENTS:
+        check_against_flat({(name, mode): steps for (name, mode, p), steps in results[0].items() if p == at}, at)
+    # 1/W on the loss instead of on each bucket changes only rounding (exactly nothing for W = 4): in particular
+    # the clip hooks still clip each rank's own gradient by its own norm
+    for (name, mode, at), steps in results[0].items():
+        if at == "loss" and name.endswith("f64"):
+            for got, want in zip(steps, results[0][name, mode, "bucket"]):
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15, msg=f"{name} {mode}")
+
+
+def check_against_flat(res: dict, at: str) -> None:
+    """Rank 0's gradients of every strategy against DDP's own flat allreduce, with the 1/W placed `at`."""
     for step in range(STEPS):
         scale = mean_abs(step)
         # An independent reference for the unclipped float64 case: the mean by hand.
@@ -152,7 +170,7 @@ def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
         for g, w in zip(res["hierarchical_f64", "none"][step], by_hand):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
         for mode in MODES:
-            where = f"{mode} step {step}"
+            where = f"{mode} step {step}, 1/W on the {at}"
             for name in ("hierarchical_f64", "hierarchical_collective_f64"):
                 for g, f in zip(res[name, mode][step], res["flat_f64", mode][step]):
                     torch.testing.assert_close(g, f, rtol=1e-12, atol=1e-15, msg=f"{name} {where}")
@@ -221,9 +239,9 @@ def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_pat
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match="does not divide"):
-            HierarchicalMean(2)
+            HierarchicalSum(2)
         flat = torch.arange(5.0)
-        assert torch.equal(HierarchicalMean(1)(flat).wait(), torch.arange(5.0))  # a world of one: the identity
+        assert torch.equal(HierarchicalSum(1)(flat).wait(), torch.arange(5.0))  # a world of one: the identity
     finally:
         dist.destroy_process_group()
 
@@ -236,7 +254,7 @@ def free_port() -> int:
 
 @pytest.mark.slow
 def test_two_torchrun_launchers_form_nodes_from_their_local_ranks(tmp_path):
-    """2 launchers x 2 ranks: the nodes are the launchers' ranks, and the mean is right (float64, and bf16)."""
+    """2 launchers x 2 ranks: the nodes are the launchers' ranks, and the sum is right (float64, and bf16)."""
     script = Path(__file__).parent / "multiproc" / "reduce_ranks.py"
     port = free_port()
     launchers = [subprocess.Popen(
@@ -257,10 +275,10 @@ def test_two_torchrun_launchers_form_nodes_from_their_local_ranks(tmp_path):
     records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
     assert sorted(records) == [0, 1, 2, 3]
     values = [rank_values(r) for r in range(4)]
-    mean = sum(values) / 4
-    scale = sum(v.abs() for v in values) / 4
+    total = sum(values)
+    scale = sum(v.abs() for v in values)
     for rank, record in records.items():
         assert record["intra"] == ([0, 1] if rank < 2 else [2, 3]) and record["inter"] == [rank % 2, rank % 2 + 2]
-        torch.testing.assert_close(torch.tensor(record["fp32"], dtype=torch.float64), mean, rtol=1e-12, atol=1e-15)
-        err = (torch.tensor(record["bf16"], dtype=torch.float64) - mean).abs()
+        torch.testing.assert_close(torch.tensor(record["fp32"], dtype=torch.float64), total, rtol=1e-12, atol=1e-15)
+        err = (torch.tensor(record["bf16"], dtype=torch.float64) - total).abs()
         assert (err <= 5 * UNIT_ROUNDOFF["bf16"] * scale).all() and err.max() > 0, rank

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from bert.config import ConfigError, from_env_and_args, from_flat
 from bert.dist.clip import ClipAfterAllreduce, install_clipping
 from bert.dist.ddp import apply_ddp
+from bert.dist.reduce import mean_placement
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import save_weights
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
@@ -197,7 +198,8 @@ def build(cfg, seed: int = 0):
     optimizer = build_optimizer(model, cfg.optim, dtype)
     ddp = apply_ddp(model, replace(cfg.dist, bucket_cap_mb=0.02))  # 20 kB: several buckets
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=dtype == torch.float16)
-    clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), C, scaler)
+    clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), C, scaler,
+                               mean_at=mean_placement(cfg.model.precision, False))  # as bert.train.build
     schedule = build_schedule(optimizer, cfg.optim)
     return SimpleNamespace(cfg=cfg, ddp=ddp, clipper=clipper, optimizer=optimizer, schedule=schedule, scaler=scaler,
                            autocast=autocast_for(cfg.model.precision, torch.device("cpu"), True), dtype=dtype)

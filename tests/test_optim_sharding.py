@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.config import from_flat
 from bert.dist.clip import install_clipping
+from bert.dist.reduce import mean_placement
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.param_groups import decay_groups
 from bert.optim.sharded import ShardedOptimizer, build_sharded, local_only
@@ -61,13 +62,14 @@ def train(rank: int, optimizer: str, clip: str, sharding: bool) -> tuple[FixedGr
     cfg = config(optimizer, clip, sharding)
     model = FixedGrad()
     ddp = DDP(model, bucket_cap_mb=0.0003, gradient_as_bucket_view=True)  # 300 B: several buckets
-    clipper = install_clipping(ddp, hook_clip_mode(cfg), C, None, reduce=local_only() if sharding else None)
+    clipper = install_clipping(ddp, hook_clip_mode(cfg), C, None, reduce=local_only() if sharding else None,
+                               mean_at=mean_placement("fp32", sharding))  # as bert.train.build
     opt = build_optimizer(model, cfg)
     schedule = build_schedule(opt, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     weights = []
     for step in range(STEPS):
-        ddp(grads(rank, step)).backward()
+        (ddp(grads(rank, step)) * clipper.loss_factor).backward()
         clipper.before_step(opt, scaler)
         scaler.step(opt)
         schedule.step()

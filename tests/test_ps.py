@@ -3,9 +3,10 @@
 One spawn of 3 workers + 2 servers (gloo, the layout the driver builds: workers first on the node, then
 servers) checks, on float64 buffers:
   * raw buffers of many sizes (shorter than the server count included), several in flight at once:
-    equal to the float64 mean of every worker's buffer, computed here from the known inputs;
+    equal to the float64 sum of every worker's buffer (a Reduce sums), computed here from the known inputs;
   * DDP through `install_clipping` (GRAD_CLIP after / bucket / before) over 3 steps, across DDP's
-    bucket rebuild: the gradients equal those of the same DDP with the flat allreduce, to round-off;
+    bucket rebuild, with the 1/W on the loss as the driver has it in fp32: the gradients equal those of
+    the same DDP with the flat allreduce, to round-off;
   * the servers really did the work: each served exactly as many buffers as the workers sent.
 The whole driver under torchrun (2 workers + 1 server) is checked against a flat run of the same seed.
 """
@@ -66,15 +67,17 @@ def fixed_grads(rank: int, step: int) -> list[torch.Tensor]:
 
 
 def ddp_grads(rank: int, clip: str, reduce) -> list[list[torch.Tensor]]:
+    """As the driver runs it in fp32: the hook sums (ps, or an allreduce for clip-before/bucket), the loss carries
+    the 1/W; with reduce=None and `after`, DDP's own mean."""
     model = FixedGrad()
     ddp = DDP(model, bucket_cap_mb=0.008, gradient_as_bucket_view=True)  # several buckets
-    clipper = install_clipping(ddp, clip, 1.0, None, reduce=reduce)
+    clipper = install_clipping(ddp, clip, 1.0, None, reduce=reduce, mean_at="loss")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     steps = []
     for step in range(3):  # step 0 uses DDP's first buckets; they are rebuilt during step 1
         model.zero_grad(set_to_none=True)
-        ddp(fixed_grads(rank, step)).backward()
+        (ddp(fixed_grads(rank, step)) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)
         steps.append([p.grad.detach().clone() for p in model.ps])
     return steps
@@ -129,11 +132,11 @@ def test_ps_equals_flat_allreduce_for_raw_buffers_and_every_clip_mode(tmp_path):
         assert served(Path(f"{out}.log{WORKERS + s}").read_text(), WORKERS, server=s) == sent
     tight = dict(rtol=1e-12, atol=1e-15)
     for n, *got in zip(SIZES, *[w["raw"] for w in workers]):
-        want = sum(buffer(r, n) for r in range(WORKERS)) / WORKERS
+        want = sum(buffer(r, n) for r in range(WORKERS))
         for in_place, t in got:
-            assert in_place  # the mean lands in the buffer DDP handed over
+            assert in_place  # the sum lands in the buffer DDP handed over
             torch.testing.assert_close(t, want, **tight)
-    want32 = sum(buffer(r, 1001, torch.float32).double() for r in range(WORKERS)) / WORKERS
+    want32 = sum(buffer(r, 1001, torch.float32).double() for r in range(WORKERS))
     for w in workers:
         assert w["float32"].dtype == torch.float32
         torch.testing.assert_close(w["float32"].double(), want32, rtol=1e-6, atol=1e-7)

@@ -10,10 +10,13 @@
 `install_clipping(ddp, mode, max_norm, scaler)` sets a mode up once and returns the `Clipper` that the
 training loop calls before every optimizer step, whatever the mode: `after` clips there; the other
 modes did their work inside the allreduce, so their step is empty. `CLIP_MODES` is the registry.
+It also places the mean's 1/W on a hook path (`bert.dist.reduce`): with `mean_at="loss"` the Reduce
+only sums and the Clipper's `loss_factor` (1/W) is what the loop multiplies the loss by.
 
 `before` and `bucket` are DDP communication hooks. Under fp16 loss scaling the buckets hold
 scaled gradients; norms are compared after dividing by the scale, and the clipped bucket stays
-scaled so that the GradScaler's unscale and inf check work unchanged. With gradient
+scaled so that the GradScaler's unscale and inf check work unchanged. A 1/W the loss carries is part
+of that scale: the hooks clip each rank's own gradient, as without it. With gradient
 accumulation the hooks run only on the sync micro-step, so they clip the accumulated gradient.
 """
 
@@ -28,7 +31,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.dist.fusion import FusedDataParallel
-from bert.dist.reduce import Reduce, allreduce_mean, reduce_hook
+from bert.dist.reduce import MEAN_PLACEMENTS, Reduce, allreduce_mean, allreduce_sum, divided, reduce_hook
 
 LossScale = Callable[[], Tensor | float]  # the current fp16 loss scale; 1.0 without scaling
 
@@ -118,7 +121,10 @@ def clip_before_hook(state: BeforeClipState, bucket: dist.GradBucket) -> Future[
 
 class Clipper:
     """What the loop calls before every optimizer step. The base does nothing: `none` never clips, and
-    `before`/`bucket` already clipped inside DDP's allreduce hook."""
+    `before`/`bucket` already clipped inside DDP's allreduce hook. `loss_factor` is what the loop multiplies
+    the loss by before backward: 1/W when the hook only sums (`mean_at="loss"`), else 1."""
+
+    loss_factor: float = 1.0
 
     def before_step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
         return None
@@ -142,7 +148,12 @@ def loss_scale_of(scaler: torch.amp.GradScaler | None) -> LossScale:
     return scaler._get_scale_async
 
 
+def _times(loss_scale: LossScale, factor: float) -> LossScale:
+    return lambda: loss_scale() * factor
+
+
 Installer = Callable[[DDP, float, LossScale, Reduce | None], Clipper]
+HOOK_MODES = ("before", "bucket")  # they clip inside a comm hook, so a hook reduces whatever `reduce` is
 
 
 def _install_none(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
@@ -177,11 +188,27 @@ CLIP_MODES: dict[str, Installer] = {
 }
 
 
-def install_clipping(ddp: DDP | FusedDataParallel, mode: str, max_norm: float, scaler: torch.amp.GradScaler | None = None,
-                     reduce: Reduce | None = None) -> Clipper:
+def install_clipping(ddp: DDP | FusedDataParallel, mode: str, max_norm: float,
+                     scaler: torch.amp.GradScaler | None = None, reduce: Reduce | None = None,
+                     mean_at: str = "bucket") -> Clipper:
     """Set up clipping `mode` on `ddp` once and return the step-side Clipper. `reduce` is how gradients are
-    averaged (`bert.dist.reduce`); None keeps DDP's flat allreduce. DDP takes one comm hook, so this is
-    the one place that registers it."""
+    summed (`bert.dist.reduce`); None keeps DDP's flat allreduce, or a hook's `allreduce_sum`. DDP takes one
+    comm hook, so this is the one place that registers it. `mean_at` is where a hook path divides by the
+    world size (`mean_placement`): "bucket" (each bucket before its sum: every hook's result is the mean,
+    as DDP's), "loss" (the returned Clipper's `loss_factor`), "optimizer" (the sharded optimizer's)."""
     if mode not in CLIP_MODES:
         raise ValueError(f"grad_clip must be one of {', '.join(CLIP_MODES)}, got {mode!r}")
-    return CLIP_MODES[mode](ddp, max_norm, loss_scale_of(scaler), reduce)
+    if mean_at not in MEAN_PLACEMENTS:
+        raise ValueError(f"mean_at must be one of {', '.join(MEAN_PLACEMENTS)}, got {mean_at!r}")
+    loss_scale, loss_factor = loss_scale_of(scaler), 1.0
+    if reduce is not None or mode in HOOK_MODES or isinstance(ddp, FusedDataParallel):  # a hook reduces
+        group = ddp.group if isinstance(ddp, FusedDataParallel) else ddp.process_group
+        reduce = reduce or allreduce_sum(group)
+        if mean_at == "bucket":
+            reduce = divided(reduce, dist.get_world_size(group))
+        elif mean_at == "loss":
+            loss_factor = 1.0 / dist.get_world_size(group)
+            loss_scale = _times(loss_scale, loss_factor)  # the hooks' norms are of g/W: clip g by its own norm
+    clipper = CLIP_MODES[mode](ddp, max_norm, loss_scale, reduce)
+    clipper.loss_factor = loss_factor
+    return clipper

@@ -2,11 +2,11 @@
 (TPU [004] §3.3 sums BERT's gradients in bfloat16 to cut the reduction's cost).
 
 `compressed(inner, dtype)` is a Reduce that casts the buffer to `dtype`, runs `inner` (flat or hierarchical)
-on the half-size copy and writes the mean back into the original buffer. Clipping hooks run before it,
+on the half-size copy and writes the sum back into the original buffer. Clipping hooks run before it,
 so norms and clip factors are computed on the full-precision gradient; only the averaging is rounded.
-The inner Reduce divides by the world size before summing, so an fp16 sum stays in range whenever every
-rank's term does (fp16 is meant for PRECISION=fp16, whose GradScaler skips a step with an inf; bf16 has
-fp32's range).
+The buffer arrives divided by the world size (by the loss, or by `divided` first: bert.dist.reduce), so an
+fp16 sum stays in range whenever every rank's term does (fp16 is meant for PRECISION=fp16, whose
+GradScaler skips a step with an inf; bf16 has fp32's range).
 
 Error bound (round-to-nearest, unit roundoff u = 2^-8 for bf16, 2^-11 for fp16): each rank's term is
 rounded by the cast and by the division (2u), and the N-term sum adds at most (N-1)u relative to the sum
@@ -36,7 +36,7 @@ COMM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bflo
 
 
 def compressed(inner: Reduce, dtype: torch.dtype) -> Reduce:
-    """`inner` run on a `dtype` copy of the buffer; the mean lands in the original buffer."""
+    """`inner` run on a `dtype` copy of the buffer; the result lands in the original buffer."""
 
     def reduce(flat: Tensor) -> Future[Tensor]:
         if flat.dtype == dtype:

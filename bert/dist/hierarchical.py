@@ -1,9 +1,9 @@
-"""Hierarchical gradient averaging: reduce inside the node, then across nodes, then share inside the node
+"""Hierarchical gradient sum: reduce inside the node, then across nodes, then share inside the node
 (Herring [003] §III-A steps 1-5; the 2-D reduce-scatter of TPU [004] §3.3).
 
     1. intra-node reduce-scatter   each of the n local ranks gets the node's sum of 1/n of the bucket
     2. inter-node allreduce        that shard is summed among the ranks holding it (same local rank, every node)
-    3. intra-node all-gather       the n averaged shards are shared inside the node again
+    3. intra-node all-gather       the n summed shards are shared inside the node again
 
 Only 1/n of each bucket crosses the slow network per rank, and the inter-node rings are n times shorter
 than one flat ring over the world. The result equals the flat allreduce up to summation order.
@@ -26,19 +26,16 @@ bucket k-1's all-gather, so the two overlap, and both overlap the backward pass 
 reduce-scatter; the future DDP waits on is completed by the worker. (It was two threads, one per step: a
 thread hand-off per bucket more, for the same overlap.)
 
-Division by the world size is done on this rank's shard after the node sum (1/n of the bucket), not on the
-whole bucket first: with a power-of-two world it is exact either way (else within round-off). In fp16 the
-bucket is divided first, since a node sum of loss-scaled fp16 gradients could overflow before it.
+It only sums, as every Reduce does (bert.dist.reduce): the mean's 1/W comes with the gradients, from the
+loss (bf16/fp32) or from `divided` (PRECISION=fp16, where the bucket is divided before any fp16 sum).
 
 On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
 and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
 two of the ring's six message latencies, but takes five gloo calls and a thread hand-off per bucket where
-flat takes one call. Measured there (bench/comm_profile.py, two runs of 8 and 12 rounds), CPU per step and
-rank: flat 1.00; the same allreduce from a Python hook that does not divide 1.02-1.06 (the hook mechanism
-itself); with the division 1.09-1.15 (a pass over every bucket, which DDP without a hook fuses into copying
-the gradients into their buckets); this hook 1.12-1.13, and 1.04 without its division (half a pass): so
-beyond the division the hierarchy costs no more than any hook. Wall time per step 1.03-1.17x flat's over
-six runs of bench/comm.py.
+flat takes one call. Measured there, CPU per step and rank against flat DDP: a Python comm hook around
+the same allreduce costs 1.02-1.06x (the hook mechanism itself); a division on the hook path, which DDP
+without a hook fuses into copying the gradients into their buckets, costs a pass over the buffer; without
+one the hierarchy costs about what any hook does (bench/comm_profile.py).
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
@@ -65,10 +62,8 @@ def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[
 class _Job:
     """One buffer on its way through the three steps; `work` is the step in flight."""
 
-    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending",
-                 divide: float):
+    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending"):
         self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
-        self.divide = divide  # what the shard is divided by after the node sum (1: the bucket already was)
         self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
 
     def finish(self) -> None:
@@ -97,8 +92,8 @@ class _Pending:
             self.then()
 
 
-class HierarchicalMean:
-    """A `Reduce` (bert.dist.reduce): the world mean of a flat tensor, in place, by steps 1-3 above.
+class HierarchicalSum:
+    """A `Reduce` (bert.dist.reduce): the world sum of a flat tensor, in place, by steps 1-3 above.
 
     `exchange` is how steps 1 and 3 move data inside the node: "collective" (reduce_scatter / all_gather,
     the NCCL default) or "p2p" (each rank sends every node peer its chunk and sums what it receives, the
@@ -140,10 +135,6 @@ class HierarchicalMean:
         return spare.pop() if spare else torch.empty_like(like)
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
-        divide = self.world
-        if flat.dtype == torch.float16:  # the node sum must not overflow fp16's range: divide the bucket first
-            flat.div_(self.world)
-            divide = 1
         n = self.node_size
         if self.exchange == "p2p":  # chunks may differ in size by one element: nothing padded, nothing copied
             chunks = flat.tensor_split(n)
@@ -152,7 +143,7 @@ class HierarchicalMean:
             padded = flat if flat.numel() % n == 0 else torch.cat([flat, flat.new_zeros(n - flat.numel() % n)])
             chunks = padded.tensor_split(n)
             shard = padded.new_empty(chunks[self.local].numel())
-        job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard), divide)
+        job = _Job(flat, padded, chunks, shard, self._reduce_scatter(padded, chunks, shard))
         if self._worker is None:
             self._worker = threading.Thread(target=self._steps, name="hierarchical-steps", daemon=True)
             self._worker.start()
@@ -199,8 +190,6 @@ class HierarchicalMean:
             try:
                 with _on_device(job.flat):
                     job.work.wait()  # step 1 and the node sum
-                    if job.divide != 1:
-                        job.shard.div_(job.divide)
                     inter = self.inter_group.allreduce([job.shard], self._sum)
                     if gathering is not None:
                         gathering.finish()

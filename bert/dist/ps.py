@@ -3,7 +3,8 @@
 
 Every flat buffer a worker reduces (one DDP bucket, or all of them under GRAD_CLIP=before) is cut into
 S shards of equal size, one per server, so every server carries the same load for every buffer. Shard s
-goes to server s, which waits for it from all W workers, sums, divides by W and sends the mean back:
+goes to server s, which waits for it from all W workers, sums and sends the sum back (a Reduce sums;
+the mean's 1/W comes with the gradients, bert.dist.reduce):
 two hops and M bytes each way per worker, whatever W (an allreduce moves about 2M, Herring [003] §I).
 
 Layout. `PS_SERVERS` is the number of servers per node; the launcher starts DGXNGPU + PS_SERVERS
@@ -19,7 +20,7 @@ copied to the host before it is sent and back after (Herring [003] §III-A, step
 servers need no GPU.
 
 Protocol, per worker-server pair, in order: a header (sequence number, kind, shard length, dtype), then
-the shard (none when empty); the server answers with the mean shard. Headers carry the length, so DDP
+the shard (none when empty); the server answers with the summed shard. Headers carry the length, so DDP
 rebuilding its buckets after the first step needs no agreement, and the sequence number makes a worker
 that fell out of step an error instead of a wrong sum. When training ends each worker sends a STOP
 header (`disconnect`); a server returns once all workers have stopped.
@@ -113,7 +114,7 @@ def _header(seq: int, kind: int, numel: int, dtype: torch.dtype) -> Tensor:
 
 
 class Client:
-    """A worker's side: sends shards, receives means. A background thread does the (blocking) exchange,
+    """A worker's side: sends shards, receives sums. A background thread does the (blocking) exchange,
     buffer after buffer in the order `reduce` was called, so that DDP's backward pass goes on meanwhile
     (gloo's point-to-point Work has no future)."""
 
@@ -140,13 +141,13 @@ class Client:
                 result.set_exception(e)
 
     def _exchange(self, kind: int, host: Tensor) -> Tensor:
-        """Shard s of `host` to server s; returns the means. Every server gets a header, even for an empty
+        """Shard s of `host` to server s; returns the sums. Every server gets a header, even for an empty
         shard, so that all servers see every sequence number."""
         sizes = shard_sizes(host.numel(), self.me.servers)
-        mean = torch.empty_like(host)
+        total = torch.empty_like(host)
         works, headers = [], []  # the headers must live until their sends are done
         # Receives first: a server can answer as soon as the last worker's shard is in.
-        for s, part in enumerate(mean.split(sizes)):
+        for s, part in enumerate(total.split(sizes)):
             if part.numel():
                 works.append(self.group.recv([part], self.me.workers + s, RESULT))
         for s, shard in enumerate(host.split(sizes)):
@@ -157,7 +158,7 @@ class Client:
         for work in works:
             work.wait()
         self.seq += 1
-        return mean
+        return total
 
     def close(self) -> None:
         """Wait for the buffers in flight, then tell every server this worker is done."""
@@ -170,8 +171,8 @@ _client: Client | None = None
 
 
 def connect_worker(job: DistEnv, cfg: DistConfig) -> dist.Store | None:
-    """For a worker of a PS job: join the PS group, keep the client that GRAD_REDUCE=ps reduces with, and return the store of
-    the workers' default group (for `init_distributed`). None without parameter servers."""
+    """For a worker of a PS job: join the PS group, keep the client that GRAD_REDUCE=ps reduces with, and return
+    the store of the workers' default group (for `init_distributed`). None without parameter servers."""
     global _client
     if not uses_ps(cfg):
         return None
@@ -219,8 +220,8 @@ def serve_loop(group: dist.ProcessGroup, me: Layout) -> int:
             total = torch.zeros(numel, dtype=torch.promote_types(DTYPES[dtype], torch.float32))
             for t in shards:  # worker order: the sum is the same on every run
                 total += t
-            mean = total.div_(me.workers).to(DTYPES[dtype])  # divided here: a float16 sum could overflow
-            for work in [group.send([mean], w, RESULT) for w in workers]:
+            total = total.to(DTYPES[dtype])  # the shards came divided by W: a float16 sum stays in range
+            for work in [group.send([total], w, RESULT) for w in workers]:
                 work.wait()
         served += 1
 

@@ -15,7 +15,7 @@ from bert.data.pipeline import TrainLoader, eval_batches
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
-from bert.dist.reduce import build_reduce
+from bert.dist.reduce import build_reduce, mean_placement
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
@@ -77,7 +77,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
         compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     ddp = apply_ddp(model, cfg.dist)
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
-                               reduce=local_only() if sharded else build_reduce(cfg.dist, env))
+                               reduce=local_only() if sharded else build_reduce(cfg.dist, env),
+                               mean_at=mean_placement(cfg.model.precision, sharded))
     schedule = build_schedule(optimizer, cfg.optim)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,

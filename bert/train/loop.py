@@ -85,7 +85,8 @@ def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
         with nullcontext() if micro == micro_steps - 1 else ddp.no_sync():
             with run.autocast():
                 loss = ddp(batch).loss / micro_steps
-            run.scaler.scale(loss).backward()
+            # loss_factor: 1/W when the comm hook only sums (bert.dist.reduce: where the mean's 1/W goes)
+            run.scaler.scale(loss * run.clipper.loss_factor).backward()
         loss_sum += loss.detach()
 
     run.clipper.before_step(run.optimizer, run.scaler)

@@ -37,7 +37,7 @@ def main() -> None:
     for comm in ("fp32", "bf16"):
         cfg = from_env_and_args([*required, "--grad_reduce", "hierarchical", "--grad_comm_dtype", comm])
         reduce = build_reduce(cfg.dist, env)
-        record[comm] = reduce(rank_values(env.rank)).wait().tolist()
+        record[comm] = reduce(rank_values(env.rank)).wait().tolist()  # the sum (the mean's 1/W comes with the loss)
         if comm == "fp32":
             record["intra"] = dist.get_process_group_ranks(reduce.scatter_group)
             record["inter"] = dist.get_process_group_ranks(reduce.inter_group)
