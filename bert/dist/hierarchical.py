@@ -32,10 +32,13 @@ loss (bf16/fp32) or from `divided` (PRECISION=fp16, where the bucket is divided 
 On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
 and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
 two of the ring's six message latencies, but takes five gloo calls and a thread hand-off per bucket where
-flat takes one call. Measured there, CPU per step and rank against flat DDP: a Python comm hook around
-the same allreduce costs 1.02-1.06x (the hook mechanism itself); a division on the hook path, which DDP
-without a hook fuses into copying the gradients into their buckets, costs a pass over the buffer; without
-one the hierarchy costs about what any hook does (bench/comm_profile.py).
+flat takes one call. Measured there (bench/comm_profile.py), CPU per step and rank against flat DDP: the same
+allreduce from a Python hook 0.99-1.03x (the hook mechanism itself); with a division on each bucket (which
+DDP without a hook fuses into copying the gradients into their buckets) 1.06-1.11x; this hook 1.08-1.11x
+with the 1/W on the loss and 1.14-1.19x with it on each bucket. What is left is the calls: posting a
+receive and a send costs about 130 us of the calling thread whatever the size (gloo writes the first socket
+buffer's worth there), and steps 1 and 3 post four per bucket. Wall time 1.01-1.13x flat's over nine runs
+of bench/comm.py.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
