@@ -35,7 +35,7 @@ from bert.config import ConfigError, from_env_and_args, from_flat, launcher_layo
 from bert.dist.clip import install_clipping
 from bert.dist.env import DistEnv
 from bert.dist.hierarchical import HierarchicalSum, node_groups
-from bert.dist.reduce import build_reduce, divided
+from bert.dist.reduce import build_reduce, divided, mean_placement
 
 WORLD, NODE = 4, 2
 SHAPES = [(7, 13), (33,), (16, 9), (5,), (21, 3), (1,)]  # odd sizes: uneven or padded shards
@@ -194,6 +194,15 @@ def check_against_flat(res: dict, at: str) -> None:
                     # the cast really happened: fp32 alone could not be off by this much
                     rel = max(float((e / f.double().abs().clamp(min=1e-30)).max()) for e, f in zip(err, flat))
                     assert rel > u / 16, what
+
+
+def test_the_mean_goes_on_the_loss_except_under_fp16_or_optimizer_sharding():
+    """bert.train.build's rule: fp16 keeps the backward at its loss scale (each bucket is divided before its
+    sum); the sharded optimizer's reduce-scatter divides; elsewhere the loss carries the 1/W."""
+    assert [mean_placement(p, False) for p in ("fp32", "bf16", "fp8", "fp16")] == ["loss", "loss", "loss", "bucket"]
+    assert {mean_placement(p, True) for p in ("fp32", "bf16", "fp16")} == {"optimizer"}
+    with pytest.raises(ValueError, match="mean_at must be one of loss, bucket, optimizer, got 'wire'"):
+        install_clipping(None, "none", 1.0, mean_at="wire")
 
 
 def test_node_groups_are_blocks_and_strided_peers():
