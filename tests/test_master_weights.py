@@ -13,6 +13,7 @@ References, all independent of `MasterWeights`:
     `bucket` clip inside DDP's hook, on the compute-dtype buckets; there the reference takes the
     gradients the hook left (captured at the step) and checks the clip by its bound;
     After the steps, eval on the compute-dtype model (autocast off) equals the reference cast down;
+  * train_step multiplies the loss by the Clipper's loss_factor (the 1/W where the hooks only sum);
   * checkpoints: save, load into a model built from another seed, continue == never interrupted; the file
     holds the fp32 masters, and a plain fp32 run (MASTER_WEIGHTS=0) loads the same weights and state;
   * the parse-time refusals (fp32/fp8, OPTIMIZER_SHARDING=1), one line each; COMPILE_OPTIMIZER=1 parses with it
@@ -306,6 +307,24 @@ def test_checkpoint_holds_the_masters_and_resume_is_exact(world_of_one, tmp_path
         assert torch.equal(a, b)
     for a, b in zip(params(whole.ddp.module), params(resumed.ddp.module)):
         assert torch.equal(a, b)
+
+
+
+def test_train_step_scales_the_loss_by_the_clippers_loss_factor(world_of_one):
+    """Where the comm hooks only sum, the mean's 1/W rides on the loss (bert.dist.reduce): the gradient the
+    optimizer sees is scaled by `loss_factor` (by 1/4: exact in binary), the loss the loop reports is not."""
+    grads, losses = {}, {}
+    for factor in (1.0, 0.25):
+        run = build(config("adam", "none"))
+        run.clipper.loss_factor = factor
+
+        def capture(optimizer, *_, f=factor) -> None:
+            grads[f] = [p.grad.clone() for p in optimizer.params]
+
+        run.optimizer.register_step_pre_hook(capture)
+        losses[factor] = train_step(run, iter(batches(0))).item()
+    assert losses[0.25] == losses[1.0]
+    assert all(torch.equal(a * 0.25, b) and a.any() for a, b in zip(grads[1.0], grads[0.25]))
 
 
 # -- the config -----------------------------------------------------------------------------------------------
