@@ -31,7 +31,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.dist.fusion import FusedDataParallel
-from bert.dist.reduce import MEAN_PLACEMENTS, Reduce, allreduce_mean, allreduce_sum, divided, reduce_hook
+from bert.dist.reduce import MEAN_PLACEMENTS, Reduce, allreduce_sum, divided, reduce_hook
 
 LossScale = Callable[[], Tensor | float]  # the current fp16 loss scale; 1.0 without scaling
 
@@ -80,7 +80,7 @@ class BucketClipState:
     max_norm: float
     num_buckets: Callable[[], int]
     loss_scale: LossScale
-    reduce: Reduce = field(default_factory=allreduce_mean)
+    reduce: Reduce  # a sum; install_clipping has placed the 1/W
 
 
 def bucket_clip_hook(state: BucketClipState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -96,7 +96,7 @@ def bucket_clip_hook(state: BucketClipState, bucket: dist.GradBucket) -> Future[
 class BeforeClipState:
     max_norm: float
     loss_scale: LossScale
-    reduce: Reduce = field(default_factory=allreduce_mean)
+    reduce: Reduce  # a sum; install_clipping has placed the 1/W
     pending: list[tuple[Tensor, Future]] = field(default_factory=list)
 
 
@@ -152,6 +152,7 @@ def _times(loss_scale: LossScale, factor: float) -> LossScale:
     return lambda: loss_scale() * factor
 
 
+# `reduce` is None only where no hook reduces (DDP's own allreduce); the HOOK_MODES always get one.
 Installer = Callable[[DDP, float, LossScale, Reduce | None], Clipper]
 HOOK_MODES = ("before", "bucket")  # they clip inside a comm hook, so a hook reduces whatever `reduce` is
 
@@ -168,14 +169,14 @@ def _install_after(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Red
 
 
 def _install_before(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
-    ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale, reduce or allreduce_mean()), clip_before_hook)
+    ddp.register_comm_hook(BeforeClipState(max_norm, loss_scale, reduce), clip_before_hook)
     return Clipper()
 
 
 def _install_bucket(ddp: DDP, max_norm: float, loss_scale: LossScale, reduce: Reduce | None) -> Clipper:
     # Balanced fusion buffers (bert.dist.fusion) have a constant B; DDP's may change once, at its rebuild.
     count = ddp.num_buckets if isinstance(ddp, FusedDataParallel) else DdpBucketCount(ddp)
-    state = BucketClipState(max_norm, count, loss_scale, reduce or allreduce_mean())
+    state = BucketClipState(max_norm, count, loss_scale, reduce)
     ddp.register_comm_hook(state, bucket_clip_hook)
     return Clipper()
 
