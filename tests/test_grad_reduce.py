@@ -255,6 +255,60 @@ def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_pat
         dist.destroy_process_group()
 
 
+SIZES = [5, 12, 1, 33, 8, 7, 64, 2, 19, 3, 40, 11]  # odd and even, one smaller than the node
+
+
+def sum_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    got = {}
+    for exchange in ("p2p", "collective"):
+        reduce = HierarchicalSum(NODE, exchange=exchange)
+        for pattern in ("at once", "one by one", "in pairs"):
+            flats = [rank_buffer(rank, n, k) for k, n in enumerate(SIZES)]
+            if pattern == "at once":  # every buffer queued before the worker takes any: steps 2 batched
+                futures = [reduce(f) for f in flats]
+            elif pattern == "one by one":  # the worker idles between buffers
+                futures = []
+                for f in flats:
+                    futures.append(reduce(f))
+                    futures[-1].wait()
+            else:  # two queued, the older waited for, so arrivals and all-gathers interleave
+                futures = []
+                for f in flats:
+                    futures.append(reduce(f))
+                    if len(futures) % 2 == 0:
+                        futures[-2].wait()
+            got[exchange, pattern] = [fut.wait().clone() for fut in futures]
+    torch.save(got, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def rank_buffer(rank: int, n: int, k: int) -> torch.Tensor:
+    """Integers in float64: every summation order gives the same sum exactly."""
+    return torch.arange(n, dtype=torch.float64) * (rank + 1) + 1000 * k + 10 * rank
+
+
+def test_hierarchical_sums_buffers_handed_over_at_once_one_by_one_or_interleaved(tmp_path):
+    out = str(tmp_path / "sums")
+    context = mp.spawn(sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False)
+    deadline = 120  # a rank waiting on a peer that issued in another order would hang: fail instead
+    while not context.join(timeout=1):
+        deadline -= 1
+        if deadline <= 0:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("HierarchicalSum did not finish in 120 s: the ranks issued their steps in different orders")
+    want = [sum(rank_buffer(r, n, k) for r in range(WORLD)) for k, n in enumerate(SIZES)]
+    for rank in range(WORLD):
+        got = torch.load(f"{out}.{rank}")
+        assert len(got) == 6
+        for case, sums in got.items():
+            assert len(sums) == len(SIZES), case
+            for k, (g, w) in enumerate(zip(sums, want)):
+                assert torch.equal(g, w), (rank, case, k)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,27 +21,30 @@ Ordering and overlap. Collectives (and sends) on one group must be issued in the
 Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order
 on every rank). Steps 2 and 3 are issued by one worker thread taking the buckets in that same order; steps
 1 and 3 have separate intra-node groups, because the hook's and the worker's exchanges interleave
-differently on different ranks. The worker starts bucket k's inter-node allreduce before it waits for
-bucket k-1's all-gather, so the two overlap, and both overlap the backward pass and bucket k+1's
-reduce-scatter; the future DDP waits on is completed by the worker. (It was two threads, one per step: a
-thread hand-off per bucket more, for the same overlap.)
+differently on different ranks. The worker posts step 2 for every bucket that has arrived before it waits
+for any of them, then waits for the oldest and posts its step 3, and finishes the step 3s (completing the
+futures DDP waits on) once no step 2 is in flight; so steps 2 and 3 of different buckets overlap each other,
+the backward pass and the next buckets' step 1, and a burst of buckets costs the worker one wake-up per
+step rather than three per bucket. (It used to take one bucket at a time and waited for step 1,
+then step 2, then the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's burst of 37
+buckets; earlier still it was two threads, one per step: a thread hand-off per bucket more.)
 
 It only sums, as every Reduce does (bert.dist.reduce): the mean's 1/W comes with the gradients, from the
 loss (bf16/fp32) or from `divided` (PRECISION=fp16, where the bucket is divided before any fp16 sum).
 
 On one host (bench/comm.py: 2 simulated nodes x 2 over loopback) there is no slow link to spare: per rank
 and bucket of b bytes, flat's 4-rank ring and steps 1-3 each send 1.5b and sum 0.75b; the hierarchy saves
-two of the ring's six message latencies, but takes five gloo calls and a thread hand-off per bucket where
-flat takes one call. Measured there (bench/comm_profile.py), CPU per step and rank against flat DDP: the same
-allreduce from a Python hook 0.99-1.03x (the hook mechanism itself); with a division on each bucket (which
-DDP without a hook fuses into copying the gradients into their buckets) 1.06-1.11x; this hook 1.08-1.11x
-with the 1/W on the loss and 1.14-1.19x with it on each bucket. What is left is the calls: posting a
-receive and a send costs about 130 us of the calling thread whatever the size (gloo writes the first socket
-buffer's worth there), and steps 1 and 3 post four per bucket. Wall time 1.01-1.13x flat's over nine runs
-of bench/comm.py.
+two of the ring's six message latencies, but takes five gloo calls per bucket where flat takes one. Measured
+there over seven runs of bench/comm.py (112 rounds pooled by bench/comm_pool.py): wall time 1.01x flat's
+(95 % interval 0.99-1.04; the runs' medians 0.96-1.07), CPU of all ranks 1.07x (1.06-1.08). The CPU left
+is the steps running at once, not their bytes: in a probe on 37 buckets of 2 MB, steps 1, 2 and 3 timed
+apart summed to 0.90-0.94x flat's CPU, and run phase after phase over the whole burst 0.90x, but
+interleaved per bucket (as overlapping them needs) 1.02-1.19x. With the worker taking one bucket at
+a time it was 1.01-1.13x wall (median 1.09 over nine runs) and 1.10-1.13x CPU.
 """
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
+import collections
 import queue
 import threading
 from contextlib import nullcontext
@@ -182,27 +185,40 @@ class HierarchicalSum:
 
     def _steps(self) -> None:
         """Steps 2 and 3 for every buffer in arrival order: one thread, so every rank issues them alike.
-        Bucket k-1's all-gather is waited for while bucket k's inter-node allreduce runs; when no bucket
-        is queued, it is finished at once (the last bucket of a backward pass has no successor)."""
-        gathering: _Job | None = None
+
+        Every buffer that has arrived gets its inter-node allreduce posted before the worker waits for any
+        of them; then the oldest allreduce is waited for and its all-gather posted; the all-gathers are
+        finished (the futures DDP waits on completed) once no allreduce is left in flight. The worker
+        blocks on a new buffer only when nothing is in flight."""
+        reducing: collections.deque[tuple[_Job, object]] = collections.deque()  # step 2 in flight
+        gathering: collections.deque[_Job] = collections.deque()  # step 3 in flight
         while True:
-            if gathering is not None and self._jobs.empty():
-                gathering.finish()
-                gathering = None
-            job = self._jobs.get()
-            try:
-                with _on_device(job.flat):
-                    job.work.wait()  # step 1 and the node sum
-                    inter = self.inter_group.allreduce([job.shard], self._sum)
-                    if gathering is not None:
-                        gathering.finish()
-                        gathering = None
-                    inter.wait()
-                    job.work = self._all_gather(job.padded, job.chunks, job.shard)
-            except Exception as e:  # DDP's wait on the future raises it in the training thread
-                job.result.set_exception(e)
+            block = not reducing and not gathering
+            while True:  # every buffer that has arrived: step 2 posted
+                try:
+                    job = self._jobs.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                try:
+                    with _on_device(job.flat):
+                        job.work.wait()  # step 1 and the node sum
+                        reducing.append((job, self.inter_group.allreduce([job.shard], self._sum)))
+                except Exception as e:  # DDP's wait on the future raises it in the training thread
+                    job.result.set_exception(e)
+            if reducing:  # the oldest step 2 waited for, its step 3 posted
+                job, inter = reducing.popleft()
+                try:
+                    with _on_device(job.flat):
+                        inter.wait()
+                        job.work = self._all_gather(job.padded, job.chunks, job.shard)
+                except Exception as e:
+                    job.result.set_exception(e)
+                    continue
+                gathering.append(job)
                 continue
-            gathering = job
+            while gathering:  # nothing left to reduce: hand the buffers back
+                gathering.popleft().finish()
 
 
 def _key(t: Tensor) -> tuple:
