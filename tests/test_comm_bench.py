@@ -82,3 +82,24 @@ def test_profile_reads_the_cpu_time_of_every_live_thread():
     # /proc counts in clock ticks (10 ms): the spinner's 0.3 s shows as at least 0.25 s, under its own id
     assert seconds[thread.native_id][1] >= 0.25
     assert threading.get_native_id() in seconds and thread.native_id != threading.get_native_id()
+
+
+def test_pooled_ratios_are_the_median_of_every_round_of_every_run():
+    """bench/comm_pool.py against statistics.median by hand, and its interval around it."""
+    def run(wall: list[float], cpu: list[float]) -> dict:
+        return {"ratio_to_flat": {"hierarchical/ddp": {"vs": "flat/ddp", "median": sorted(wall)[len(wall) // 2],
+                                                       "per_round": wall, "cpu_median": sorted(cpu)[len(cpu) // 2],
+                                                       "cpu_per_round": cpu},
+                                  "only/here": {"vs": "flat/ddp", "median": 9.0, "per_round": [9.0],
+                                                "cpu_median": 9.0, "cpu_per_round": [9.0]}}}
+
+    runs = [run([1.0, 1.2, 0.9], [1.1, 1.1, 1.0]), run([1.5, 1.05], [1.2, 1.3])]
+    del runs[1]["ratio_to_flat"]["only/here"]  # a variant missing from one run is left out
+    pooled = load("comm_pool").pool(runs)
+    assert list(pooled) == ["hierarchical/ddp"]
+    wall, cpu = pooled["hierarchical/ddp"]["wall"], pooled["hierarchical/ddp"]["cpu"]
+    assert wall["rounds"] == 5 and wall["pooled_median"] == 1.05  # of 0.9, 1.0, 1.05, 1.2, 1.5
+    assert cpu["pooled_median"] == 1.1 and wall["run_medians"] == [1.0, 1.5]
+    assert wall["median_of_runs"] == 1.25
+    low, high = wall["pooled_median_95"]
+    assert 0.9 <= low <= 1.05 <= high <= 1.5
