@@ -17,6 +17,9 @@
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
 #   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
 #                    (each under DRIVER_LIMIT seconds, default 420)
+#
+# DRY_RUN=1 prints each step's command instead of running it: tests/test_cuda_session.py checks on a CPU that
+# every flag, variant name and driver setting below is accepted, before device time is spent on a typo.
 set -u
 OUT=${OUT:?the device tool sets OUT}
 WORK=${WORK:-/tmp/cuda_session}
@@ -46,6 +49,12 @@ pack() { tar -czf "$OUT/cuda_session.tgz" -C "$WORK" .; }
 step() {  # name limit_s command...: run it, keep its log, say how it ended
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  if [[ ${DRY_RUN:-0} == 1 ]]; then  # print the command, quoted, and run nothing (tests/test_cuda_session.py)
+    printf 'DRY %s %s' "$name" "$limit"
+    printf ' %q' "$@"
+    echo
+    return
+  fi
   echo "== $name (limit ${limit} s): $*"
   timeout -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1
   rc=$?
@@ -99,4 +108,4 @@ for name in "$@"; do
       exit 2 ;;
   esac
 done
-cat "$WORK/steps.txt"
+if [[ -f $WORK/steps.txt ]]; then cat "$WORK/steps.txt"; fi

@@ -159,6 +159,21 @@ def hf_step_inputs(batch: Batch) -> dict:
             "next_sentence_label": batch.nsp_labels}
 
 
+def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8: bool = False) -> list[str]:
+    """Every variant `build_variants` builds for these settings, in its order (--variants picks among them)."""
+    backends = ["loop", "grouped", "padded"] + (["varlen"] if device == "cuda" else [])
+    fast = "varlen" if device == "cuda" else "loop"
+    names = ["padded", *(f"unpadded/{b}" for b in backends)]
+    names += [f"static{static_tokens}/{fast}"] if static_tokens else []
+    names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}"]
+    if compile != "off":
+        names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}"]
+        names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
+    if fp8:
+        names += [f"fp8/{fast}"] + ([f"compiled-fp8/{fast}"] if compile != "off" else [])
+    return names + ["hf"]
+
+
 def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None, compile: str = "off",
                    static_tokens: int = 0, fp8: bool = False) -> dict:
     """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
@@ -196,6 +211,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             specs[f"compiled-fp8/{fast}"] = (*fp8_spec, True)
             fp8_names.add(f"compiled-fp8/{fast}")
     specs["hf"] = (None, None, B * L, B * L * L, B * L, B, False)
+    assert list(specs) == variant_names(device, compile, static_tokens, fp8), "variant_names is out of step"
     variants = {}
     for name, (backend, loss_fn, tokens, pairs, head_rows, sequences, compiled) in specs.items():
         if names and name not in names:
@@ -335,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    known = variant_names(args.device, args.compile, args.static_tokens, args.precision == "fp8")
+    unknown = [name for name in args.variants or () if name not in known]
+    if unknown:  # a misspelt row would otherwise be left out without a word
+        print(f"bench/model.py: --variants: no variant {', '.join(unknown)} with these settings; "
+              f"choose from {' '.join(known)}", file=sys.stderr)
+        return 2
     cfg = BertConfig.load(args.config)
     if args.layers:
         cfg = replace(cfg, num_hidden_layers=args.layers)

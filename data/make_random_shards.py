@@ -98,7 +98,7 @@ def write_shards(out: Path, samples: int, shards: int, eval_samples: int, mix: L
     return paths, eval_path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--samples", type=int, default=100_000, help="training samples over all shards")
@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --shards >= 1, --samples >= --shards and --eval-samples >= 1")
     if not 5 <= args.min_length <= WIKI_PHASE2.edges[0]:
         p.error(f"--min-length must be in 5..{WIKI_PHASE2.edges[0]}, got {args.min_length}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     shards, eval_path = write_shards(args.out, args.samples, args.shards, args.eval_samples,
                                      length_mix(args.min_length), args.seed)
     write_md5_list(args.out / "checksums.md5", [*shards, eval_path])

@@ -1,0 +1,118 @@
+"""bench/cuda_session.sh, dry: every command a device-tool call would run is accepted here, on a CPU.
+
+Device time is short (30 minutes a session, when there is a GPU at all), so a misspelt flag, variant or driver
+setting must fail here rather than there. The script's DRY_RUN=1 prints each step's command; each is checked
+against the program that would receive it:
+  bench/model.py      its argument parser, and every --variants name among those it builds on CUDA with these
+                      settings (`variant_names`; an unknown name also stops model.py itself);
+  bench/train_gpu.py  its argument parser, then the driver environment it would hand run_and_time.sh, parsed
+                      by the driver's own config parser (a bad value raises ConfigError), and the bench/model.py
+                      variant its comparison step would time;
+  pytest              every named test file exists;
+  the shard maker     its argument parser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from script_modules import ROOT, load_script
+
+from bert.config import from_env_and_args
+from bert.data.format import write_varlength_shard
+from bert.model.attention import resolve_backend
+from bert.model.compile import COMPILE_MODES
+
+sys.path.insert(0, str(ROOT / "bench"))  # train_gpu.py imports bench/model.py
+sys.path.insert(0, str(ROOT / "data"))
+model_bench = load_script("bench/model.py")
+train_gpu = load_script("bench/train_gpu.py")
+shards = load_script("data/make_random_shards.py")
+
+SCRIPT = ROOT / "bench" / "cuda_session.sh"
+STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-graphs", "model-optimizer"]
+
+
+def driver_names() -> list[str]:
+    """The keys of the script's DRIVERS table."""
+    table = SCRIPT.read_text().split("declare -A DRIVERS=(", 1)[1].split("\n)", 1)[0]
+    return re.findall(r"^\s*\[([\w-]+)\]=", table, flags=re.M)
+
+
+def dry_run(tmp_path, steps: list[str]) -> list[tuple[str, list[str]]]:
+    """(step name, command words) of every step, as DRY_RUN=1 prints them."""
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
+    out = subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("DRY ")]
+    return [(words[1], words[3:]) for words in lines]
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A few random shards in the layout data/make_random_shards.py writes (train_gpu.py scans the eval set)."""
+    rng = np.random.default_rng(0)
+    for sub, name, n in (("train_varlength", "part_00000_of_00001.hdf5", 40), ("eval_varlength", "part_eval.hdf5", 30)):
+        (tmp_path / sub).mkdir(parents=True)
+        write_varlength_shard(tmp_path / sub / name, shards.random_samples(shards.length_mix(5).sample(n, rng), rng))
+    return tmp_path
+
+
+def test_the_table_lists_every_driver_run_the_readme_names():
+    names = driver_names()
+    assert {"bf16", "autocast", "compiled", "compiled-opt", "graphs", "graphs-opt", "fp8"} <= set(names)
+    readme = (ROOT / "README.md").read_text()
+    for step in set(re.findall(r"cuda_session\.sh setup [\w -]+", readme)):
+        for name in step.split()[1:]:
+            assert name in STEPS or name.removeprefix("driver-") in names, f"README names a step {name!r}"
+
+
+def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, data):
+    steps = STEPS + [f"driver-{name}" for name in driver_names()]
+    commands = dry_run(tmp_path, steps)
+    assert [name for name, _ in commands] == steps
+    for name, words in commands:
+        if words[:2] == ["python3", "bench/model.py"]:
+            args = model_bench.parse_args(words[2:])
+            assert args.device == "cuda" and args.compile in COMPILE_MODES, name
+            known = model_bench.variant_names("cuda", args.compile, args.static_tokens, args.precision == "fp8")
+            assert args.variants and set(args.variants) <= set(known), (name, set(args.variants) - set(known))
+        elif words[:2] == ["python3", "bench/train_gpu.py"]:
+            argv = words[2:]
+            argv[argv.index("--data") + 1] = str(data)
+            argv[argv.index("--keep") + 1] = str(tmp_path / name)
+            args = train_gpu.parse_args(argv)
+            env = train_gpu.driver_env(args, tmp_path / name)
+            cfg = from_env_and_args([], environ=env)  # what the driver will parse: ConfigError on a bad value
+            assert cfg.model.compile in COMPILE_MODES, name
+            backend = resolve_backend(cfg.model.attention, "cuda")
+            variant = train_gpu.bench_variant(backend, "cuda", cfg.model.compile, cfg.model.static_tokens,
+                                              cfg.model.precision)
+            assert variant in model_bench.variant_names("cuda", cfg.model.compile, cfg.model.static_tokens,
+                                                        cfg.model.precision == "fp8"), name
+        elif words[:3] == ["python3", "-m", "pytest"]:
+            files = [w for w in words if w.startswith("tests/")]
+            assert files and all((ROOT / f).is_file() for f in files), name
+        elif words[:2] == ["python3", "data/make_random_shards.py"]:
+            shards.parse_args(words[2:])
+        else:
+            assert name == "setup" and words[:2] == ["bash", "-c"], name
+
+
+def test_an_unknown_step_or_driver_setting_stops_the_script(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
+    for step, words in (("modle", "unknown step modle"), ("driver-bf61", "no driver setting named bf61")):
+        out = subprocess.run(["bash", str(SCRIPT), step], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert out.returncode == 2 and words in out.stderr
+
+
+def test_bench_model_refuses_a_variant_it_would_not_build(capsys):
+    assert model_bench.main(["--variants", "unpadded/loop", "unpadded/varlen"]) == 2  # varlen is CUDA's
+    err = capsys.readouterr().err
+    assert "no variant unpadded/varlen" in err and "unpadded/loop" in err
