@@ -22,6 +22,25 @@ def synthetic_data(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def random_shards(tmp_path) -> Path:
+    """40 training and 30 eval samples as data/make_random_shards.py makes them (phase-2 lengths, random tokens),
+    in its layout: what bench/train_gpu.py reads (it scans the eval set)."""
+    import numpy as np
+    from script_modules import load_script
+
+    from bert.data.format import write_varlength_shard
+
+    if str(ROOT / "data") not in sys.path:  # the script imports its neighbour md5_list
+        sys.path.insert(0, str(ROOT / "data"))
+    shards = load_script("data/make_random_shards.py")
+    rng = np.random.default_rng(0)
+    for sub, name, n in (("train_varlength", "part_00000_of_00001.hdf5", 40), ("eval_varlength", "part_eval.hdf5", 30)):
+        (tmp_path / sub).mkdir()
+        write_varlength_shard(tmp_path / sub / name, shards.random_samples(shards.length_mix(5).sample(n, rng), rng))
+    return tmp_path
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_slurm_module_at_a_time(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[None]:
     """scripts/test.sh runs two pytest-xdist workers, a module to each (`--dist loadfile`, so a module fixture such

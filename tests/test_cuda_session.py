@@ -20,12 +20,9 @@ import shlex
 import subprocess
 import sys
 
-import numpy as np
-import pytest
 from script_modules import ROOT, load_script
 
 from bert.config import from_env_and_args
-from bert.data.format import write_varlength_shard
 from bert.model.attention import resolve_backend
 from bert.model.compile import COMPILE_MODES
 
@@ -54,16 +51,6 @@ def dry_run(tmp_path, steps: list[str]) -> list[tuple[str, list[str]]]:
     return [(words[1], words[3:]) for words in lines]
 
 
-@pytest.fixture
-def data(tmp_path):
-    """A few random shards in the layout data/make_random_shards.py writes (train_gpu.py scans the eval set)."""
-    rng = np.random.default_rng(0)
-    for sub, name, n in (("train_varlength", "part_00000_of_00001.hdf5", 40), ("eval_varlength", "part_eval.hdf5", 30)):
-        (tmp_path / sub).mkdir(parents=True)
-        write_varlength_shard(tmp_path / sub / name, shards.random_samples(shards.length_mix(5).sample(n, rng), rng))
-    return tmp_path
-
-
 def test_the_table_lists_every_driver_run_the_readme_names():
     names = driver_names()
     assert {"bf16", "autocast", "compiled", "compiled-opt", "graphs", "graphs-opt", "fp8"} <= set(names)
@@ -73,7 +60,7 @@ def test_the_table_lists_every_driver_run_the_readme_names():
             assert name in STEPS or name.removeprefix("driver-") in names, f"README names a step {name!r}"
 
 
-def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, data):
+def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
     steps = STEPS + [f"driver-{name}" for name in driver_names()]
     commands = dry_run(tmp_path, steps)
     assert [name for name, _ in commands] == steps
@@ -85,7 +72,7 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, data):
             assert args.variants and set(args.variants) <= set(known), (name, set(args.variants) - set(known))
         elif words[:2] == ["python3", "bench/train_gpu.py"]:
             argv = words[2:]
-            argv[argv.index("--data") + 1] = str(data)
+            argv[argv.index("--data") + 1] = str(random_shards)
             argv[argv.index("--keep") + 1] = str(tmp_path / name)
             args = train_gpu.parse_args(argv)
             env = train_gpu.driver_env(args, tmp_path / name)

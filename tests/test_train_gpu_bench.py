@@ -10,17 +10,13 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import pytest
 from script_modules import ROOT, load_script
 
 from bert.config import from_env_and_args
-from bert.data.format import write_varlength_shard
 
 sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/model.py
-sys.path.insert(0, str(ROOT / "data"))
 bench = load_script("bench/train_gpu.py")
-shards = load_script("data/make_random_shards.py")
 
 # (step, new samples, seconds, tokens, TFLOP) per interval of 5 steps at 2 GPUs; the first is start-up.
 INTERVALS = [(5, 80, 30.0, 9000, 0.3), (10, 80, 10.0, 22000, 0.5), (15, 80, 20.0, 21000, 0.4),
@@ -75,17 +71,8 @@ def test_run_stop_status_reads_the_result_log(tmp_path):
     assert bench.run_stop_status(log) == "aborted"
 
 
-@pytest.fixture
-def data(tmp_path):
-    rng = np.random.default_rng(0)
-    for sub, name, n in (("train_varlength", "part_00000_of_00001.hdf5", 40), ("eval_varlength", "part_eval.hdf5", 30)):
-        (tmp_path / sub).mkdir()
-        write_varlength_shard(tmp_path / sub / name, shards.random_samples(shards.length_mix(5).sample(n, rng), rng))
-    return tmp_path
-
-
-def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
-    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--gpus", "2", "--data", str(data),
+def test_driver_env_bounds_the_run_and_applies_flags_last(random_shards, tmp_path):
+    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--gpus", "2", "--data", str(random_shards),
                              "--batchsize", "4", "--balance", "lpt", "--env", "LR=0.5", "--env", "BALANCE=none"])
     env = bench.driver_env(args, tmp_path / "run")
     assert env["MAX_STEPS"] == "40" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
@@ -99,11 +86,11 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(data, tmp_path):
 
 
 @pytest.mark.parametrize("master", ("0", "1"))
-def test_bench_step_builds_the_drivers_optimizer(data, tmp_path, master):
+def test_bench_step_builds_the_drivers_optimizer(random_shards, tmp_path, master):
     """The bench step takes the driver's optimizer, master weights included (the model cast to bf16 inside
     build_optimizer: a bench that did not pass the compute dtype failed here on the GPU). COMPILE_OPTIMIZER=1
     (compiled there as the driver compiles it) is left to the GPU: it compiles the model too, ~50 s here."""
-    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(data), "--bert-config",
+    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(random_shards), "--bert-config",
                              "tiny", "--precision", "bf16", "--env", f"MASTER_WEIGHTS={master}"])
     step = bench.bench_step(bench.driver_env(args, tmp_path / "run"), "cpu", repeats=1, seed=0)
     assert step["master_weights"] is (master == "1") and step["precision"] == "bf16"
