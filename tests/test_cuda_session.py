@@ -42,10 +42,14 @@ def driver_names() -> list[str]:
     return re.findall(r"^\s*\[([\w-]+)\]=", table, flags=re.M)
 
 
+def run_dry(tmp_path, *steps: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
+    return subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
 def dry_run(tmp_path, steps: list[str]) -> list[tuple[str, list[str]]]:
     """(step name, command words) of every step, as DRY_RUN=1 prints them."""
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
-    out = subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = run_dry(tmp_path, *steps)
     assert out.returncode == 0, out.stderr
     lines = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("DRY ")]
     return [(words[1], words[3:]) for words in lines]
@@ -93,9 +97,8 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
 
 
 def test_an_unknown_step_or_driver_setting_stops_the_script(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
     for step, words in (("modle", "unknown step modle"), ("driver-bf61", "no driver setting named bf61")):
-        out = subprocess.run(["bash", str(SCRIPT), step], cwd=ROOT, env=env, capture_output=True, text=True)
+        out = run_dry(tmp_path, step)
         assert out.returncode == 2 and words in out.stderr
 
 
