@@ -15,6 +15,8 @@
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
+#   host-syncs       bench/host_syncs.py on the GPU: host syncs per driver step, torch's sync debug mode beside
+#                    the op count, for the bf16 and two fp16 cases (micro BERT, flash varlen)
 #   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
 #                    (each under DRIVER_LIMIT seconds, default 420)
 #
@@ -80,7 +82,12 @@ for name in "$@"; do
     tests)
       # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
-        tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py ;;
+        tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py \
+        tests/test_host_syncs.py ;;
+    host-syncs)
+      # the bf16 cases (the H100 configs' family) and fp16's overflow check, plain and over masters
+      step host-syncs 240 python3 bench/host_syncs.py --device cuda --only " bf16 " "fp16 clip=after" \
+        "fp16 master clip=after" --out "$WORK/host_syncs_cuda.json" ;;
     model)
       step model 300 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 --precision fp8 \
         --variants padded unpadded/varlen unpadded/grouped static512/varlen master-bf16/varlen fp8/varlen hf \

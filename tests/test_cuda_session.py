@@ -9,7 +9,8 @@ against the program that would receive it:
                       by the driver's own config parser (a bad value raises ConfigError), and the bench/model.py
                       variant its comparison step would time;
   pytest              every named test file exists;
-  the shard maker     its argument parser.
+  the shard maker     its argument parser;
+  bench/host_syncs.py its argument parser.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ sys.path.insert(0, str(ROOT / "data"))
 model_bench = load_script("bench/model.py")
 train_gpu = load_script("bench/train_gpu.py")
 shards = load_script("data/make_random_shards.py")
+host_syncs = load_script("bench/host_syncs.py")
 
 SCRIPT = ROOT / "bench" / "cuda_session.sh"
-STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-graphs", "model-optimizer"]
+STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-graphs", "model-optimizer", "host-syncs"]
 
 
 def driver_names() -> list[str]:
@@ -92,6 +94,8 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             assert files and all((ROOT / f).is_file() for f in files), name
         elif words[:2] == ["python3", "data/make_random_shards.py"]:
             shards.parse_args(words[2:])
+        elif words[:2] == ["python3", "bench/host_syncs.py"]:
+            assert host_syncs.parse_args(words[2:]).device == "cuda", name
         else:
             assert name == "setup" and words[:2] == ["bash", "-c"], name
 

@@ -7,6 +7,7 @@ synchronised for it; the result of step t's allreduce is read at step t+1, hidin
 
 from __future__ import annotations
 
+import math
 import signal
 
 import torch
@@ -38,7 +39,7 @@ class StopAgreement:
             flag, work = self._pending
             if work is not None:
                 work.wait()
-            verdict = bool(flag.item())  # a CPU tensor: no device sync
+            verdict = bool(flag.numpy()[0])  # host memory (numpy() refuses a device tensor): no device sync
         flag = torch.tensor([int(wish or self.signalled)])
         work = dist.all_reduce(flag, group=self._group, async_op=True) if self._group is not None else None
         self._pending = (flag, work)
@@ -53,5 +54,5 @@ class StopAgreement:
 
 def check_finite(loss_sum: float, step: int, scaled: bool) -> None:
     """Without fp16 loss scaling nothing skips a bad step, so a non-finite loss ends the run."""
-    if not scaled and not torch.isfinite(torch.tensor(loss_sum)):
+    if not scaled and not math.isfinite(loss_sum):
         raise NonFiniteLoss(f"non-finite training loss ({loss_sum}) before step {step}")

@@ -1,0 +1,152 @@
+"""Host syncs: `bert.train.host_syncs` finds the ops that sync on a GPU, and the driver's step has none.
+
+* the detector against CUDA's semantics: a table of snippets labelled by what they do on a GPU (reads a device
+  value on the host, or sizes an output by the values); on a GPU the same table is checked against torch's own
+  `torch.cuda.set_sync_debug_mode("error")`;
+* the driver's training step (built by `build_run`, as `bench/host_syncs.py` builds it) has no host sync in
+  fp32 and bf16, for every optimizer, clip mode, master weights or not, and the step layouts; `train()` syncs
+  twice per progress interval (the loss and the LR it prints); under fp16 the one sync per step is the
+  overflow check, where torch's GradScaler or the master-weight optimizer reads found_inf;
+* the check can fail: a `.item()` slipped into the step is found and named;
+* on a GPU, torch's sync debug mode finds no synchronizing CUDA call in the bf16 step (copies to the host
+  included, which the CPU cannot show).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from script_modules import load_script
+
+from bert.train.host_syncs import count_host_syncs
+
+hs = load_script("bench/host_syncs.py")
+
+
+def _x() -> torch.Tensor:
+    return torch.tensor([1.0, -2.0, 3.0, 0.0])
+
+
+SNIPPETS = {  # name: (what it runs on x, host syncs on a GPU)
+    "item": (lambda x: x.sum().item(), 1),
+    "bool of a comparison": (lambda x: bool((x > 0).any()), 1),
+    "float": (lambda x: float(x.max()), 1),
+    "boolean-mask index": (lambda x: x[x > 0], 1),
+    "boolean-mask assignment": (lambda x: x.clone().__setitem__(x > 0, 0.0), 1),
+    "nonzero": (lambda x: x.nonzero(), 1),
+    "unique": (lambda x: torch.unique(x), 1),
+    "equal": (lambda x: torch.equal(x, x), 1),
+    "repeat_interleave by a tensor": (lambda x: torch.repeat_interleave(x.long().abs()), 1),
+    "repeat_interleave with output_size": (lambda x: torch.repeat_interleave(torch.tensor([1, 2], device=x.device),
+                                                                             output_size=3), 0),
+    "integer index": (lambda x: x[torch.tensor([0, 2], device=x.device)], 0),
+    "index_select": (lambda x: x.index_select(0, torch.tensor([1], device=x.device)), 0),
+    "where": (lambda x: torch.where(x > 0, x, 0.0), 0),
+    "masked_fill": (lambda x: x.masked_fill(x > 0, 0.0), 0),
+    "reductions and a clamp by a tensor": (lambda x: x.clamp(max=x.norm()).sum() / x.abs().max(), 0),
+    "backward": (lambda x: x.clone().requires_grad_().pow(2).sum().backward(), 0),
+}
+
+
+@pytest.mark.parametrize("name", SNIPPETS)
+def test_detector_counts_what_syncs_on_a_gpu(name):
+    snippet, expected = SNIPPETS[name]
+    with count_host_syncs() as syncs:
+        snippet(_x())
+    assert syncs.count == expected, syncs.report()
+    assert all(where.startswith("tests/test_host_syncs.py:") for _, where in syncs.found)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", SNIPPETS)
+def test_labels_agree_with_torch_cuda_sync_debug_mode(name):
+    snippet, expected = SNIPPETS[name]
+    x = _x().cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        snippet(x)
+        synced = False
+    except RuntimeError as e:
+        assert "synchroniz" in str(e)
+        synced = True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert synced == bool(expected)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    hs.init_world_of_one(tmp_path_factory.mktemp("pg") / "store")
+    yield hs.write_random_shards(tmp_path_factory.mktemp("data"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def measure(data, tmp_path, name: str, device: str = "cpu") -> dict:
+    case = next(c for c in hs.cases() if c.name == name)
+    return hs.measure(case, data, tmp_path / "run", warmup=1, steps=2, device=torch.device(device))
+
+
+SYNC_FREE = [c.name for c in hs.cases() if "fp16" not in c.name and (" bf16 " in c.name or "clip=after" in c.name)]
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_fp32_and_bf16_steps_never_sync_and_train_syncs_only_to_print(world_of_one, tmp_path, name):
+    row = measure(world_of_one, tmp_path, name)
+    assert row["per_step"] == 0, row["where"]
+    assert row["per_interval"] == 2, row["where_train"]  # the progress line's loss and LR
+    assert all(where.startswith("bert/train/loop.py:") for line in row["where_train"]
+               for where in [line.rsplit(" at ", 1)[1]])
+
+
+FP16 = {  # case: the file that asks for the one sync per step (the overflow check)
+    "lamb fp16 clip=after": "bert/train/loop.py",  # GradScaler.step reads found_inf before a non-fused step
+    "lamb fp16 master clip=bucket": "bert/optim/master.py",
+    "adam fp16 master clip=after": "bert/optim/master.py",
+}
+
+
+@pytest.mark.parametrize("name", FP16)
+def test_fp16_steps_sync_once_to_skip_an_overflowed_step(world_of_one, tmp_path, name):
+    row = measure(world_of_one, tmp_path, name)
+    assert row["per_step"] == 1 and row["where"][0].split(" at ")[1].startswith(FP16[name] + ":"), row["where"]
+    assert row["per_interval"] == hs.LOG_FREQ + 3, row["where_train"]  # a check per step; loss, LR, loss scale
+
+
+def test_fused_adamw_skips_fp16_overflow_on_the_device(world_of_one, tmp_path):
+    """torch's fused AdamW takes GradScaler's found_inf into its kernel: no sync even under fp16."""
+    row = measure(world_of_one, tmp_path, "adam fp16 clip=bucket")
+    assert row["per_step"] == 0 and row["per_interval"] == 3, row  # loss, LR and the loss scale
+
+
+def test_a_sync_slipped_into_the_step_is_found_and_named(world_of_one, tmp_path, monkeypatch):
+    from bert.dist.clip import Clipper
+
+    before_step = Clipper.before_step
+
+    def reading(self, optimizer, scaler):
+        before_step(self, optimizer, scaler)
+        if bool(next(iter(optimizer.param_groups))["params"][0].grad.isfinite().all()):
+            pass
+
+    monkeypatch.setattr(Clipper, "before_step", reading)
+    row = measure(world_of_one, tmp_path, "lamb bf16 master clip=after")
+    assert row["per_step"] == 1 and row["where"] == [f"2 x _local_scalar_dense at tests/test_host_syncs.py:"
+                                                     f"{reading.__code__.co_firstlineno + 2}"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["lamb bf16 master clip=after", "lamb bf16 clip=after", "adam bf16 master clip=bucket",
+                                  "lamb bf16 master, STATIC_TOKENS=128"])
+def test_cuda_step_makes_no_synchronizing_cuda_call(world_of_one, tmp_path, name):
+    """torch's own detector on the GPU, flash varlen attention: it also sees copies to the host."""
+    row = measure(world_of_one, tmp_path, name, "cuda")
+    assert row["per_step"] == 0 and row["cuda_per_step"] == 0, row["cuda_where"]
