@@ -74,6 +74,9 @@ class ModelConfig:
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")
+    compile_scope: str = opt("model", "what one compiled graph holds: the model, or each layer apart (overlaps "
+                             "the gradient hand-over with the backward under GRAD_BUCKETS=balanced)",
+                             env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
     static_tokens: int = opt(0, "pad each training batch's tokens to a multiple of this (one padding sequence; "
                              "masked rows to a multiple of 64) for few shapes; 0 = off", env="STATIC_TOKENS",
                              low=0, high=65536)
@@ -201,6 +204,10 @@ class TrainConfig:
         if self.optim.compile_optimizer and self.model.compile == "off":
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
                               "step with (COMPILE=off)")
+        if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
+            raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
+                              f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "
+                              "the end of its backward: no communication would overlap it); set COMPILE_SCOPE=layers")
         if self.optim.compile_optimizer and self.optim.optimizer_sharding:
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
                               "OPTIMIZER_SHARDING=1 (its step runs collectives)")

@@ -78,12 +78,12 @@ def test_warm_up_leaves_training_bit_identical():
         assert torch.equal(cold[name], warm[name]), name
 
 
-def compiled_equals_eager(name: str, atol: float) -> None:
+def compiled_equals_eager(name: str, atol: float, scope: str = "model", layers: int = 1) -> None:
     torch.manual_seed(0)
-    eager = BertForPreTraining(small_config(), attention="loop")
-    compiled = BertForPreTraining(small_config(), attention="loop")
+    eager = BertForPreTraining(small_config(layers), attention="loop")
+    compiled = BertForPreTraining(small_config(layers), attention="loop")
     compiled.load_state_dict(eager.state_dict())
-    assert compile_model(compiled, name, CPU) is compiled  # in place: names and type unchanged
+    assert compile_model(compiled, name, CPU, scope) is compiled  # in place: names and type unchanged
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -95,14 +95,91 @@ def compiled_equals_eager(name: str, atol: float) -> None:
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=atol)
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=0, atol=atol)
-    # the graphs of the first batch serve every token count: dynamic over T (and M), no recompilation
-    # (two graphs: the attention planner is host work, left out of the graph)
-    assert graphs == [2] * len(LENGTH_SETS)
+    # the graphs of the first batch serve every token count: dynamic over T (and M), no recompilation. The model:
+    # two graphs (the attention planner is host work, left out of the graph); per layer: the embeddings, one
+    # encoder layer's graph that every layer runs, and the heads
+    assert graphs == [2 if scope == "model" else 3] * len(LENGTH_SETS)
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager_on_every_token_count():
-    compiled_equals_eager("debug", atol=0)
+@pytest.mark.parametrize("scope, layers", [("model", 1), ("layers", 3)])
+def test_compiled_equals_eager_on_every_token_count(scope, layers):
+    compiled_equals_eager("debug", atol=0, scope=scope, layers=layers)
+
+
+def backward_order(scope: str, buckets: str) -> str:
+    """The second backward of a 2-layer tiny BERT compiled with COMPILE=debug at `scope` under the driver's wrapper
+    `buckets` (world of one, 1 MB buckets: several): the order in which the compiled backward functions run (C)
+    and the comm hook receives buckets (B)."""
+    from bert.config import DistConfig
+    from bert.dist.ddp import apply_ddp
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = compile_model(BertForPreTraining(small_config(layers=2), attention="loop"), "debug", CPU, scope)
+    wrapper = apply_ddp(model, DistConfig(bucket_cap_mb=1.0, grad_buckets=buckets))
+    events: list[str] = []
+
+    def hook(state, bucket):
+        events.append("B")
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    wrapper.register_comm_hook(None, hook)
+    wrapper(batch(0)).loss.backward()  # the first backward: DDP starts with one bucket, then rebuilds them
+    wrapper.zero_grad(set_to_none=True)
+    events.clear()
+    loss = wrapper(batch(1)).loss
+    seen, stack = set(), [loss.grad_fn]
+    while stack:  # every compiled backward function of this graph logs when it starts
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in node.name():
+            node.register_prehook(lambda *_: events.append("C"))
+        stack.extend(f for f, _ in node.next_functions)
+    loss.backward()
+    return "".join(events)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope, buckets", [("model", "ddp"), ("layers", "ddp"), ("layers", "balanced"),
+                                            ("model", "balanced")])
+def test_gradients_are_handed_over_while_the_compiled_backward_runs(world_of_one, scope, buckets):
+    """Overlap needs a bucket handed to the comm hook before the backward has finished: DDP gets it from dynamo's
+    DDPOptimizer (one graph cut at bucket boundaries), balanced buffers only from per-layer graphs; one graph for
+    the model under balanced buffers hands everything over at the end, which is why the config refuses it."""
+    order = backward_order(scope, buckets)
+    assert order.count("B") >= 3, order
+    overlapped = "C" in order[order.index("B"):]
+    assert overlapped == (scope == "layers" or buckets == "ddp"), order
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_graph_for_the_model_is_refused_with_balanced_buffers():
+    from bert.config import ConfigError, from_flat
+
+    def cfg(**kw):
+        return from_flat(input_dir="d", eval_dir="e", train_batch_size=16, bert_config_path="tiny", max_steps=10,
+                         learning_rate=1e-3, grad_buckets="balanced", **kw)
+
+    with pytest.raises(ConfigError, match="COMPILE_SCOPE.*GRAD_BUCKETS=balanced.*set COMPILE_SCOPE=layers"):
+        cfg(compile="debug").validate()
+    cfg(compile="debug", compile_scope="layers").validate()
+    cfg().validate()  # not compiled: nothing to cut
+    with pytest.raises(ConfigError, match="COMPILE_SCOPE.*must be one of model, layers"):
+        cfg(compile="debug", compile_scope="layer").validate()
 
 
 @pytest.mark.skipif(not os.environ.get("BERT_TEST_INDUCTOR"), reason="set BERT_TEST_INDUCTOR=1 (~4 min on 2 cores)")

@@ -10,6 +10,18 @@ shape (recording is cheap, compiling is not, so the graph stays dynamic). With `
 the same graphs (dynamo, AOT autograd) but runs them eagerly (torch's `aot_eager` backend): no code
 generation, so it is quick, and it is how the CPU tests check that capture leaves the results unchanged.
 
+`COMPILE_SCOPE` says what one compiled graph holds:
+
+    model   the whole model (forward, and AOT autograd's backward): the most fusion. Under DDP, dynamo's
+            DDPOptimizer cuts the graph at DDP's bucket boundaries, so each bucket's all-reduce still starts
+            while the rest of the backward runs; under `GRAD_BUCKETS=balanced` (`bert.dist.fusion`, which
+            is not DDP) nothing cuts it, every gradient appears when the whole backward has run, and no
+            communication overlaps it: the config refuses that pairing.
+    layers  the embeddings, each encoder layer and the heads with their losses, compiled apart, as torchtitan
+            compiles each transformer block: the encoder layers share one graph (dynamo does not
+            specialise on the module), so the tracing is that of one layer, and each layer's gradients are
+            handed over as soon as its backward has run, under either wrapper (tests/test_compile.py).
+
 Nothing falls back silently: a mode that cannot run here (no C++ compiler for inductor's CPU code, no
 Triton for its GPU code, CUDA graphs without CUDA) is a `ValueError` naming the setting.
 """
@@ -21,7 +33,8 @@ import os
 import shutil
 
 import torch
-from torch import nn
+
+from bert.model.pretraining import BertForPreTraining
 
 COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backend, mode); None: not compiled
     "off": None,
@@ -57,11 +70,26 @@ def check_compile(name: str, device: torch.device) -> None:
         raise ValueError(f"COMPILE={name} on CUDA needs Triton (not installed); use COMPILE=off")
 
 
-def compile_model(model: nn.Module, name: str, device: torch.device) -> nn.Module:
-    """Compile `model`'s forward in place (after `check_compile`); returns the same module. It compiles
-    on its first call: `bert.train.warmup` makes that call before run_start."""
+COMPILE_SCOPES = ("model", "layers")
+
+
+def compile_model(model: BertForPreTraining, name: str, device: torch.device, scope: str = "model"
+                  ) -> BertForPreTraining:
+    """Compile `model` in place (after `check_compile`), as one graph or per layer (`scope`); returns the same
+    module. It compiles on its first call: `bert.train.warmup` makes that call before run_start."""
     check_compile(name, device)
-    if COMPILE_MODES[name] is not None:
-        backend, mode = COMPILE_MODES[name]
-        model.compile(backend=backend, mode=mode, dynamic=True)
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"COMPILE_SCOPE={scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
+    if COMPILE_MODES[name] is None:
+        return model
+    backend, mode = COMPILE_MODES[name]
+    options = {"backend": backend, "mode": mode, "dynamic": True}
+    if scope == "model":
+        model.compile(**options)
+        return model
+    model.bert.embeddings.compile(**options)
+    for layer in model.bert.encoder.layer:
+        layer.compile(**options)
+    # the heads and losses are a method (they also use the pooler and the word embeddings): compiled on the instance
+    model.heads = torch.compile(model.heads, **options)
     return model

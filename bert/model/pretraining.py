@@ -103,7 +103,7 @@ class BertForPreTraining(nn.Module):
     def forward(self, batch: Batch) -> PretrainOutput:
         x = self.encode(batch)
         cls_rows = x.index_select(0, batch.seq.cu_seqlens[:-1])
-        return self._heads(x.index_select(0, batch.masked_positions), cls_rows, batch)
+        return self.heads(x.index_select(0, batch.masked_positions), cls_rows, batch)
 
     def forward_padded(self, batch: Batch, width: int | None = None) -> PretrainOutput:
         """Same weights on a zero-padded (B, width) batch with a key-padding mask (width: batch max)."""
@@ -112,9 +112,10 @@ class BertForPreTraining(nn.Module):
                                  pad(batch.segment_ids, layout))  # (B, L, hidden)
         x = self.bert.encoder(x, lambda q, k, v, p: masked_sdpa(q, k, v, layout.key_mask, p))
         masked_rows = x.flatten(0, 1).index_select(0, layout.slots.index_select(0, batch.masked_positions))
-        return self._heads(masked_rows, x[:, 0], batch)
+        return self.heads(masked_rows, x[:, 0], batch)
 
-    def _heads(self, masked_rows: Tensor, cls_rows: Tensor, batch: Batch) -> PretrainOutput:
+    def heads(self, masked_rows: Tensor, cls_rows: Tensor, batch: Batch) -> PretrainOutput:
+        """The MLM head on the masked rows, the NSP head on the [CLS] rows, the losses and the MLM accuracy."""
         mlm_logits = self.cls.predictions(masked_rows, self.bert.embeddings.word_embeddings.weight)
         nsp_logits = self.cls.seq_relationship(self.bert.pooler(cls_rows))
         # Labels of -100 (cross_entropy's ignore_index) are padding rows (`bert.static_shapes`): out of both
