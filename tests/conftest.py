@@ -41,6 +41,31 @@ def random_shards(tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory) -> Iterator[None]:
+    """A one-process group for the module (DDP, the driver's wrappers and `build_run` need one): gloo, and on a
+    GPU NCCL for the CUDA tensors."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: a second OpenMP thread only waits on its sibling (and spins on a busy machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_slurm_module_at_a_time(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[None]:
     """scripts/test.sh runs two pytest-xdist workers, a module to each (`--dist loadfile`, so a module fixture such

@@ -157,16 +157,6 @@ def test_gradients_are_handed_over_while_the_compiled_backward_runs(world_of_one
     assert overlapped == (scope == "layers" or buckets == "ddp"), order
 
 
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_one_graph_for_the_model_is_refused_with_balanced_buffers():
     from bert.config import ConfigError, from_flat
 

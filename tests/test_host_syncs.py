@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from script_modules import load_script
 
 from bert.train.host_syncs import count_host_syncs
@@ -76,18 +75,9 @@ def test_labels_agree_with_torch_cuda_sync_debug_mode(name):
 
 
 @pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    hs.init_world_of_one(tmp_path_factory.mktemp("pg") / "store")
-    yield hs.write_random_shards(tmp_path_factory.mktemp("data"))
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def data(world_of_one, one_thread, tmp_path_factory):
+    """The random shards and micro BERT config the driver's run is built on, in a world of one."""
+    return hs.write_random_shards(tmp_path_factory.mktemp("data"))
 
 
 def measure(data, tmp_path, name: str, device: str = "cpu") -> dict:
@@ -99,8 +89,8 @@ SYNC_FREE = [c.name for c in hs.cases() if "fp16" not in c.name and (" bf16 " in
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)
-def test_fp32_and_bf16_steps_never_sync_and_train_syncs_only_to_print(world_of_one, tmp_path, name):
-    row = measure(world_of_one, tmp_path, name)
+def test_fp32_and_bf16_steps_never_sync_and_train_syncs_only_to_print(data, tmp_path, name):
+    row = measure(data, tmp_path, name)
     assert row["per_step"] == 0, row["where"]
     assert row["per_interval"] == 2, row["where_train"]  # the progress line's loss and LR
     assert all(where.startswith("bert/train/loop.py:") for line in row["where_train"]
@@ -115,19 +105,19 @@ FP16 = {  # case: the file that asks for the one sync per step (the overflow che
 
 
 @pytest.mark.parametrize("name", FP16)
-def test_fp16_steps_sync_once_to_skip_an_overflowed_step(world_of_one, tmp_path, name):
-    row = measure(world_of_one, tmp_path, name)
+def test_fp16_steps_sync_once_to_skip_an_overflowed_step(data, tmp_path, name):
+    row = measure(data, tmp_path, name)
     assert row["per_step"] == 1 and row["where"][0].split(" at ")[1].startswith(FP16[name] + ":"), row["where"]
     assert row["per_interval"] == hs.LOG_FREQ + 3, row["where_train"]  # a check per step; loss, LR, loss scale
 
 
-def test_fused_adamw_skips_fp16_overflow_on_the_device(world_of_one, tmp_path):
+def test_fused_adamw_skips_fp16_overflow_on_the_device(data, tmp_path):
     """torch's fused AdamW takes GradScaler's found_inf into its kernel: no sync even under fp16."""
-    row = measure(world_of_one, tmp_path, "adam fp16 clip=bucket")
+    row = measure(data, tmp_path, "adam fp16 clip=bucket")
     assert row["per_step"] == 0 and row["per_interval"] == 3, row  # loss, LR and the loss scale
 
 
-def test_a_sync_slipped_into_the_step_is_found_and_named(world_of_one, tmp_path, monkeypatch):
+def test_a_sync_slipped_into_the_step_is_found_and_named(data, tmp_path, monkeypatch):
     from bert.dist.clip import Clipper
 
     before_step = Clipper.before_step
@@ -138,7 +128,7 @@ def test_a_sync_slipped_into_the_step_is_found_and_named(world_of_one, tmp_path,
             pass
 
     monkeypatch.setattr(Clipper, "before_step", reading)
-    row = measure(world_of_one, tmp_path, "lamb bf16 master clip=after")
+    row = measure(data, tmp_path, "lamb bf16 master clip=after")
     assert row["per_step"] == 1 and row["where"] == [f"2 x _local_scalar_dense at tests/test_host_syncs.py:"
                                                      f"{reading.__code__.co_firstlineno + 2}"]
 
@@ -146,7 +136,7 @@ def test_a_sync_slipped_into_the_step_is_found_and_named(world_of_one, tmp_path,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["lamb bf16 master clip=after", "lamb bf16 clip=after", "adam bf16 master clip=bucket",
                                   "lamb bf16 master, STATIC_TOKENS=128"])
-def test_cuda_step_makes_no_synchronizing_cuda_call(world_of_one, tmp_path, name):
+def test_cuda_step_makes_no_synchronizing_cuda_call(data, tmp_path, name):
     """torch's own detector on the GPU, flash varlen attention: it also sees copies to the host."""
-    row = measure(world_of_one, tmp_path, name, "cuda")
+    row = measure(data, tmp_path, name, "cuda")
     assert row["per_step"] == 0 and row["cuda_per_step"] == 0, row["cuda_where"]

@@ -30,7 +30,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from bert.config import ConfigError, from_env_and_args, from_flat
@@ -54,13 +53,7 @@ MICRO = replace(BertConfig.load("tiny"), vocab_size=VOCAB, real_vocab_size=VOCAB
 C, STEPS, SCALE = 0.5, 3, 2.0**10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second OpenMP thread only waits on its sibling (and spins on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def micro_bert(seed: int = 0) -> BertForPreTraining:
@@ -182,14 +175,6 @@ def test_fp16_overflow_skips_the_whole_step_and_backs_off_the_scale():
 
 
 # -- N steps of the loop ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def build(cfg, seed: int = 0):
