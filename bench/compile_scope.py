@@ -24,7 +24,7 @@ import torch
 
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import COMPILE_MODES, COMPILE_SCOPES, compile_model
-from bert.model.precision import autocast_dtype
+from bert.train.build import autocast_for
 from bert.train.warmup import warm_up, warmup_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +37,7 @@ def one_scope(scope: str, args: argparse.Namespace) -> dict:
     torch._dynamo.utils.counters.clear()
     cfg = BertConfig.load(args.bert_config)
     model = compile_model(BertForPreTraining(cfg, device=device).to(device), args.compile, device, scope)
-    dtype = autocast_dtype("bf16", False) if device.type == "cuda" else None
-    autocast = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else (
-        lambda: torch.autocast(device.type, enabled=False))
+    autocast = autocast_for("bf16" if device.type == "cuda" else "fp32", device)  # the driver's, without masters
     first = warm_up(model, warmup_batch(args.sequences, args.max_len, device, cfg.real_vocab_size, seed=0), autocast)
     later = [warm_up(model, warmup_batch(args.sequences, args.max_len, device, cfg.real_vocab_size, seed=s), autocast)
              for s in range(1, args.steps + 1)]

@@ -121,7 +121,8 @@ def build(cfg: TrainConfig, device: torch.device = CPU) -> Run:
 
 def measure(case: Case, data: Path, out: Path, warmup: int, steps: int, device: torch.device = CPU) -> dict:
     """Syncs per steady-state step and per progress interval of `train()`."""
-    cfg = config(data, out, case.settings, max_steps=warmup + steps + 2 * LOG_FREQ, device=device)
+    # train_step leaves the step count alone, so train() starts at 0 and ends at max_steps: two intervals
+    cfg = config(data, out, case.settings, max_steps=2 * LOG_FREQ, device=device)
     with contextlib.redirect_stdout(io.StringIO()):  # the progress lines
         run = build(cfg, device)
         return _measure(case, run, warmup, steps)
@@ -136,8 +137,6 @@ def _measure(case: Case, run: Run, warmup: int, steps: int) -> dict:
         with cuda_sync_warnings() if on_cuda else contextlib.nullcontext([]) as cuda, count_host_syncs() as in_steps:
             for _ in range(steps):
                 train_step(run, batches)
-        run.state.step = run.state.samples = 0
-        run.cfg.optim.max_steps = 2 * LOG_FREQ  # train() ends at its step limit, after two intervals
         with count_host_syncs() as in_train:
             status = train(run)
         assert status == "aborted", status

@@ -31,7 +31,7 @@ aten = torch.ops.aten
 SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim,
            aten.unique_consecutive, aten.unique_dim_consecutive, aten.bincount, aten.equal}
 MASK_INDEXED = {aten.index, aten.index_put, aten.index_put_}  # sync only when an index is a boolean mask
-MAY_SYNC = {aten.repeat_interleave}  # syncs unless told the output size
+SIZED_BY = {aten.repeat_interleave}  # the overloads that reach dispatch take a repeats tensor: sync unless sized
 
 HERE = Path(__file__).resolve()
 PROJECT = HERE.parents[2]
@@ -44,8 +44,8 @@ def _is_sync(func, args, kwargs) -> bool:
     if packet in MASK_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
-    if packet in MAY_SYNC:
-        return isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None
+    if packet in SIZED_BY:
+        return kwargs.get("output_size") is None  # keyword-only in every overload
     return False
 
 
