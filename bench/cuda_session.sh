@@ -87,7 +87,7 @@ for name in "$@"; do
         tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py \
         tests/test_host_syncs.py ;;
     host-syncs)
-      # the bf16 cases (the H100 configs' family) and fp16's overflow check, plain and over masters
+      # the bf16 cases (the H100 configs' family); fp16: the check before plain LAMB, the skip over masters
       step host-syncs 240 python3 bench/host_syncs.py --device cuda --only " bf16 " "fp16 clip=after" \
         "fp16 master clip=after" --out "$WORK/host_syncs_cuda.json" ;;
     model)

@@ -123,8 +123,12 @@ def test_masters_are_the_fp32_initialisation_and_the_model_is_cast(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["lamb", "adam"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_master_update_is_the_plain_fp32_optimizer_on_the_cast_gradients(optimizer, dtype):
+@pytest.mark.parametrize("dtype, overflows", [(torch.bfloat16, ()), (torch.float16, ()), (torch.float16, (0, 2))])
+def test_master_update_is_the_plain_fp32_optimizer_on_the_cast_gradients(optimizer, dtype, overflows):
+    """fp16 with `overflows`: an inf gradient at the first step, a NaN at the third. The masters skip them on the
+    device (no host sync: bert.optim.master), the plain optimizer as GradScaler skips, on the host for LAMB and in
+    the fused kernel for AdamW; the masters must still equal it bit for bit at every step, a first step skipped
+    (LAMB's update count left at 0) included."""
     fp16 = dtype == torch.float16
     reference, model = micro_bert(), micro_bert()
     ref_opt = build_optimizer(reference, config(optimizer, master=False).optim)
@@ -138,9 +142,11 @@ def test_master_update_is_the_plain_fp32_optimizer_on_the_cast_gradients(optimiz
     # the model's order: the fp32 norm would sum the same squares in another order)
     clip_ref = ClipAfterAllreduce(in_group_order(ref_opt), C)
     gen = torch.Generator().manual_seed(3)
-    for _ in range(STEPS):
+    for step in range(STEPS + len(overflows)):
         for p, r in zip(params(model), params(reference)):
-            p.grad = (torch.randn(p.shape, generator=gen) * (SCALE if fp16 else 1.0)).to(dtype)
+            p.grad = (torch.randn(p.shape, generator=gen) * scalers[1].get_scale()).to(dtype)
+            if step in overflows and p is params(model)[3]:
+                p.grad[0] = float("inf") if step == overflows[0] else float("nan")
             r.grad = p.grad.float()
         clip_ref.before_step(ref_opt, scalers[0])
         for o, s, sched in zip((ref_opt, opt), scalers, schedules):
@@ -152,14 +158,18 @@ def test_master_update_is_the_plain_fp32_optimizer_on_the_cast_gradients(optimiz
             assert torch.equal(m, r)
         assert_within_one_rounding(model, reference, dtype)
         assert all(p.grad is None for p in params(model)) and all(m.grad is None for m in opt.masters)
-    assert scalers[1].get_scale() == scalers[0].get_scale()
+    assert scalers[1].get_scale() == scalers[0].get_scale() == (SCALE / 2 ** len(overflows) if fp16 else 1.0)
     assert not torch.equal(opt.masters[0], micro_bert().bert.embeddings.word_embeddings.weight)  # it trained
 
 
-def test_fp16_overflow_skips_the_whole_step_and_backs_off_the_scale():
+@pytest.mark.parametrize("optimizer", ["lamb", "adam"])
+def test_fp16_overflow_skips_the_whole_step_on_the_device_and_backs_off_the_scale(optimizer):
+    """The step runs (no host sync decides), and changes nothing: the masters, the model's weights, and the inner
+    state it creates is a fresh one in value (update count 0, zero moments)."""
     model = micro_bert()
-    opt = build_optimizer(model, config().optim, torch.float16)
-    build_schedule(opt, config().optim)
+    opt = build_optimizer(model, config(optimizer).optim, torch.float16)
+    build_schedule(opt, config(optimizer).optim)
+    assert opt.skips_on_device
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     scaler.scale(torch.ones(()))
     before = [m.clone() for m in opt.masters], [p.detach().clone() for p in params(model)]
@@ -171,7 +181,26 @@ def test_fp16_overflow_skips_the_whole_step_and_backs_off_the_scale():
     assert scaler.get_scale() == SCALE / 2
     assert all(torch.equal(a, b) for a, b in zip(before[0], opt.masters))
     assert all(torch.equal(a, b) for a, b in zip(before[1], params(model)))
-    assert not opt.inner.state  # the inner optimizer never stepped
+    state = [opt.inner.state[m] for m in opt.masters]
+    assert all(s["step"] == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in state)
+
+
+def test_fp16_overflow_is_checked_on_the_host_where_the_inner_optimizer_cannot_skip():
+    """apex's FusedLAMB or the foreach AdamW of a compiled step take no `found_inf`: the host check skips the
+    step before anything runs (the inner optimizer never steps)."""
+    model = micro_bert()
+    opt = build_optimizer(model, config("adam", compile_optimizer=True, compile="debug").optim, torch.float16)
+    assert not opt.skips_on_device
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(torch.ones(()))
+    before = [m.clone() for m in opt.masters]
+    for p in params(model):
+        p.grad = torch.ones_like(p)
+    params(model)[3].grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == SCALE / 2 and not opt.inner.state
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.masters))
 
 
 # -- N steps of the loop ------------------------------------------------------------------------------------

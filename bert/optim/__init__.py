@@ -25,18 +25,21 @@ Groups = list[dict]
 Betas = tuple[float, float]
 
 
-def _adamw(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool,
-           capturable: bool = False) -> torch.optim.Optimizer:
-    """Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA. `capturable` (a compiled
-    step, bert.optim.compiled): foreach + capturable on CUDA, the single-tensor loop on the CPU."""
-    if capturable:
+def _adamw(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool, compiled: bool = False,
+           skip_on_device: bool = False) -> torch.optim.Optimizer:
+    """Samsung: plain AdamW with decoupled weight decay; fused works on CPU and CUDA, and skips an overflowed
+    step inside its kernel (`skip_on_device` asks nothing more). `compiled` (bert.optim.compiled): foreach +
+    capturable on CUDA, the single-tensor loop on the CPU (neither skips on the device)."""
+    if compiled:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=on_cuda, capturable=on_cuda)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
-def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool,
-          capturable: bool = False) -> torch.optim.Optimizer:
-    if capturable:  # a compiled step: ours, with the update count on the device (apex reads the LR on the host)
+def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: bool, compiled: bool = False,
+          skip_on_device: bool = False) -> torch.optim.Optimizer:
+    """Ours with the update count on the device for a compiled step or one skipped on the device (bert.optim.lamb);
+    else apex's FusedLAMB when installed on CUDA (it reads the LR and decides skips on the host), else ours."""
+    if compiled or skip_on_device:
         return Lamb(groups, lr=lr, betas=betas, eps=eps, capturable=True)
     return (on_cuda and _apex_lamb(groups, betas, eps)) or Lamb(groups, lr=lr, betas=betas, eps=eps)
 
@@ -57,8 +60,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
 
         return build_sharded(groups, cfg, lr)
     on_cuda = next(model.parameters()).is_cuda
+    # fp16 master weights skip an overflowed step on the device (bert.optim.master), where the optimizer can
+    skip_on_device = cfg.master_weights and compute_dtype == torch.float16
     build = functools.partial(OPTIMIZERS[cfg.optimizer], lr=lr, betas=(cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),
-                              eps=cfg.opt_epsilon, on_cuda=on_cuda, capturable=cfg.compile_optimizer)
+                              eps=cfg.opt_epsilon, on_cuda=on_cuda, compiled=cfg.compile_optimizer,
+                              skip_on_device=skip_on_device)
     if cfg.master_weights:
         from bert.optim.master import MasterWeights
 

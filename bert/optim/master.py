@@ -9,30 +9,42 @@ every weight down at every forward (and LayerNorm's inputs back up) -- about 11 
               see are in that dtype too (their norms are taken in fp32: bert.dist.clip.local_norm)
     masters   fp32 copies, made from the fp32 initialisation (random or INIT_CHECKPOINT) by the
               constructor, which only then casts the model: nothing is lost at init
-    step      1. the model's gradients are cast into fp32 master gradients (one foreach copy; they
-                 live only during the step, so their memory goes back to the activations)
-              2. fp16: divided by the GradScaler's scale (a power of two: exact); skipped on overflow
+    step      1. the model's gradients are cast into fp32 master gradients (one foreach copy into one
+                 flat buffer; they live only during the step, so their memory goes back to the activations)
+              2. fp16: divided by the GradScaler's scale (a power of two: exact); on overflow, zeroed, and
+                 the inner optimizer told to change nothing (below)
               3. GRAD_CLIP=after: clipped by their global norm, in fp32 (`hook_clip_mode` moves the
                  mode here, as for sharding: GradScaler cannot unscale fp16 gradients in place)
               4. the inner optimizer (foreach LAMB, apex FusedLAMB, fused AdamW) updates the masters
                  and its fp32 state, with the hyperparameters (the schedule's LR tensor) copied from
                  this optimizer's groups
               5. the masters are copied into the model's weights (foreach copy: round to nearest)
-              No host sync, except the overflow check under fp16 (GradScaler's own path has it too).
+              No host sync: an overflowed fp16 step is skipped on the device.
+
+The skip without a host sync: GradScaler leaves its inf flag on the device, and reading it on the host
+(`.item()`) would make the host wait for the whole backward every step, so the next step's launches could
+no longer run ahead of the GPU (and no CUDA graph could hold the step). The flag goes into the update instead:
+the flat fp32 gradient is zeroed where it is set (one pass; inf x 0 would be NaN), and the inner optimizer,
+told `found_inf` as torch's fused optimizers are, leaves the masters and its state as they were. Two inner
+optimizers can: our LAMB with its update count on the device (`build_optimizer` builds it so under fp16; every
+moving factor becomes 0, bert.optim.lamb) and torch's fused AdamW (inside its kernel). For apex's FusedLAMB and
+the foreach AdamW of a compiled step, which cannot, the flag is read on the host and the step not run
+(`skips_on_device`). Either way the masters, the weights and the moments equal the plain fp32 optimizer's under
+GradScaler's host-side skip, bit for bit (tests/test_master_weights.py, a first step skipped included).
 
 COMPILE_OPTIMIZER=1 compiles steps 1-5 as one function (`update_masters`; bert.optim.compiled), so
-inductor fuses the cast up, the unscale, the clip, the inner update and the copy back into a few kernels
-instead of ~20 foreach launches over every tensor. The overflow check stays outside: it reads found_inf on
-the host, and a skipped step must run nothing. The inner optimizer is then the capturable one (LAMB's update
-count on the device), and the scale and the LR reach the compiled code as tensors, so no step recompiles.
+inductor fuses the cast up, the unscale, the skip, the clip, the inner update and the copy back into a few
+kernels instead of ~20 foreach launches over every tensor. The inner optimizer is then the capturable one
+(LAMB's update count on the device), and the scale, the inf flag and the LR reach the compiled code as
+tensors, so no step recompiles.
 
 So the masters after a step are exactly what the plain fp32 optimizer makes from the fp32-cast gradients,
 and the model's weights are the masters rounded to the compute dtype (tests/test_master_weights.py); compiled,
 the masters are within fp32 rounding of the eager ones (inductor reorders sums; tests/test_optim_compiled.py).
 
 fp16: the GradScaler hands its scale and inf flag to `step` (`_step_supports_amp_scaling`); it checks
-the fp16 gradients for inf/NaN itself first. The scaled gradients are fp16 now, so scale x |g| above
-65504 overflows: the step is skipped and the scale halved, and the dynamic scale settles lower than
+the fp16 gradients for inf/NaN itself first (a device op). The scaled gradients are fp16 now, so scale x |g|
+above 65504 overflows: the step is skipped and the scale halved, and the dynamic scale settles lower than
 with fp32 gradients (a CPU run from INIT_LOSS_SCALE=2^16 skipped its first step). bf16 needs no scale.
 
 Checkpoints: `state_dict` is the inner optimizer's, laid out as the plain optimizer's (same indices over
@@ -50,6 +62,7 @@ import torch
 from torch import Tensor
 
 from bert.dist.clip import clip_after_allreduce
+from bert.optim.lamb import Lamb
 
 Groups = list[dict]
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
@@ -94,33 +107,53 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("MasterWeights.step does not take a closure")
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step under fp16 only
-        if found_inf is not None and found_inf.item():  # overflow: skip, as GradScaler does (and update() backs off)
-            return
+        scaled = found_inf is not None
+        if scaled and not self.skips_on_device:
+            if found_inf.item():  # overflow, seen on the host: skip, as GradScaler does (and update() backs off)
+                return
+            found_inf = None
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
         if not pairs:
             return
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         # as GradScaler.unscale_: 1 / scale in float64, then fp32 (a power of two: exact either way)
-        inv_scale = self.grad_scale.double().reciprocal().float() if found_inf is not None else None
-        self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale)
+        inv_scale = self.grad_scale.double().reciprocal().float() if scaled else None
+        self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale, found_inf)
 
-    def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None) -> None:
-        """Steps 1-5 (step 2's skip is `step`'s) over the parameters that have a gradient: no host sync and no
-        host value that changes between steps (the LR and the scale are tensors), so COMPILE_OPTIMIZER=1
-        compiles it whole."""
-        grads = [torch.empty_like(m) for m in masters]
+    def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None,
+                        found_inf: Tensor | None = None) -> None:
+        """Steps 1-5 over the parameters that have a gradient: no host sync and no host value that changes
+        between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
+        whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
+        change nothing (step 2 on the device)."""
+        sizes = [m.numel() for m in masters]
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)  # one pass for scale and skip
+        grads = [g.view_as(m) for g, m in zip(flat.split(sizes), masters)]
         torch._foreach_copy_(grads, [p.grad for p in params])
         if inv_scale is not None:
-            torch._foreach_mul_(grads, inv_scale)
+            flat.mul_(inv_scale)
+        if found_inf is not None:
+            flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
         for m, g in zip(masters, grads):
             m.grad = g
         if self.clip_after is not None:
             clip_after_allreduce(masters, self.clip_after)
+        self.inner.found_inf = found_inf  # torch's fused AdamW and our Lamb read it (None: a step as usual)
         self.inner.step()
         for m in masters:
             m.grad = None
         torch._foreach_copy_(params, masters)
+
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the inner optimizer leaves the masters and its state untouched, on the device, where told
+        `found_inf`: our LAMB with its update count there, torch's fused AdamW. Not apex's FusedLAMB, nor the
+        foreach AdamW a compiled step runs: for those the overflow is checked on the host."""
+        inner = self.inner
+        if isinstance(inner, Lamb):
+            return inner.capturable
+        return isinstance(inner, torch.optim.Adam) and all(g.get("fused") for g in inner.param_groups)
 
     def state_dict(self) -> dict:
         """The inner optimizer's state (fp32, indexed as the plain optimizer's) with this one's hyperparameters."""
