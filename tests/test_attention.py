@@ -94,3 +94,23 @@ def test_cuda_backends_match_reference_in_bf16(backend):
     dropped = varlen_attention(q, k, v, seq, dropout_p=0.5, backend=backend)
     assert (dropped - got).abs().max() > 1e-2
     grads(dropped, (q, k, v))  # the dropout path has a backward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dropout_path_takes_strided_views_of_the_fused_qkv():
+    """The training path (FlashVarlenDropout, the aten flash kernels with a dropout argument) on q, k, v as the
+    model hands them over: views of one (T, 3, H, D) QKV output, rows 3 x H x D apart. At dropout 0 it must equal
+    the reference, gradients into the fused tensor included."""
+    from bert.model.cuda_varlen import FlashVarlenDropout
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(sum(LENGTHS), 3, 4, 64, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    q, k, v = qkv.unbind(1)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    seq = SeqLayout.from_lengths(LENGTHS, device="cuda")
+    got = FlashVarlenDropout.apply(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.0)
+    ref_qkv = qkv.detach().double().requires_grad_()
+    want = reference_attention(*ref_qkv.unbind(1), LENGTHS)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
+    (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
+    torch.testing.assert_close(g.double(), w, rtol=0, atol=5e-2)

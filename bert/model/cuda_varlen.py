@@ -57,6 +57,8 @@ def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
             raise ValueError(f"attention backend 'varlen' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
         if dropout_p == 0.0 and varlen_attn is not None:
             return varlen_attn(q, k, v, cu, cu, longest, longest)
-        return FlashVarlenDropout.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu, longest, dropout_p)
+        # q, k and v as they come (views of the fused QKV output): the kernels take any row and head strides
+        # with a unit last one, as varlen_attn's do; .contiguous() would copy 3 x (T, hidden) per layer each way
+        return FlashVarlenDropout.apply(q, k, v, cu, longest, dropout_p)
 
     return attend

@@ -9,8 +9,8 @@ every weight down at every forward (and LayerNorm's inputs back up) -- about 11 
               see are in that dtype too (their norms are taken in fp32: bert.dist.clip.local_norm)
     masters   fp32 copies, made from the fp32 initialisation (random or INIT_CHECKPOINT) by the
               constructor, which only then casts the model: nothing is lost at init
-    step      1. the model's gradients are cast into fp32 master gradients (one foreach copy into one
-                 flat buffer; they live only during the step, so their memory goes back to the activations)
+    step      1. the model's gradients are cast into fp32 master gradients (one foreach copy; fp16: into
+                 one flat buffer; they live only during the step, so their memory goes back to the activations)
               2. fp16: divided by the GradScaler's scale (a power of two: exact); on overflow, zeroed, and
                  the inner optimizer told to change nothing (below)
               3. GRAD_CLIP=after: clipped by their global norm, in fp32 (`hook_clip_mode` moves the
@@ -27,9 +27,9 @@ no longer run ahead of the GPU (and no CUDA graph could hold the step). The flag
 the flat fp32 gradient is zeroed where it is set (one pass; inf x 0 would be NaN), and the inner optimizer,
 told `found_inf` as torch's fused optimizers are, leaves the masters and its state as they were. Two inner
 optimizers can: our LAMB with its update count on the device (`build_optimizer` builds it so under fp16; every
-moving factor becomes 0, bert.optim.lamb) and torch's fused AdamW (inside its kernel). For apex's FusedLAMB and
-the foreach AdamW of a compiled step, which cannot, the flag is read on the host and the step not run
-(`skips_on_device`). Either way the masters, the weights and the moments equal the plain fp32 optimizer's under
+moving factor becomes 0, bert.optim.lamb) and torch's fused AdamW (inside its kernel). For apex's FusedLAMB (chosen
+where installed: its two fused kernels outweigh the sync) and the foreach AdamW of a compiled step, which cannot,
+the flag is read on the host and the step not run (`skips_on_device`). Either way the masters, the weights and the moments equal the plain fp32 optimizer's under
 GradScaler's host-side skip, bit for bit (tests/test_master_weights.py, a first step skipped included).
 
 COMPILE_OPTIMIZER=1 compiles steps 1-5 as one function (`update_masters`; bert.optim.compiled), so
@@ -127,14 +127,17 @@ class MasterWeights(torch.optim.Optimizer):
         between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
         whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
         change nothing (step 2 on the device)."""
-        sizes = [m.numel() for m in masters]
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)  # one pass for scale and skip
-        grads = [g.view_as(m) for g, m in zip(flat.split(sizes), masters)]
-        torch._foreach_copy_(grads, [p.grad for p in params])
-        if inv_scale is not None:
+        if inv_scale is None:  # bf16: a gradient per master (the graph COMPILE_OPTIMIZER=1 was measured with)
+            grads = [torch.empty_like(m) for m in masters]
+            torch._foreach_copy_(grads, [p.grad for p in params])
+        else:  # fp16: views of one flat gradient, so that the unscale and the zeroing are one kernel each
+            sizes = [m.numel() for m in masters]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
+            grads = [g.view_as(m) for g, m in zip(flat.split(sizes), masters)]
+            torch._foreach_copy_(grads, [p.grad for p in params])
             flat.mul_(inv_scale)
-        if found_inf is not None:
-            flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
+            if found_inf is not None:
+                flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
         for m, g in zip(masters, grads):
             m.grad = g
         if self.clip_after is not None:
