@@ -5,7 +5,9 @@ References, all independent of `MasterWeights`:
     model's gradients cast to fp32 (and unscaled by its own GradScaler under fp16). The masters must equal
     it bit for bit, and the model's weights must be the masters rounded to the compute dtype, so they are
     within one rounding of that fp32-weight reference: |w - w_ref| <= u |w_ref|, with u the unit roundoff
-    of round-to-nearest (2^-8 for bf16's 8-bit significand, 2^-11 for fp16's 11);
+    of round-to-nearest (2^-8 for bf16's 8-bit significand, 2^-11 for fp16's 11); under fp16 with overflowed
+    steps (the first among them) the reference skips on the host, as GradScaler does, and the masters, which
+    skip on the device, must still equal it bit for bit (on a GPU: the CPU's run within fp32 rounding);
   * N steps of the loop's `train_step` through the pieces the driver builds (DDP or balanced fusion
     buffers, `install_clipping` with `hook_clip_mode`, the LR schedule, the GradScaler, gradient
     accumulation) against a run written out by hand: fp32 weights, each step's forward and backward on a
@@ -183,6 +185,42 @@ def test_fp16_overflow_skips_the_whole_step_on_the_device_and_backs_off_the_scal
     assert all(torch.equal(a, b) for a, b in zip(before[1], params(model)))
     state = [opt.inner.state[m] for m in opt.masters]
     assert all(s["step"] == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optimizer", ["lamb", "adam"])
+def test_cuda_fp16_overflow_is_skipped_on_the_device(optimizer):
+    """The GPU's kernels for the skip (LAMB: foreach lerp with device weights, fp32 bias corrections from a float64
+    count; AdamW: the fused kernel's own): steps with an inf at the first and a NaN at the third gradient, against
+    the same steps on the CPU (equal to the plain optimizer bit for bit, above) within fp32 rounding; a skipped step
+    leaves the masters exactly as they were."""
+    def run(device: str) -> list[list[torch.Tensor]]:
+        model = micro_bert().to(device)
+        opt = build_optimizer(model, config(optimizer).optim, torch.float16)
+        schedule = build_schedule(opt, config(optimizer).optim)
+        assert opt.skips_on_device
+        scaler = torch.amp.GradScaler(device, init_scale=SCALE)
+        scaler.scale(torch.ones((), device=device))
+        gen, after = torch.Generator().manual_seed(3), [[m.detach().cpu().clone() for m in opt.masters]]
+        for step in range(5):
+            for p in params(model):
+                p.grad = (torch.randn(p.shape, generator=gen) * scaler.get_scale()).to(device, torch.float16)
+            if step in (0, 2):
+                params(model)[3].grad[0] = float("inf") if step == 0 else float("nan")
+            scaler.step(opt)
+            scaler.update()
+            schedule.step()
+            opt.zero_grad(set_to_none=True)
+            after.append([m.detach().cpu().clone() for m in opt.masters])
+        assert scaler.get_scale() == SCALE / 4
+        return after  # the masters at the start and after each step
+
+    cpu, gpu = run("cpu"), run("cuda")
+    for skipped in (1, 3):  # the first and the third step
+        assert all(torch.equal(a, b) for a, b in zip(gpu[skipped - 1], gpu[skipped]))
+    for step in range(6):
+        for a, b in zip(cpu[step], gpu[step]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_fp16_overflow_is_checked_on_the_host_where_the_inner_optimizer_cannot_skip():
