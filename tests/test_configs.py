@@ -118,10 +118,11 @@ def test_multinode_configs_state_their_gradient_reduction(system):
     assert (env["GRAD_COMM_DTYPE"] == "fp16") == (env["PRECISION"] == "fp16")  # fp16 only under loss scaling
 
 
-@pytest.mark.parametrize("system", ["DGXH100_1x8x96x1", "DGXH100_8x8x72x1"])
-def test_h100_configs_hold_master_weights_in_the_optimizer(system):
+@pytest.mark.parametrize("system", PUBLISHED)
+def test_dgx_configs_hold_master_weights_in_the_optimizer(system):
+    """As the submissions: an fp16 model on the A100 (NVIDIA's --fp16 --distributed_lamb), bf16 on the H100."""
     env = sourced(ROOT / f"config_{system}.sh")
-    assert (env["MASTER_WEIGHTS"], env["PRECISION"]) == ("1", "bf16")
+    assert (env["MASTER_WEIGHTS"], env["PRECISION"]) == ("1", "fp16" if system.startswith("DGXA100") else "bf16")
 
 
 def test_walltime_scales_with_nexp():
