@@ -27,10 +27,11 @@ no longer run ahead of the GPU (and no CUDA graph could hold the step). The flag
 the flat fp32 gradient is zeroed where it is set (one pass; inf x 0 would be NaN), and the inner optimizer,
 told `found_inf` as torch's fused optimizers are, leaves the masters and its state as they were. Two inner
 optimizers can: our LAMB with its update count on the device (`build_optimizer` builds it so under fp16; every
-moving factor becomes 0, bert.optim.lamb) and torch's fused AdamW (inside its kernel). For apex's FusedLAMB (chosen
-where installed: its two fused kernels outweigh the sync) and the foreach AdamW of a compiled step, which cannot,
-the flag is read on the host and the step not run (`skips_on_device`). Either way the masters, the weights and the moments equal the plain fp32 optimizer's under
-GradScaler's host-side skip, bit for bit (tests/test_master_weights.py, a first step skipped included).
+moving factor becomes 0, bert.optim.lamb) and torch's fused AdamW (inside its kernel). For apex's FusedLAMB
+(chosen where installed: its two fused kernels outweigh the sync) and the foreach AdamW of a compiled step, which
+cannot, the flag is read on the host and the step not run (`skips_on_device`). Either way the masters, the
+weights and the moments equal the plain fp32 optimizer's under GradScaler's host-side skip, bit for bit
+(tests/test_master_weights.py, a first step skipped included).
 
 COMPILE_OPTIMIZER=1 compiles steps 1-5 as one function (`update_masters`; bert.optim.compiled), so
 inductor fuses the cast up, the unscale, the skip, the clip, the inner update and the copy back into a few
