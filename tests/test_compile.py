@@ -201,6 +201,44 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     assert cc.returncode == 0, cc.stdout + cc.stderr
 
 
+def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(world_of_one, tmp_path, monkeypatch):
+    """The driver's build and compile warm-up (COMPILE=debug; 10 eval examples in batches of 4: sizes 4, 4, 2) read
+    no sample: the rules' clock starts before any part of the system touches the dataset (bert.data.eval_set).
+    After run_start the first evaluation reads the eval set once and compiles nothing (before the eval warm-up it
+    compiled the whole forward again: grad mode and the training flag are guarded), and neither does a training
+    step or a second evaluation."""
+    from script_modules import load_script
+    from torch._dynamo.utils import counters
+
+    from bert.data.reader import SampleReader
+    from bert.train.evaluate import evaluate
+    from bert.train.loop import train_step
+    from bert.train.mlperf_log import MLPerfLog
+    from bert.train.warmup import compile_before_run
+
+    hs = load_script("bench/host_syncs.py")
+    data = hs.write_random_shards(tmp_path / "data", eval_samples=10)
+    reads: list[int] = []
+    read = SampleReader.read
+    monkeypatch.setattr(SampleReader, "read", lambda self, ids: reads.append(len(ids)) or read(self, ids))
+    torch._dynamo.reset()
+    run = hs.build(hs.config(data, tmp_path / "out", dict(compile="debug", num_eval_examples=10), max_steps=4))
+    assert run.eval_set.batch_sizes == [4, 4, 2] and run.eval_samples == 10
+    compile_before_run(run, MLPerfLog("", enabled=False), CPU)
+    assert reads == [] and not run.eval_set.loaded
+    graphs = counters["stats"]["unique_graphs"]
+    evaluate(run.ddp.module, run.eval_set, run.autocast())
+    assert sorted(reads) == [2, 4, 4] and counters["stats"]["unique_graphs"] == graphs
+    try:
+        train_step(run, iter(run.loader))
+    finally:
+        run.loader.close()  # its thread read the training batches
+    before = len(reads)
+    evaluate(run.ddp.module, run.eval_set, run.autocast())
+    assert len(reads) == before  # kept from the first evaluation
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_cuda_graph_warm_up_runs_one_batch_per_likely_token_bucket():
     """Under a CUDA-graph COMPILE mode with STATIC_TOKENS the warm-up covers every bucket `likely_token_buckets`
     names (each then recorded before run_start); other modes warm up on one batch."""

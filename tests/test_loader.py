@@ -146,6 +146,24 @@ def test_eval_slices_partition_the_eval_set(wiki_dir):
         eval_batches(wiki_dir, 6, 3, 0, 206)
 
 
+def test_eval_set_is_read_at_its_first_use_and_kept(wiki_dir, monkeypatch):
+    """Nothing but the length index before the first iteration (the rules' clock starts before the dataset is
+    touched: the driver builds it before run_start); then one read per batch, once."""
+    from bert.data.pipeline import EvalSet
+    from bert.data.reader import SampleReader
+
+    reads: list[int] = []
+    read = SampleReader.read
+    monkeypatch.setattr(SampleReader, "read", lambda self, ids: reads.append(len(ids)) or read(self, ids))
+    evals = EvalSet(wiki_dir, 6, 3, 1, 100)
+    assert reads == [] and not evals.loaded and evals.batch_sizes == [6] * 5 + [3]
+    first = list(evals)
+    assert reads == evals.batch_sizes and [b.num_sequences for b in first] == evals.batch_sizes
+    assert list(evals) == first and len(reads) == 6  # kept: the same batches, no second read
+    monkeypatch.setattr(SampleReader, "read", read)
+    assert [batch_ids(b) for b in first] == [batch_ids(b) for b in eval_batches(wiki_dir, 6, 3, 1, 100)]
+
+
 def test_bad_inputs_name_the_culprit(tmp_path, wiki_dir):
     with pytest.raises(FileNotFoundError, match="missing"):
         TrainLoader(tmp_path / "missing", 4, 1, 0, 1)

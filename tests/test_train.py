@@ -21,8 +21,8 @@ import torch
 
 from bert.batch import Sample
 from bert.data.format import VarlenShard, write_varlength_shard
-from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP, random_batch
-from bert.train.evaluate import EvalSchedule, count_eval_samples, rules_eval_interval
+from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP
+from bert.train.evaluate import EvalSchedule, rules_eval_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -67,10 +67,6 @@ def test_eval_schedule_first_step_at_or_past_each_threshold():
     schedule = EvalSchedule.from_config(global_batch_size=448)
     due = [s for s in range(448, 700_000, 448) if schedule.due(s)]
     assert due == [448 * math.ceil(t / 448) for t in (150_000, 300_000, 450_000, 600_000)]
-
-
-def test_eval_samples_counts_every_sequence_of_the_eval_batches():
-    assert count_eval_samples([random_batch([8, 5, 12], seed=1), random_batch([7], seed=2)]) == 4
 
 
 @pytest.mark.slow

@@ -9,5 +9,5 @@ Pipeline modules, in the order a batch flows through them:
     plan      the step -> (world, local_batch) draw and its balancing assignment, same on all ranks
     reader    samples by global id, bounded set of open shards
     prefetch  background thread: plan, read, collate, pin
-    pipeline  TrainLoader (the training iterator) and eval_batches (from eval_set)
+    pipeline  TrainLoader (the training iterator) and EvalSet (from eval_set: read at its first use)
 """

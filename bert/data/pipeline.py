@@ -22,14 +22,14 @@ import torch
 
 from bert.balance import Strategy
 from bert.batch import Batch, collate
-from bert.data.eval_set import eval_batches
+from bert.data.eval_set import EvalSet, eval_batches
 from bert.data.index import LengthIndex
 from bert.data.plan import TrainPlan
 from bert.data.prefetch import Prefetcher
 from bert.data.reader import SampleReader
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 
-__all__ = ["TrainLoader", "eval_batches"]
+__all__ = ["EvalSet", "TrainLoader", "eval_batches"]
 
 
 class TrainLoader:

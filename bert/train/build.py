@@ -11,7 +11,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bert.config import ModelConfig, TrainConfig
 from bert.data.manifest import check_data_for_division
-from bert.data.pipeline import TrainLoader, eval_batches
+from bert.data.pipeline import EvalSet, TrainLoader
 from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
@@ -25,7 +25,6 @@ from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
-from bert.train.evaluate import count_eval_samples
 from bert.train.faults import StopAgreement
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
@@ -84,15 +83,15 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
                          static_tokens=cfg.model.static_tokens)
-    eval_set = eval_batches(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples,
-                            device)
+    # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
+    eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device)
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
                autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log,
                Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume,
                         peak_flops=device_peak_flops(device, cfg.model.precision, cfg.run.peak_tflops)), stop,
-               eval_samples=count_eval_samples(eval_set))
+               eval_samples=eval_set.num_examples)
 
 
 def resume(run: Run) -> None:

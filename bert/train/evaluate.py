@@ -6,7 +6,7 @@ one allreduce, so every rank gets the same accuracy and the same stop decision.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ class EvalSchedule:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Sequence[Batch], autocast: torch.autocast) -> float:
+def evaluate(model: nn.Module, batches: Iterable[Batch], autocast: torch.autocast) -> float:
     """MLM accuracy over every rank's slice; `model` is the bare module (no DDP hooks in eval)."""
     was_training = model.training
     model.eval()
@@ -59,12 +59,3 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], autocast: torch.autocas
     if total == 0:
         raise ValueError("the eval set has no masked tokens")
     return correct / total
-
-
-def count_eval_samples(batches: Sequence[Batch]) -> int:
-    """Sequences in every rank's eval batches: the `eval_samples` the log reports (a collective when distributed)."""
-    count = torch.tensor(sum(b.num_sequences for b in batches), dtype=torch.int64,
-                         device=batches[0].input_ids.device if batches else "cpu")
-    if dist.is_initialized():
-        dist.all_reduce(count)
-    return int(count)

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bert.batch import Batch
 from bert.config import TrainConfig
+from bert.data.eval_set import EvalSet
 from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
 from bert.optim import WarmupPolyDecay
@@ -55,13 +56,13 @@ class Run:
     schedule: WarmupPolyDecay
     scaler: torch.amp.GradScaler
     loader: Any  # an endless iterator of Batch with state_dict/load_state_dict (bert.data.pipeline.TrainLoader)
-    eval_set: list[Batch]
+    eval_set: EvalSet  # read at the first evaluation (the rules' clock starts before the dataset is touched)
     autocast: Callable[[], AbstractContextManager]
     log: MLPerfLog
     progress: Progress
     stop: StopAgreement
     state: TrainState = field(default_factory=TrainState)
-    eval_samples: int = 0  # sequences in eval_set over all ranks, as logged (build_run counts them)
+    eval_samples: int = 0  # sequences in the eval set over all ranks, as logged
 
     @property
     def global_batch_size(self) -> int:
