@@ -128,7 +128,7 @@ class MasterWeights(torch.optim.Optimizer):
         between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
         whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
         change nothing (step 2 on the device)."""
-        if inv_scale is None:  # bf16: a gradient per master (the graph COMPILE_OPTIMIZER=1 was measured with)
+        if inv_scale is None:  # bf16: a gradient per master, nothing to unscale or zero
             grads = [torch.empty_like(m) for m in masters]
             torch._foreach_copy_(grads, [p.grad for p in params])
         else:  # fp16: views of one flat gradient, so that the unscale and the zeroing are one kernel each
