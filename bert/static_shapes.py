@@ -23,8 +23,8 @@ extra attention segment of that length (quadratic): keep the bucket at most 512 
 thousand when fewer shapes matter more (about 4 % more tokens at 2048 on the phase-2 mix, 8 % at 4096).
 The extra masked rows (about B / 2 + 0.15 x the padding tokens) cost the MLM head well under 0.1 %.
 
-The eval does not pad: it runs the unpadded eval batches (the same shapes at every evaluation, under
-`torch.no_grad`) through the same model.
+The eval batches are padded the same way (`bert.data.eval_set`): the same shapes at every evaluation, each
+known before the run from the eval set's lengths, so a CUDA-graph mode records them in the warm-up.
 """
 
 from __future__ import annotations

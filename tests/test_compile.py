@@ -16,7 +16,7 @@ import torch
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import COMPILE_MODES, _cxx_compiler, check_compile, compile_model
 from bert.synthetic import random_batch
-from bert.train.warmup import warm_up, warmup_batch, warmup_batches
+from bert.train.warmup import eval_warmup_batches, warm_up, warmup_batch, warmup_batches
 
 CPU = torch.device("cpu")
 LENGTH_SETS = [(37, 5, 128, 2), (64, 9, 33, 100), (12, 300, 7, 40)]  # same B, different T and M
@@ -264,6 +264,40 @@ def test_cuda_graph_warm_up_runs_one_batch_per_likely_token_bucket():
     assert [b.num_tokens for b in graphs] == likely_token_buckets(lengths, 16, 512) and len(graphs) > 3
     assert all(b.num_sequences == 17 for b in graphs)
     assert len(batches("default", 512)) == 1 and len(batches("reduce-overhead", 0)) == 1
+
+
+def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
+    """With STATIC_TOKENS the eval batches are padded like the training batches, and under a CUDA-graph COMPILE mode
+    the eval warm-up's synthetic batches take exactly their shapes (tokens, masked rows, sequences, max_seqlen),
+    known from the length index before a sample is read: the first evaluation records no graph. Other modes: one
+    batch per eval batch size, with the padding sequence the eval batches have."""
+    from types import SimpleNamespace
+
+    from script_modules import load_script
+
+    from bert.config import from_flat
+    from bert.data.eval_set import EvalSet
+
+    data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=60)
+    module = SimpleNamespace(config=BertConfig.load(str(data / "bert_config.json")))
+
+    def shape(b) -> tuple[int, int, int, int]:
+        return b.num_tokens, b.masked_labels.numel(), b.num_sequences, b.seq.max_seqlen
+
+    def warm(compile_mode: str) -> tuple[list, EvalSet]:
+        cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
+                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=256)
+        evals = EvalSet(data / "eval_varlength", 8, 1, 0, 60, static_tokens=256)
+        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), eval_set=evals)
+        return eval_warmup_batches(run, CPU), evals
+
+    graphs, evals = warm("reduce-overhead")
+    assert not evals.loaded  # the shapes came from the length index
+    real = [shape(b) for b in evals]
+    assert all(t % 256 == 0 for t, *_ in real) and len(set(real)) > 2
+    assert sorted(shape(b) for b in graphs) == sorted(set(real))
+    dynamic, evals = warm("default")
+    assert sorted(b.num_sequences for b in dynamic) == sorted({s for _, _, s, _ in real}) == [5, 9]  # 7 x 8 + 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

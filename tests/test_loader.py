@@ -164,6 +164,22 @@ def test_eval_set_is_read_at_its_first_use_and_kept(wiki_dir, monkeypatch):
     assert [batch_ids(b) for b in first] == [batch_ids(b) for b in eval_batches(wiki_dir, 6, 3, 1, 100)]
 
 
+def test_static_tokens_pads_the_eval_batches_to_the_shapes_the_index_names(wiki_dir):
+    """STATIC_TOKENS pads the eval batches as the loader pads the training batches; `shapes`, from the length index
+    alone, says what each batch will be (the compile warm-up records those shapes before run_start)."""
+    from bert.data.pipeline import EvalSet
+
+    plain, padded = EvalSet(wiki_dir, 6, 3, 1, 100), EvalSet(wiki_dir, 6, 3, 1, 100, static_tokens=128)
+    assert padded.shapes and not padded.loaded
+    assert plain.shapes == [(b.num_sequences, b.num_tokens) for b in plain]
+    assert padded.shapes == [(b.num_sequences - 1, b.num_tokens) for b in padded]
+    for a, b in zip(plain, padded):
+        assert b.num_tokens % 128 == 0 and b.seq.lengths[:-1] == a.seq.lengths  # one padding sequence after the rest
+        assert torch.equal(b.input_ids[: a.num_tokens], a.input_ids) and b.masked_labels.numel() % MASKED_BUCKET == 0
+        real = a.masked_labels.numel()
+        assert torch.equal(b.masked_labels[:real], a.masked_labels) and (b.masked_labels[real:] == -100).all()
+
+
 def test_bad_inputs_name_the_culprit(tmp_path, wiki_dir):
     with pytest.raises(FileNotFoundError, match="missing"):
         TrainLoader(tmp_path / "missing", 4, 1, 0, 1)

@@ -11,6 +11,11 @@ batches of those sizes).
 Ranks take contiguous, near-equal slices (sizes differ by at most one) that together cover every sample
 exactly once, so the eval set's size over all ranks is `num_examples`; NVIDIA's `num_eval_examples //
 world_size` per rank would drop the remainder, which changes the reported accuracy.
+
+With STATIC_TOKENS the eval batches are padded to token buckets as the training batches are
+(`bert.static_shapes`; the padding changes no prediction that is counted), so under a CUDA-graph COMPILE
+mode the eval replays graphs too: `shapes` names every padded shape from the length index alone, and the
+warm-up records each of them before the clock starts (`bert.train.warmup`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from bert.batch import Batch, collate
 from bert.data.index import LengthIndex
 from bert.data.reader import SampleReader
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets, round_up
 
 
 def eval_slice(num_examples: int, world_size: int, rank: int) -> np.ndarray:
@@ -40,7 +46,7 @@ class EvalSet:
     than the set holds, fails here, before the run); the samples themselves are read on the first iteration."""
 
     def __init__(self, eval_dir: str | os.PathLike, batch_size: int, world_size: int, rank: int,
-                 num_examples: int, device: torch.device | str = "cpu"):
+                 num_examples: int, device: torch.device | str = "cpu", static_tokens: int = 0):
         if batch_size < 1 or num_examples < 1:
             raise ValueError(f"batch size ({batch_size}) and number of eval examples ({num_examples}) must be >= 1")
         self.index = LengthIndex.scan(eval_dir)
@@ -48,6 +54,7 @@ class EvalSet:
             raise ValueError(f"{eval_dir}: asked for {num_examples} eval examples, the set holds "
                              f"{self.index.num_samples}")
         self.num_examples, self.batch_size, self.device = num_examples, batch_size, device
+        self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.ids = eval_slice(num_examples, world_size, rank)
         self._batches: list[Batch] | None = None
 
@@ -57,6 +64,17 @@ class EvalSet:
         return [min(self.batch_size, len(self.ids) - i) for i in range(0, len(self.ids), self.batch_size)]
 
     @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """(sequences, tokens) of each of this rank's batches as the model gets them, padding included (from the
+        length index: no sample is read). With STATIC_TOKENS the tokens are a bucket and, with the sequences, fix
+        every shape of the batch (`pad_to_buckets` ties the masked rows to them)."""
+        lengths = self.index.lengths[self.ids]
+        tokens = [int(lengths[i : i + self.batch_size].sum()) for i in range(0, len(self.ids), self.batch_size)]
+        if self.static_tokens:
+            tokens = [round_up(t + 1, self.static_tokens) for t in tokens]
+        return list(zip(self.batch_sizes, tokens))
+
+    @property
     def loaded(self) -> bool:
         return self._batches is not None
 
@@ -64,11 +82,14 @@ class EvalSet:
         if self._batches is None:
             reader = SampleReader(self.index)
             try:
-                self._batches = [collate(reader.read(self.ids[i : i + self.batch_size])).to(self.device)
-                                 for i in range(0, len(self.ids), self.batch_size)]
+                self._batches = [self._padded(collate(reader.read(self.ids[i : i + self.batch_size])))
+                                 .to(self.device) for i in range(0, len(self.ids), self.batch_size)]
             finally:
                 reader.close()
         return iter(self._batches)
+
+    def _padded(self, batch: Batch) -> Batch:
+        return pad_to_buckets(batch, self.static_tokens, MASKED_BUCKET) if self.static_tokens else batch
 
 
 def eval_batches(

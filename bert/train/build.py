@@ -84,7 +84,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
                          static_tokens=cfg.model.static_tokens)
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
-    eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device)
+    eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
+                       static_tokens=cfg.model.static_tokens)
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,

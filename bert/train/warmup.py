@@ -14,8 +14,9 @@ first `evaluate` (no grad, eval mode) would compile the whole forward again, ins
 with COMPILE=debug: 2 new graphs and 5-11 s for a 2-layer toy). So the warm-up also runs the eval forward, on
 synthetic batches, since the eval set itself may not be read before the clock starts (bert.data.eval_set):
 one per distinct eval batch size (a dynamic graph still specialises on sizes 0 and 1, and the CPU's `loop`
-backend on the number of sequences). Not covered: under a CUDA-graph mode the eval is not padded to token
-buckets, so each of its distinct (T, M) shapes is still recorded at the first evaluation.
+backend on the number of sequences). With STATIC_TOKENS the eval batches are padded to token buckets too, and
+under a CUDA-graph mode the warm-up runs one batch per padded shape the eval will take, known from the length
+index, so every graph the eval replays is recorded before run_start.
 """
 
 from __future__ import annotations
@@ -79,12 +80,20 @@ def warm_up_eval(model: nn.Module, batch: Batch, autocast: Callable[[], Abstract
 
 
 def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
-    """Synthetic batches (never the eval set's samples), one per distinct size of this rank's eval batches."""
+    """Synthetic batches (never the eval set's samples): one per distinct size of this rank's eval batches, or
+    with STATIC_TOKENS under a CUDA-graph COMPILE mode one per padded shape the eval will take (`EvalSet.shapes`,
+    from the length index), so that no graph is recorded at the first evaluation."""
     vocab, seed = run.ddp.module.config.real_vocab_size, run.cfg.run.seed
     max_len = min(run.cfg.data.max_seq_length, run.ddp.module.config.max_position_embeddings)
-    rng = np.random.default_rng(seed)
-    return [random_batch(rng.integers(2, max_len + 1, size=n), seed=seed, vocab_size=vocab).to(device)
-            for n in sorted(set(run.eval_set.batch_sizes))]
+    bucket = run.cfg.model.static_tokens
+    if bucket and run.cfg.model.compile in CUDA_GRAPH_MODES:
+        batches = [bucket_batch(tokens, n, bucket, vocab, seed, max_len)
+                   for n, tokens in sorted(set(run.eval_set.shapes))]
+    else:
+        rng = np.random.default_rng(seed)
+        batches = [random_batch(rng.integers(2, max_len + 1, size=n), seed=seed, vocab_size=vocab)
+                   for n in sorted(set(run.eval_set.batch_sizes))]
+    return [(pad_to_buckets(b, bucket, MASKED_BUCKET) if bucket else b).to(device) for b in batches]
 
 
 def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
