@@ -14,7 +14,16 @@ counts, for batches of the phase-2 length mix ([000] appendix C) masked as creat
     rows_waste  padding masked rows over real ones
 
 for M padded to its own bucket of 64 (the rule before) and to the bound that ties it to T's bucket
-(bert.static_shapes.masked_rows_bound, the rule now). Mean over `--seeds` runs. CPU only, seconds.
+(bert.static_shapes.masked_rows_bound, the rule now). Mean over `--seeds` runs.
+
+The eval: rank 0's slice of `--eval-examples` samples of the same mix over `--eval-worlds` GPUs, in batches
+of `--eval-batch` (EVAL_BATCHSIZE), as `bert.data.eval_set.batch_shapes` cuts it:
+
+    unpadded    distinct (sequences, T) shapes without STATIC_TOKENS (each recorded at the first evaluation)
+    padded      distinct shapes padded to the bucket (each recorded by the warm-up, before run_start)
+    token_waste padding tokens over real tokens
+
+CPU only, seconds.
 
     .venv/bin/python bench/static_shapes.py     # writes results/bench/static_shapes.json
 """
@@ -28,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bert.data.eval_set import batch_shapes, eval_slice
 from bert.data.format import predictions_per_sequence
 from bert.lengths import WIKI_PHASE2
 from bert.static_shapes import MASKED_BUCKET, likely_token_buckets, masked_rows_bound, round_up
@@ -53,6 +63,17 @@ def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, s
             "token_waste": pad_tokens / tokens, "rows_waste": pad_rows / rows}
 
 
+def eval_row(bucket: int, batch: int, examples: int, world: int, seeds: int) -> dict:
+    runs = []
+    for seed in range(seeds):
+        lengths = WIKI_PHASE2.sample(examples, np.random.default_rng(seed))[eval_slice(examples, world, 0)]
+        plain, padded = batch_shapes(lengths, batch), batch_shapes(lengths, batch, bucket)
+        runs.append({"batches": len(plain), "unpadded": len(set(plain)), "padded": len(set(padded)),
+                     "token_waste": sum(t for _, t in padded) / sum(t for _, t in plain) - 1})
+    return {"static_tokens": bucket, "eval_batch": batch, "world": world,
+            **{k: float(np.mean([r[k] for r in runs])) for k in runs[0]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--buckets", type=int, nargs="+", default=[512, 1024, 2048, 4096], help="STATIC_TOKENS values")
@@ -60,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=150, help="steps of the run (bench/train_gpu.py's 30 + 120)")
     p.add_argument("--warmup-steps", type=int, default=30, help="steps before the timed window")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--eval-examples", type=int, default=10_000, help="NUM_EVAL_EXAMPLES")
+    p.add_argument("--eval-batch", type=int, default=16, help="EVAL_BATCHSIZE (the driver's default)")
+    p.add_argument("--eval-worlds", type=int, nargs="+", default=[1, 8], help="GPUs the eval set is split over")
     p.add_argument("--json", type=Path, default=Path("results/bench/static_shapes.json"))
     args = p.parse_args(argv)
     rows = []
@@ -74,9 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['static_tokens']:>13} {r['masked_rule']:>12} {r['shapes']:>7.1f} {r['timed_new']:>10.1f} "
               f"{r['warmed_new']:>11.1f} {r['token_waste']:>12.3f} {r['rows_waste']:>11.3f}")
+    evals = [eval_row(bucket, args.eval_batch, args.eval_examples, world, args.seeds)
+             for bucket in args.buckets for world in args.eval_worlds]
+    print(f"\neval: {args.eval_examples} examples, EVAL_BATCHSIZE={args.eval_batch}, rank 0's slice, "
+          f"mean of {args.seeds} draws")
+    print(f"{'STATIC_TOKENS':>13} {'GPUs':>5} {'batches':>8} {'unpadded':>9} {'padded':>7} {'token_waste':>12}")
+    for r in evals:
+        print(f"{r['static_tokens']:>13} {r['world']:>5} {r['batches']:>8.0f} {r['unpadded']:>9.1f} "
+              f"{r['padded']:>7.1f} {r['token_waste']:>12.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "warmup_steps": args.warmup_steps,
-                                     "seeds": args.seeds, "rows": rows}, indent=1) + "\n")
+                                     "seeds": args.seeds, "rows": rows, "eval_examples": args.eval_examples,
+                                     "eval": evals}, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0
 

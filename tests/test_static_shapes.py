@@ -114,7 +114,13 @@ def test_shape_count_bench_table_and_json(tmp_path, capsys):
     bench = load_script("bench/static_shapes.py")
     out = tmp_path / "shapes.json"
     assert bench.main(["--buckets", "512", "--batch", "48", "--steps", "60", "--seeds", "2", "--json", str(out)]) == 0
-    own, tied = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    own, tied = report["rows"]
     assert (own["masked_rule"], tied["masked_rule"]) == bench.RULES
     assert tied["warmed_new"] == 0 < own["timed_new"] and tied["shapes"] < own["shapes"]
+    # the eval: 10,000 samples over 8 GPUs in batches of 16 are 79 batches on rank 0 (1250 samples), nearly every
+    # one a shape of its own unpadded; padded, a handful
+    one, eight = report["eval"]
+    assert (one["batches"], eight["batches"]) == (625, 79)
+    assert eight["padded"] < 15 < 70 < eight["unpadded"] <= 79 and 0 < eight["token_waste"] < 0.1
     assert "timed_new" in capsys.readouterr().out

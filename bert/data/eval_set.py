@@ -39,6 +39,16 @@ def eval_slice(num_examples: int, world_size: int, rank: int) -> np.ndarray:
     return np.array_split(np.arange(num_examples, dtype=np.int64), world_size)[rank]
 
 
+def batch_shapes(lengths: np.ndarray, batch_size: int, static_tokens: int = 0) -> list[tuple[int, int]]:
+    """(sequences, tokens) of the batches of `batch_size` consecutive samples of `lengths`, the tokens padded as
+    `pad_to_buckets` pads them when `static_tokens` is set."""
+    starts = range(0, len(lengths), batch_size)
+    tokens = [int(lengths[i : i + batch_size].sum()) for i in starts]
+    if static_tokens:
+        tokens = [round_up(t + 1, static_tokens) for t in tokens]
+    return [(min(batch_size, len(lengths) - i), t) for i, t in zip(starts, tokens)]
+
+
 class EvalSet:
     """This rank's eval batches (at most `batch_size` sequences each, on `device`), iterable any number of times.
 
@@ -68,11 +78,7 @@ class EvalSet:
         """(sequences, tokens) of each of this rank's batches as the model gets them, padding included (from the
         length index: no sample is read). With STATIC_TOKENS the tokens are a bucket and, with the sequences, fix
         every shape of the batch (`pad_to_buckets` ties the masked rows to them)."""
-        lengths = self.index.lengths[self.ids]
-        tokens = [int(lengths[i : i + self.batch_size].sum()) for i in range(0, len(self.ids), self.batch_size)]
-        if self.static_tokens:
-            tokens = [round_up(t + 1, self.static_tokens) for t in tokens]
-        return list(zip(self.batch_sizes, tokens))
+        return batch_shapes(self.index.lengths[self.ids], self.batch_size, self.static_tokens)
 
     @property
     def loaded(self) -> bool:
