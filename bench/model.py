@@ -23,7 +23,9 @@ between variants meaningful.
                       the untimed warm-up step); compiled-static<N>/<name> with both
     fp8/<name>        `--precision fp8` (CUDA, compute capability >= 8.9, torchao): the encoder linears in float8
                       (bert.model.fp8) on the batch padded to a multiple of N tokens (`--static-tokens`, else 16);
-                      compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why
+                      compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why.
+                      master-fp8/<name> (and compiled-master-fp8/<name>): the same float8 GEMMs on bf16 weights,
+                      fp32 masters (PRECISION=fp8 with MASTER_WEIGHTS=1), no autocast
     master-bf16/<name>  unpadded/<name> as MASTER_WEIGHTS=1 runs it (bert.optim.master): bf16 weights, no
                       autocast, the AdamW step on fp32 masters (cast the gradients up, update, copy back), on CPU too
     master-bf16-lamb/<name>  the same with the driver's LAMB (`build_optimizer`: decay groups, the schedule's
@@ -170,7 +172,8 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
         names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}"]
         names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
     if fp8:
-        names += [f"fp8/{fast}"] + ([f"compiled-fp8/{fast}"] if compile != "off" else [])
+        names += [f"fp8/{fast}", f"master-fp8/{fast}"]
+        names += [f"compiled-fp8/{fast}", f"compiled-master-fp8/{fast}"] if compile != "off" else []
     return names + ["hf"]
 
 
@@ -205,11 +208,10 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         fp8_batch = pad_to_buckets(batch, static_tokens or 16, MASKED_BUCKET)
         fp8_spec = (fast, lambda m: m(fp8_batch).loss, fp8_batch.num_tokens,
                     sum(n * n for n in lengths) + fp8_batch.seq.lengths[-1] ** 2, len(fp8_batch.masked_labels), B + 1)
-        specs[f"fp8/{fast}"] = (*fp8_spec, False)
-        fp8_names.add(f"fp8/{fast}")
+        specs[f"fp8/{fast}"] = specs[f"master-fp8/{fast}"] = (*fp8_spec, False)
         if compile != "off":
-            specs[f"compiled-fp8/{fast}"] = (*fp8_spec, True)
-            fp8_names.add(f"compiled-fp8/{fast}")
+            specs[f"compiled-fp8/{fast}"] = specs[f"compiled-master-fp8/{fast}"] = (*fp8_spec, True)
+        fp8_names = {name for name in specs if "fp8/" in name}
     specs["hf"] = (None, None, B * L, B * L * L, B * L, B, False)
     assert list(specs) == variant_names(device, compile, static_tokens, fp8), "variant_names is out of step"
     variants = {}
@@ -302,7 +304,7 @@ def step_for(name: str, model, loss_fn, device: str, compile: str):
     """The training step a variant times: master weights (AdamW or LAMB) or autocast over fp32 weights."""
     if name.startswith("master-bf16-lamb"):
         return master_lamb_step(model, loss_fn, device, compile if "-copt/" in name else "off")
-    return (master_step if name.startswith("master-") else make_step)(model, loss_fn, device)
+    return (master_step if "master-" in name else make_step)(model, loss_fn, device)
 
 
 def time_steps(steps: dict, repeats: int, device: str, clock=time.perf_counter, quiet: bool = False

@@ -218,9 +218,9 @@ class TrainConfig:
                               "the token count)")
         # PRECISION=fp8 is allowed in the closed division: [MLPerf-rules] "Numerical formats" pre-approves fp8
         # with per-tensor scaling (bert.model.fp8).
-        if self.optim.master_weights and self.model.precision not in ("bf16", "fp16"):
-            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16 or fp16, not "
-                              f"{self.model.precision} (the model's weights take that dtype)")
+        if self.optim.master_weights and self.model.precision not in ("bf16", "fp16", "fp8"):
+            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16, fp16 or fp8, not "
+                              f"{self.model.precision} (the model's weights take its compute dtype)")
         if self.optim.master_weights and self.optim.optimizer_sharding:
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with OPTIMIZER_SHARDING=1 "
                               "(the sharded update keeps no fp32 masters)")

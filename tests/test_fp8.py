@@ -158,6 +158,44 @@ def test_float8_model_trains_under_bf16_autocast():
     assert abs(loss - plain) < 0.02 * plain and loss != plain, (loss, plain)
 
 
+@NEEDS_TORCHAO
+def test_float8_model_with_master_weights_runs_on_bf16_weights():
+    """MASTER_WEIGHTS=1 with PRECISION=fp8, as the submissions run float8 (bf16 weights, fp32 masters in the
+    optimizer): every weight of the converted model, the float8 linears' included, becomes bf16; forward and
+    backward run without autocast, with a loss near the autocast run's over fp32 weights (the same float8 GEMMs,
+    the rest bf16 either way, not the same bits) and bf16 gradients; a step leaves the weights equal to the fp32
+    masters rounded to bf16."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from bert.model.fp8 import convert_to_fp8
+    from bert.model.precision import autocast_dtype, compute_dtype
+    from bert.optim import build_optimizer
+
+    batch = random_batch([32, 16, 48, 32], seed=0, vocab_size=1998)
+    autocast = tiny_model(1)
+    convert_to_fp8(autocast, emulate=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = autocast(batch).loss.detach().float()
+    model = tiny_model(1)
+    convert_to_fp8(model, emulate=True)
+    cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=4, bert_config_path="tiny", max_steps=10,
+                    learning_rate=1e-2, precision="fp8", static_tokens=128, master_weights=True)
+    optimizer = build_optimizer(model, cfg.optim, compute_dtype("fp8"))
+    assert autocast_dtype("fp8", master_weights=True) is None
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 4
+    loss = model(batch).loss
+    loss.backward()
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert abs(loss.detach().float() - want) < 0.02 * want and loss.dtype == torch.float32, (loss, want)
+    start = [m.clone() for m in optimizer.masters]
+    optimizer.step()
+    weights = [p for group in optimizer.param_groups for p in group["params"]]  # the masters' order
+    for p, master in zip(weights, optimizer.masters, strict=True):
+        assert master.dtype == torch.float32 and torch.equal(p, master.to(torch.bfloat16))
+    assert all(not torch.equal(m, s) for m, s in zip(optimizer.masters, start))  # every master took the step
+
+
 def test_run_and_time_stops_before_the_timing_run_with_one_line(tmp_path):
     from test_harness import ROOT, config_env
 

@@ -40,6 +40,7 @@ from bert.dist.ddp import apply_ddp
 from bert.dist.reduce import mean_placement
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.checkpoint import save_weights
+from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.master import MasterWeights
 from bert.synthetic import random_batch
@@ -386,8 +387,8 @@ BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSI
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16 or fp16, not fp32"),
-    ({"MASTER_WEIGHTS": "1", "PRECISION": "fp8", "STATIC_TOKENS": "512"}, r"\$MASTER_WEIGHTS = True needs .* not fp8"),
+    ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16, fp16 or fp8, not "
+                              "fp32"),
     ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER_SHARDING": "1"},
      r"\$MASTER_WEIGHTS = True cannot be combined with OPTIMIZER_SHARDING=1"),
     ({"MASTER_WEIGHTS": "yes please"}, r"\$MASTER_WEIGHTS = 'yes please' from \$MASTER_WEIGHTS is not a valid bool"),
@@ -407,3 +408,6 @@ def test_supported_combinations_parse():
         cfg = from_env_and_args([], {**BASE, "MASTER_WEIGHTS": "1", "PRECISION": precision, "COMPILE": "debug",
                                      "COMPILE_OPTIMIZER": "1"})
         assert cfg.optim.master_weights and cfg.optim.compile_optimizer
+    # fp8: bf16 weights whose encoder linears run float8 GEMMs (bert.model.fp8)
+    cfg = from_env_and_args([], {**BASE, "MASTER_WEIGHTS": "1", "PRECISION": "fp8", "STATIC_TOKENS": "512"})
+    assert cfg.optim.master_weights and autocast_dtype("fp8", True) is None and compute_dtype("fp8") == torch.bfloat16

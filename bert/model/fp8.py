@@ -1,4 +1,9 @@
-"""`PRECISION=fp8`: the encoder's linear layers run their GEMMs in float8 (torchao), the rest under bf16 autocast.
+"""`PRECISION=fp8`: the encoder's linear layers run their GEMMs in float8 (torchao), the rest in bf16.
+
+The rest is bf16 as for PRECISION=bf16: autocast over fp32 weights, or with MASTER_WEIGHTS=1 bf16 weights
+(the float8 layers' too: torchao scales and casts whatever dtype the weight has) with fp32 masters in the
+optimizer (bert.optim.master), which is how the submissions hold a float8 model ([NVIDIA-BERT] v3.0: bf16/fp16
+parameters, fp32 masters in DistributedFusedLAMB) and saves autocast's per-step weight casts.
 
 Which layers: in every encoder layer the fused QKV projection (`attention.self.qkv`), the attention output
 (`attention.output.dense`) and the FFN (`intermediate.dense`, `output.dense`), which carry nearly all of the

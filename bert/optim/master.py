@@ -1,4 +1,5 @@
 """Master weights (`MASTER_WEIGHTS=1`): the model holds bf16/fp16 weights, the optimizer holds them in fp32.
+(PRECISION=fp8 holds bf16 weights: its float8 GEMMs cast their operands themselves, bert.model.fp8.)
 
 This is how the submissions run mixed precision ([NVIDIA-BERT]: the model cast to fp16/bf16, an fp32
 master copy and fp32 state inside the fused LAMB), in place of autocast over fp32 weights, which casts
