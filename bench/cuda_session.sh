@@ -17,6 +17,8 @@
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
 #   host-syncs       bench/host_syncs.py on the GPU: host syncs per driver step, torch's sync debug mode beside
 #                    the op count, for the bf16 and two fp16 cases (micro BERT, flash varlen)
+#   fp8-linear       bench/fp8_linear.py: each encoder linear's forward + backward in bf16 and float8 (torchao
+#                    tensorwise and rowwise, eager and compiled) beside its bare GEMMs: do the casts eat the gain?
 #   driver-<name>    bench/train_gpu.py on config_DGXH100_1x8x96x1.sh with the settings in DRIVERS below
 #                    (each under DRIVER_LIMIT seconds, default 420)
 #
@@ -110,6 +112,8 @@ for name in "$@"; do
       step model-optimizer 420 python3 bench/model.py --device cuda --batch-size 96 --compile default \
         --variants master-bf16/varlen master-bf16-lamb/varlen master-bf16-lamb-copt/varlen \
         --json "$WORK/model_cuda_optimizer.json" ;;
+    fp8-linear)
+      step fp8-linear 300 python3 bench/fp8_linear.py --device cuda --json "$WORK/fp8_linear_cuda.json" ;;
     driver-*)
       key=${name#driver-}
       [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }

@@ -10,7 +10,7 @@ against the program that would receive it:
                       variant its comparison step would time;
   pytest              every named test file exists;
   the shard maker     its argument parser;
-  bench/host_syncs.py its argument parser.
+  bench/host_syncs.py and bench/fp8_linear.py  their argument parsers.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ model_bench = load_script("bench/model.py")
 train_gpu = load_script("bench/train_gpu.py")
 shards = load_script("data/make_random_shards.py")
 host_syncs = load_script("bench/host_syncs.py")
+fp8_linear = load_script("bench/fp8_linear.py")
 
 SCRIPT = ROOT / "bench" / "cuda_session.sh"
-STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-graphs", "model-optimizer", "host-syncs"]
+STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-graphs", "model-optimizer", "host-syncs",
+         "fp8-linear"]
 
 
 def driver_names() -> list[str]:
@@ -96,6 +98,8 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             shards.parse_args(words[2:])
         elif words[:2] == ["python3", "bench/host_syncs.py"]:
             assert host_syncs.parse_args(words[2:]).device == "cuda", name
+        elif words[:2] == ["python3", "bench/fp8_linear.py"]:
+            assert fp8_linear.parse_args(words[2:]).compile == "default", name
         else:
             assert name == "setup" and words[:2] == ["bash", "-c"], name
 

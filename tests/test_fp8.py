@@ -7,6 +7,7 @@ it: `PYTHONPATH=<dir holding torchao> python -m pytest -q tests/test_fp8.py`. On
 end runs the real float8 GEMMs.
 """
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -228,3 +229,23 @@ def test_cuda_float8_step_is_close_to_bf16():
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         losses.append(loss.item())
     assert abs(losses[1] - losses[0]) < 0.02 * losses[0]
+
+
+def test_fp8_linear_bench_table_and_json(tmp_path, capsys, monkeypatch):
+    """bench/fp8_linear.py on the CPU: a row per encoder linear and layer kind (float8 ones, emulated, only with
+    torchao), each against bf16; a token count float8 GEMMs cannot take is refused."""
+    from script_modules import ROOT, load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the script imports bench/model.py
+    bench = load_script("bench/fp8_linear.py")
+    out = tmp_path / "fp8_linear.json"
+    assert bench.main(["--tokens", "64", "--repeats", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    kinds = list(bench.LAYERS) if has_torchao() else ["bf16"]
+    assert [(r["layer"], r["variant"]) for r in report["rows"]] == [(n, k) for n in bench.SHAPES for k in kinds]
+    assert all(r["speedup_vs_bf16"] == 1.0 for r in report["rows"] if r["variant"] == "bf16")
+    assert report["emulated"] == has_torchao() and all(r["median_ms"] > 0 for r in report["rows"])
+    printed = capsys.readouterr()
+    assert "vs bf16" in printed.out and ("torchao is not installed" in printed.err) != has_torchao()
+    with pytest.raises(SystemExit):
+        bench.main(["--tokens", "50"])
