@@ -83,6 +83,12 @@ def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_b
     )
 
 
+def pad_static(batch: Batch, static_tokens: int) -> Batch:
+    """STATIC_TOKENS's padding (training, eval and warm-up batches alike): `pad_to_buckets` with the driver's
+    masked-row bucket, or `batch` itself when `static_tokens` is 0 (off)."""
+    return pad_to_buckets(batch, static_tokens, MASKED_BUCKET) if static_tokens else batch
+
+
 def likely_token_buckets(lengths: np.ndarray, sequences: int, token_bucket: int, max_len: int = 512,
                          sigmas: float = 4.5) -> list[int]:
     """The padded token counts of batches of `sequences` samples drawn from `lengths`, within `sigmas`

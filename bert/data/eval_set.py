@@ -29,7 +29,7 @@ import torch
 from bert.batch import Batch, collate
 from bert.data.index import LengthIndex
 from bert.data.reader import SampleReader
-from bert.static_shapes import MASKED_BUCKET, pad_to_buckets, round_up
+from bert.static_shapes import pad_static, round_up
 
 
 def eval_slice(num_examples: int, world_size: int, rank: int) -> np.ndarray:
@@ -71,7 +71,7 @@ class EvalSet:
     @property
     def batch_sizes(self) -> list[int]:
         """Sequences in each of this rank's batches (known without reading a sample)."""
-        return [min(self.batch_size, len(self.ids) - i) for i in range(0, len(self.ids), self.batch_size)]
+        return [n for n, _ in self.shapes]
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -88,14 +88,12 @@ class EvalSet:
         if self._batches is None:
             reader = SampleReader(self.index)
             try:
-                self._batches = [self._padded(collate(reader.read(self.ids[i : i + self.batch_size])))
-                                 .to(self.device) for i in range(0, len(self.ids), self.batch_size)]
+                self._batches = [pad_static(collate(reader.read(self.ids[i : i + self.batch_size])),
+                                            self.static_tokens).to(self.device)
+                                 for i in range(0, len(self.ids), self.batch_size)]
             finally:
                 reader.close()
         return iter(self._batches)
-
-    def _padded(self, batch: Batch) -> Batch:
-        return pad_to_buckets(batch, self.static_tokens, MASKED_BUCKET) if self.static_tokens else batch
 
 
 def eval_batches(

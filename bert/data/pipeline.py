@@ -27,7 +27,7 @@ from bert.data.index import LengthIndex
 from bert.data.plan import TrainPlan
 from bert.data.prefetch import Prefetcher
 from bert.data.reader import SampleReader
-from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+from bert.static_shapes import pad_static
 
 __all__ = ["EvalSet", "TrainLoader", "eval_batches"]
 
@@ -72,7 +72,7 @@ class TrainLoader:
         batch = collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
         # Padded here, in the background thread and before pinning: on the device the new cu_seqlens would be
         # a pageable host-to-device copy, which waits for the stream, in every training step.
-        return pad_to_buckets(batch, self.static_tokens, MASKED_BUCKET) if self.static_tokens else batch
+        return pad_static(batch, self.static_tokens)
 
     def _started(self) -> Prefetcher:
         if self._worker is None:

@@ -32,7 +32,7 @@ from torch import nn
 from bert.batch import Batch
 from bert.model.compile import CUDA_GRAPH_MODES
 from bert.optim.compiled import warm_up_step
-from bert.static_shapes import MASKED_BUCKET, bucket_batch, likely_token_buckets, pad_to_buckets
+from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
@@ -93,7 +93,7 @@ def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
         rng = np.random.default_rng(seed)
         batches = [random_batch(rng.integers(2, max_len + 1, size=n), seed=seed, vocab_size=vocab)
                    for n in sorted(set(run.eval_set.batch_sizes))]
-    return [(pad_to_buckets(b, bucket, MASKED_BUCKET) if bucket else b).to(device) for b in batches]
+    return [pad_static(b, bucket).to(device) for b in batches]
 
 
 def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
@@ -112,7 +112,7 @@ def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
                    for b in likely_token_buckets(run.loader.sample_lengths, sequences, bucket, max_len)]
     else:  # one dynamic graph serves every bucket
         batches = [warmup_batch(sequences, max_len, torch.device("cpu"), vocab, seed=seed)]
-    return [pad_to_buckets(b.to(device), bucket, MASKED_BUCKET) for b in batches]
+    return [pad_static(b, bucket).to(device) for b in batches]
 
 
 def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
