@@ -11,7 +11,10 @@ measured in this process before and after the driver run, and, on a GPU, also th
 the datasheet peak (`bert.train.peak_flops`).
 
 The run claims nothing: TARGET_MLM_ACCURACY is set out of reach (0.999), evaluation past the last step, and
-MAX_STEPS = warm-up + window, so the driver ends "aborted" at the step limit (exit status 1), as expected.
+MAX_STEPS = warm-up + window + profile, so the driver ends "aborted" at the step limit (exit status 1), as expected.
+The last --profile-steps steps (default 5), after the window, run under the driver's own profiler
+(PROFILE_FROM, `bert.train.profile`): where the step's device time goes, by kind of kernel, in the report's
+"profile" (rank 0's), with the timeline beside the driver's outputs (output/profile/, kept with --keep).
 INIT_CHECKPOINT is empty (speed does not depend on the weights), the division open (random data), no
 checkpoint is written.
 
@@ -50,6 +53,7 @@ from bert.model.precision import compute_dtype
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.compiled import compile_step, warm_up_step
 from bert.synthetic import random_batch
+from bert.train.profile import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_REACH = "0.999"  # TARGET_MLM_ACCURACY: the config accepts (0, 1)
@@ -68,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="any other variable, last")
     p.add_argument("--warmup-steps", type=int, help="steps left out of the window (default: 10 CPU, 30 CUDA)")
     p.add_argument("--window-steps", type=int, help="steps measured (default: 30 CPU, 120 CUDA)")
+    p.add_argument("--profile-steps", type=int, default=5,
+                   help="steps after the window run under the driver's profiler (PROFILE_FROM); 0: none")
     p.add_argument("--log-freq", type=int, help="LOG_FREQ, steps per progress record (default: 5 CPU, 10 CUDA)")
     p.add_argument("--bench-repeats", type=int, default=10,
                    help="timed bench/model.py steps (median); 0: driver only (no second compile)")
@@ -83,8 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.window_steps = args.window_steps or (30 if cpu else 120)
     args.log_freq = args.log_freq or (5 if cpu else 10)
     args.json = args.json or Path(f"results/bench/train_gpu_{args.device}.json")
-    if args.gpus < 1 or args.warmup_steps < 0 or args.window_steps < 1 or args.bench_repeats < 0:
-        p.error("need --gpus >= 1, --warmup-steps >= 0, --window-steps >= 1 and --bench-repeats >= 0")
+    if min(args.gpus - 1, args.warmup_steps, args.window_steps - 1, args.bench_repeats, args.profile_steps) < 0:
+        p.error("need --gpus >= 1, --warmup-steps >= 0, --window-steps >= 1, --bench-repeats >= 0 and "
+                "--profile-steps >= 0")
     if args.warmup_steps % args.log_freq or args.window_steps % args.log_freq:
         p.error(f"--warmup-steps ({args.warmup_steps}) and --window-steps ({args.window_steps}) must be multiples "
                 f"of --log-freq ({args.log_freq}): the window is made of whole progress intervals")
@@ -112,17 +119,20 @@ def driver_env(args: argparse.Namespace, out: Path) -> dict[str, str]:
     """The config's environment with the benchmark's settings on top: a bounded run that claims nothing."""
     env = sourced(args.config, os.environ)
     steps = args.warmup_steps + args.window_steps
+    profile = {"PROFILE_FROM": str(steps + 1), "PROFILE_STEPS": str(args.profile_steps)} if args.profile_steps else {}
     never = str(10**12)  # samples (the config's bound): no evaluation and no sample limit before MAX_STEPS
     eval_size = LengthIndex.scan(args.data / "eval_varlength").num_samples
     env.update({
         "DATADIR_PHASE2": str(args.data / "train_varlength"), "EVALDIR": str(args.data / "eval_varlength"),
         "DGXNNODES": "1", "DGXNGPU": str(args.gpus), "INIT_CHECKPOINT": "", "MLPERF_DIVISION": "open",
-        "TARGET_MLM_ACCURACY": OUT_OF_REACH, "MAX_STEPS": str(steps), "LOG_FREQ": str(args.log_freq),
+        "TARGET_MLM_ACCURACY": OUT_OF_REACH, "MAX_STEPS": str(steps + args.profile_steps),
+        "LOG_FREQ": str(args.log_freq),
         "EVAL_ITER_START_SAMPLES": never, "EVAL_ITER_SAMPLES": never, "MAX_SAMPLES_TERMINATION": never,
         "NUM_EVAL_EXAMPLES": str(min(int(env.get("NUM_EVAL_EXAMPLES", eval_size)), eval_size)),
         "OUTPUT_DIR": str(out / "output"), "MLPERF_LOG": str(out / "result.txt"), "SKIP_CHECKPOINT": "1",
         "SEED": str(args.seed), "PYTHON": sys.executable, "EXTRA_PARAMS": "",
         "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])),
+        **profile,
     })
     if not Path(env.get("BERT_CONFIG", "")).is_file() and env.get("BERT_CONFIG") not in NAMED:
         env["BERT_CONFIG"] = "large"  # the DGX configs name the phase-1 checkpoint's bert_config.json
@@ -133,13 +143,16 @@ def driver_env(args: argparse.Namespace, out: Path) -> dict[str, str]:
     return env
 
 
-def window(records: list[dict], warmup_steps: int, log_freq: int) -> list[dict]:
-    """The training records whose whole interval lies past `warmup_steps`, each with its `new_steps`,
-    `new_samples` and `seconds` (recovered from samples_per_s and the record before)."""
+def window(records: list[dict], warmup_steps: int, log_freq: int, last_step: int | None = None) -> list[dict]:
+    """The training records whose whole interval lies past `warmup_steps` (and, given `last_step`, ends by it:
+    the profiled steps come after), each with its `new_steps`, `new_samples` and `seconds` (recovered from
+    samples_per_s and the record before)."""
     training = [r for r in records if "loss" in r]
     picked = []
     for before, r in zip(training, training[1:]):
         if r["step"] - log_freq < warmup_steps or "samples_per_s" not in r:
+            continue
+        if last_step is not None and r["step"] > last_step:
             continue
         new = r["samples"] - before["samples"]
         picked.append({**r, "new_steps": r["step"] - before["step"], "new_samples": new,
@@ -272,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     records = [json.loads(line) for line in (out / "output" / "metrics.jsonl").read_text().splitlines()]
     matmul = (matmul_before + matmul_after) / 2
+    last = args.warmup_steps + args.window_steps
     try:
-        driver_stats = summarise(window(records, args.warmup_steps, args.log_freq), args.gpus, matmul)
+        driver_stats = summarise(window(records, args.warmup_steps, args.log_freq, last), args.gpus, matmul)
     except ValueError as e:
         print(f"bench/train_gpu.py: {e} ({out / 'driver.log'})", file=sys.stderr)
         return 1
@@ -288,10 +302,16 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         "driver": driver_stats, "bench": bench,
         "driver_vs_bench": driver_vs_bench(driver_stats, bench) if bench else None,
-        "window_records": window(records, args.warmup_steps, args.log_freq),
+        "window_records": window(records, args.warmup_steps, args.log_freq, last),
+        "profile": read_profile(out / "output" / "profile" / "rank0.json") if args.profile_steps else None,
     }
     write_report(report, args.json)
     return 0
+
+
+def read_profile(path: Path) -> dict | None:
+    """Rank 0's profile summary (`bert.train.profile`), None if the driver wrote none."""
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_report(report: dict, path: Path) -> None:
@@ -334,6 +354,8 @@ def print_table(report: dict) -> None:
         print(f"{'MFU vs datasheet':<20}{d['mfu_vs_datasheet']:>12.3f}")
     print(f"driver samples/s per GPU by interval: min {d['samples_per_s_per_gpu_min']:.2f}, median "
           f"{d['samples_per_s_per_gpu_median']:.2f}, max {d['samples_per_s_per_gpu_max']:.2f}")
+    if report.get("profile"):
+        print(format_table(report["profile"]))
 
 
 if __name__ == "__main__":

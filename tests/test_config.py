@@ -101,6 +101,9 @@ def test_selector_choices_are_the_registries():
     ({"TARGET_MLM_ACCURACY": "1.0"}, "$TARGET_MLM_ACCURACY"),
     ({"MAX_STEPS": "1e30"}, "$MAX_STEPS"),
     ({"SEED": "-1"}, "$SEED"),
+    ({"PROFILE_FROM": "-1"}, "$PROFILE_FROM"),
+    ({"PROFILE_FROM": "x"}, "$PROFILE_FROM"),
+    ({"PROFILE_STEPS": "0"}, "$PROFILE_STEPS"),
 ])
 def test_bad_values_are_config_errors_naming_the_variable(env, culprit):
     with pytest.raises(ConfigError) as e:

@@ -14,6 +14,7 @@ import pytest
 from script_modules import ROOT, load_script
 
 from bert.config import from_env_and_args
+from bert.train.profile import Timed, summarize
 
 sys.path.insert(0, str(ROOT / "bench"))  # the script imports bench/model.py
 bench = load_script("bench/train_gpu.py")
@@ -53,6 +54,7 @@ def test_window_skips_warmup_intervals_and_weights_by_time():
     assert "mfu_vs_datasheet" not in stats  # the records carry no mfu (a CPU)
     # A later warm-up leaves fewer intervals; one past the run leaves none, which is an error.
     assert [r["step"] for r in bench.window(metrics_lines(), 10, 5)] == [15, 20]
+    assert [r["step"] for r in bench.window(metrics_lines(), 5, 5, last_step=15)] == [10, 15]  # profiled steps after
     with pytest.raises(ValueError, match="no progress interval"):
         bench.summarise(bench.window(metrics_lines(), 20, 5), 2, 1e11)
 
@@ -75,14 +77,19 @@ def test_driver_env_bounds_the_run_and_applies_flags_last(random_shards, tmp_pat
     args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--gpus", "2", "--data", str(random_shards),
                              "--batchsize", "4", "--balance", "lpt", "--env", "LR=0.5", "--env", "BALANCE=none"])
     env = bench.driver_env(args, tmp_path / "run")
-    assert env["MAX_STEPS"] == "40" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
+    # 10 warm-up + 30 window steps, then 5 under the driver's profiler
+    assert env["MAX_STEPS"] == "45" and env["LOG_FREQ"] == "5" and env["TARGET_MLM_ACCURACY"] == "0.999"
+    assert (env["PROFILE_FROM"], env["PROFILE_STEPS"]) == ("41", "5")
     assert int(env["EVAL_ITER_START_SAMPLES"]) > 40 * 4 * 2 and int(env["MAX_SAMPLES_TERMINATION"]) > 40 * 4 * 2
     assert env["NUM_EVAL_EXAMPLES"] == "30"  # the config's 200, cut to the eval set
     assert env["BATCHSIZE"] == "4" and env["LR"] == "0.5" and env["BALANCE"] == "none"  # --env comes last
     assert env["BERT_CONFIG"] == "minilm" and env["DGXNGPU"] == "2" and env["OPTIMIZER"] == "adam"  # the config's
     cfg = from_env_and_args([], environ=env)  # what the driver will parse
-    assert cfg.optim.max_steps == 40 and cfg.data.train_batch_size == 4
-    assert "MAX_STEPS=40" in bench.driver_settings(env)
+    assert cfg.optim.max_steps == 45 and cfg.data.train_batch_size == 4 and cfg.run.profile_from == 41
+    assert "MAX_STEPS=45" in bench.driver_settings(env)
+    args.profile_steps = 0
+    env = bench.driver_env(args, tmp_path / "run")
+    assert env["MAX_STEPS"] == "40" and "PROFILE_FROM" not in env
 
 
 @pytest.mark.parametrize("master", ("0", "1"))
@@ -123,11 +130,14 @@ def test_table_and_json(tmp_path, capsys):
     report = {"device": "cpu", "torch": "x", "config": "config_CPU_1x2.sh", "gpus": 2, "driver_status": "aborted",
               "warmup_steps": 5, "window_steps": 15, "matmul_flops_per_s": {"before": 1e11, "after": 1.2e11},
               "load_average_1min": {"before": 1.0, "after": 2.0}, "driver": stats, "bench": step,
-              "driver_vs_bench": bench.driver_vs_bench(stats, step)}
+              "driver_vs_bench": bench.driver_vs_bench(stats, step),
+              "profile": {**summarize([Timed("nvjet_tst_x", 2000.0)], steps=2, wall_s=0.004), "first": 21, "last": 22,
+                          "device": "cpu"}}
     bench.write_report(report, tmp_path / "out" / "train_gpu_cpu.json")
     assert json.loads((tmp_path / "out" / "train_gpu_cpu.json").read_text()) == report
     table = capsys.readouterr().out
     assert "window: steps 6-20 (3 records" in table
+    assert "profile: steps 21-22 on cpu: 2.0 ms per step, device busy 1.0 ms (50%)" in table
     row = next(line for line in table.splitlines() if line.startswith("samples/s per GPU"))
     assert row.split()[-3:] == [f"{stats['samples_per_s_per_gpu']:.2f}", "3.00",
                                 f"{stats['samples_per_s_per_gpu'] / 3.0:.3f}"]

@@ -29,6 +29,7 @@ from bert.train.faults import StopAgreement
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.peak_flops import device_peak_flops
+from bert.train.profile import StepProfiler
 from bert.train.progress import Progress
 
 
@@ -92,7 +93,9 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log,
                Progress(cfg.run.output_dir, env.is_main, resume=cfg.run.resume,
                         peak_flops=device_peak_flops(device, cfg.model.precision, cfg.run.peak_tflops)), stop,
-               eval_samples=eval_set.num_examples)
+               eval_samples=eval_set.num_examples,
+               profiler=StepProfiler(cfg.run.profile_from, cfg.run.profile_steps, cfg.run.output_dir, env.rank, device,
+                                     announce=env.is_main))
 
 
 def resume(run: Run) -> None:

@@ -25,6 +25,7 @@ from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite
 from bert.train.mlperf_log import MLPerfLog
+from bert.train.profile import StepProfiler
 from bert.train.progress import FlopMeter, Progress
 
 SUCCESS, ABORTED, PREEMPTED = "success", "aborted", "preempted"
@@ -62,6 +63,7 @@ class Run:
     progress: Progress
     stop: StopAgreement
     state: TrainState = field(default_factory=TrainState)
+    profiler: StepProfiler = field(default_factory=StepProfiler)  # PROFILE_FROM=0: profiles nothing
     eval_samples: int = 0  # sequences in the eval set over all ranks, as logged
 
     @property
@@ -114,8 +116,9 @@ def train(run: Run) -> str:
     batches = meter.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
-        # --- one optimizer step
-        window_loss += train_step(run, batches)
+        # --- one optimizer step (inside the profiled window, PROFILE_FROM, it is recorded)
+        with run.profiler.step(state.step + 1):
+            window_loss += train_step(run, batches)
         state.step += 1
         state.samples += run.global_batch_size
         window_steps += 1
@@ -149,4 +152,5 @@ def train(run: Run) -> str:
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
             run.checkpoint()
     run.stop.drain()
+    run.profiler.close()  # a window the run ended inside
     return status

@@ -1,0 +1,181 @@
+"""Where a training step's time goes: torch.profiler over a window of optimizer steps, kernels sorted by kind.
+
+`PROFILE_FROM=S` (with `PROFILE_STEPS=N`, default 5) profiles steps S..S+N-1 of the driver as it runs them,
+progress line and any evaluation in between included. Each rank writes `<output_dir>/profile/rank<R>.json`
+(the table below, as data) and `rank<R>.trace.json.gz` (the whole timeline, for Perfetto or
+chrome://tracing); rank 0 prints the table when the window closes. On a GPU the rows are the device's
+kernels (CUPTI, kernels inside CUDA graphs included), on a CPU the training thread's operators by their self
+time. Beside them: the wall time per step and the share of it the device was busy with compute, so a
+host-bound step (busy well under 100 %) tells itself apart from a slow kernel.
+
+Kinds are told apart by name (`KINDS`, first match wins): what inductor fused is one kind whatever it holds,
+since a fused kernel's name lists every op it absorbed. Communication runs on its own stream, overlapping
+compute, so it is reported but left out of the busy time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+KINDS: tuple[tuple[str, str], ...] = (
+    ("communication", r"nccl|gloo|all_?reduce|reduce_?scatter|all_?gather|broadcast"),
+    ("attention", r"flash|fmha|attention|sdpa|_attn"),
+    # cuBLAS (nvjet and xmma on Hopper), CUTLASS (torch._scaled_mm's float8), inductor's GEMM templates; aten on CPU
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|triton_tem|aten::(add|b|baddb|_scaled_)?mm\b|aten::_?addmm"),
+    ("optimizer / foreach", r"multi_tensor|foreach|lamb(?!da)|adam"),  # not C++ "lambda"
+    ("compiled fusions", r"^triton_|cpp_fused|compiled"),
+    ("layer norm", r"layer_?norm|gammabeta"),
+    ("dropout", r"dropout|bernoulli"),
+    ("softmax / loss", r"softmax|cross_entropy|nll_loss"),
+    ("embedding / index", r"embedding|index|gather|scatter"),
+    ("copy / cast", r"copy|memcpy|cat_|catarray|clone|contiguous"),
+    ("fill", r"fill|memset|zero"),
+    ("elementwise", r"elementwise|aten::(add|mul|sub|div|neg|gelu|tanh|where|pow|sqrt|rsqrt|exp)"),
+    ("reduction", r"reduce|aten::(sum|mean|norm|max|min|amax|linalg)"),
+)
+_PATTERNS = tuple((kind, re.compile(pattern, re.IGNORECASE)) for kind, pattern in KINDS)
+OTHER = "other"
+COMMUNICATION = "communication"
+TOP = 15  # kernels listed by name
+CPU = torch.device("cpu")
+
+
+def kind_of(name: str) -> str:
+    """The kind of a kernel or operator, by its name (`KINDS`)."""
+    return next((kind for kind, pattern in _PATTERNS if pattern.search(name)), OTHER)
+
+
+def short_name(name: str, width: int = 110) -> str:
+    """A kernel name without its C++ return type, namespaces and template arguments, cut to `width`."""
+    name = re.sub(r"^void\s+", "", name)
+    if "<" in name:
+        name = name[:name.index("<")]
+    name = re.sub(r"^(\w+::|\(anonymous namespace\)::)+", "", name)
+    return name[:width]
+
+
+@dataclass(frozen=True)
+class Timed:
+    name: str
+    us: float  # microseconds on the device (a kernel's duration), or an operator's own CPU time
+
+
+def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
+    """The window's time per kind and its top kernels, per step; `busy_share` is compute (communication left
+    out: it overlaps on its own stream) over wall time."""
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for r in records:
+        kind = kind_of(r.name)
+        for table, key in ((by_kind, kind), (by_name, (short_name(r.name), kind))):
+            table[key][0] += r.us
+            table[key][1] += 1
+    compute_ms = sum(us for kind, (us, _) in by_kind.items() if kind != COMMUNICATION) / 1e3 / steps
+    wall_ms = wall_s * 1e3 / steps
+    kinds = [{"kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps,
+              "share": us / 1e3 / steps / compute_ms if compute_ms else 0.0}
+             for kind, (us, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])]
+    top = [{"name": name, "kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps}
+           for (name, kind), (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP]]
+    return {"steps": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": compute_ms,
+            "busy_share": compute_ms / wall_ms if wall_ms else 0.0, "kinds": kinds, "top": top}
+
+
+def device_records(events: Iterable, device: torch.device, thread: int | None) -> Iterator[Timed]:
+    """On a GPU every kernel, copy and memset the device ran; on a CPU the operators of the training thread
+    (`thread`), each by its self time (a parent's time is its children's, counted there)."""
+    for e in events:
+        if device.type == "cuda":
+            if e.device_type == DeviceType.CUDA:
+                yield Timed(e.name, e.time_range.elapsed_us())
+        elif e.device_type == DeviceType.CPU and not e.is_async and e.thread == thread and e.name != WINDOW:
+            yield Timed(e.name, e.self_cpu_time_total)
+
+
+WINDOW = "bert.train.profile step"  # the record_function around each profiled step: marks the training thread
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"profile: steps {summary['first']}-{summary['last']} on {summary['device']}: "
+             f"{summary['wall_ms_per_step']:.1f} ms per step, device busy {summary['busy_ms_per_step']:.1f} ms "
+             f"({summary['busy_share']:.0%})" + (f", peak memory {summary['peak_memory_gib']:.1f} GiB"
+                                                 if summary.get("peak_memory_gib") else ""),
+             f"  {'kind':<22}{'ms/step':>9}{'share':>8}{'calls/step':>12}"]
+    lines += [f"  {k['kind']:<22}{k['ms_per_step']:>9.2f}{k['share']:>8.1%}{k['calls_per_step']:>12.0f}"
+              for k in summary["kinds"]]
+    lines += [f"  top: {t['ms_per_step']:7.2f} ms x{t['calls_per_step']:<5.0f} {t['kind']:<20} {t['name']}"
+              for t in summary["top"]]
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """Profiles optimizer steps first..first+steps-1 (none when `first` is 0): `train()` runs each step inside
+    `step(n)`, and `close()` ends a window the run stopped inside."""
+
+    def __init__(self, first: int = 0, steps: int = 5, out_dir: Path | str = ".", rank: int = 0,
+                 device: torch.device = CPU, announce: bool = False):
+        self.first, self.last = first, first + steps - 1
+        self.out_dir, self.rank, self.device, self.announce = Path(out_dir) / "profile", rank, device, announce
+        self._prof: torch.profiler.profile | None = None
+        self._started = 0.0
+        self._done = 0
+
+    @contextmanager
+    def step(self, number: int) -> Iterator[None]:
+        if not self.first or not self.first <= number <= self.last:
+            yield
+            return
+        if self._prof is None:
+            self._start()
+        with torch.profiler.record_function(WINDOW):
+            yield
+        self._done += 1
+        if number == self.last:
+            self.close()
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self._prof = torch.profiler.profile(activities=activities)
+        self._prof.__enter__()
+        self._started = time.perf_counter()
+
+    def close(self) -> dict | None:
+        """End the window (if one is open) and write its summary and trace; returns the summary."""
+        if self._prof is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self._started
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        events = prof.events()
+        thread = next((e.thread for e in events if e.name == WINDOW), None)
+        summary = summarize(device_records(events, self.device, thread), max(self._done, 1), wall)
+        summary.update(first=self.first, last=self.first + self._done - 1, device=device_label(self.device))
+        if self.device.type == "cuda":
+            summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))
+        if self.announce:
+            print(format_table(summary), flush=True)
+        return summary
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"

@@ -1,0 +1,168 @@
+"""The step profiler (bert.train.profile): kernels sorted into the right kinds, a window of known work measured as
+that work, and the driver's PROFILE_FROM window written without changing what the run computes."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from script_modules import load_script
+
+from bert.train.loop import train
+from bert.train.profile import COMMUNICATION, StepProfiler, Timed, kind_of, short_name, summarize
+
+hs = load_script("bench/host_syncs.py")
+
+# Kernel names as an H100 profile of the driver lists them (torch 2.11, CUDA 13), and CPU operator names.
+KNOWN = {
+    "nvjet_tst_256x128_64x4_1x2_h_bz_coopB_NNT": "gemm",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__"
+    "5x_cublas": "gemm",
+    "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GemmShape<>>>(...)": "gemm",
+    "triton_tem_fused_addmm_0": "gemm",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true, false>(Flash_fwd_params)":
+        "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>(Flash_bwd_params)": "attention",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": COMMUNICATION,
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<4>, at::native::(anonymous namespace)::BinaryOpListAlphaFunctor<float, 4, 2, 0>>": (
+        "optimizer / foreach"),
+    "triton_red_fused_native_dropout_native_layer_norm_3": "compiled fusions",
+    "triton_poi_fused_gelu_1": "compiled fusions",
+    "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(...)": "layer norm",
+    "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel_32x32<c10::BFloat16, float>(...)":
+        "layer norm",
+    "void at::native::(anonymous namespace)::fused_dropout_kernel_vec<c10::BFloat16, float, unsigned int, 1, 4, "
+    "bool>(...)": "dropout",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+    "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)": "softmax / loss",
+    "void at::native::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(...)": "embedding / index",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+    "::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(float)#1}, ...>": "copy / cast",
+    "Memcpy HtoD (Pinned -> Device)": "copy / cast",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >"
+    "(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)": "fill",
+    "Memset (Device)": "fill",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, ...>":
+        "elementwise",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<...>>>":
+        "reduction",
+    "aten::addmm": "gemm",
+    "aten::mm": "gemm",
+    "aten::bmm": "gemm",
+    "aten::native_layer_norm_backward": "layer norm",
+    "## Call CompiledFxGraph fabc123 ##": "compiled fusions",
+    "aten::_log_softmax": "softmax / loss",
+    "aten::add_": "elementwise",
+    "aten::sum": "reduction",
+    "aten::empty": "other",
+}
+
+
+@pytest.mark.parametrize("name", KNOWN)
+def test_kernels_and_operators_fall_into_their_kind(name):
+    assert kind_of(name) == KNOWN[name]
+
+
+def test_short_names_drop_return_type_namespaces_and_templates():
+    assert short_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>(x)") == \
+        "vectorized_layer_norm_kernel"
+    assert short_name("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_NNT") == "nvjet_tst_256x128_64x4_1x2_h_bz_coopB_NNT"
+
+
+def test_summary_is_per_step_and_leaves_overlapping_communication_out_of_the_busy_time():
+    records = [Timed("nvjet_a", 3000), Timed("nvjet_a", 3000), Timed("flash_fwd_kernel<x>", 2000),
+               Timed("ncclDevKernel_AllReduce", 5000)]
+    s = summarize(records, steps=2, wall_s=0.008)
+    kinds = {k["kind"]: k for k in s["kinds"]}
+    assert s["busy_ms_per_step"] == pytest.approx(4.0) and s["wall_ms_per_step"] == pytest.approx(4.0)
+    assert s["busy_share"] == pytest.approx(1.0)
+    assert kinds["gemm"]["ms_per_step"] == pytest.approx(3.0) and kinds["gemm"]["share"] == pytest.approx(0.75)
+    assert kinds["gemm"]["calls_per_step"] == 1 and kinds[COMMUNICATION]["ms_per_step"] == pytest.approx(2.5)
+    assert [t["name"] for t in s["top"]][:2] == ["nvjet_a", "ncclDevKernel_AllReduce"]
+
+
+def test_a_window_of_matmuls_and_a_layer_norm_is_measured_as_that_work(tmp_path, one_thread):
+    """Known work on the CPU: the summary attributes it to its kinds, counts the calls, and the busy time stays
+    within the wall time it was measured in."""
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    x = torch.randn(64, 1024)
+    prof = StepProfiler(first=2, steps=3, out_dir=tmp_path, device=torch.device("cpu"))
+    for n in range(1, 6):
+        with prof.step(n):
+            for _ in range(4):
+                a @ b
+            F.layer_norm(x, (1024,))
+    s = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    kinds = {k["kind"]: k for k in s["kinds"]}
+    assert (s["first"], s["last"], s["steps"]) == (2, 4, 3)
+    assert kinds["gemm"]["calls_per_step"] == 4 and kinds["layer norm"]["calls_per_step"] >= 1
+    assert kinds["gemm"]["share"] > 0.5  # 4 x 113 MFLOP against one pass over 256 KiB
+    assert 0 < s["busy_ms_per_step"] <= s["wall_ms_per_step"]
+    with gzip.open(tmp_path / "profile" / "rank0.trace.json.gz") as f:
+        assert json.load(f)["traceEvents"]
+
+
+@pytest.fixture(scope="module")
+def data(world_of_one, one_thread, tmp_path_factory):
+    return hs.write_random_shards(tmp_path_factory.mktemp("data"))
+
+
+def run_driver(data, out, **settings) -> list[dict]:
+    cfg = hs.config(data, out, {"optimizer": "lamb", **settings}, max_steps=6)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        run = hs.build(cfg)
+        try:
+            assert train(run) == "aborted"
+        finally:
+            run.loader.close()
+            run.progress.close()
+    return printed.getvalue(), [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_driver_profiles_its_window_and_trains_the_same(data, tmp_path):
+    printed, profiled = run_driver(data, tmp_path / "profiled", profile_from=2, profile_steps=2)
+    _, plain = run_driver(data, tmp_path / "plain")
+    s = json.loads((tmp_path / "profiled" / "profile" / "rank0.json").read_text())
+    assert (s["first"], s["last"], s["steps"]) == (2, 3, 2)
+    assert {"gemm", "layer norm", "optimizer / foreach"} <= {k["kind"] for k in s["kinds"]}
+    assert "profile: steps 2-3 on cpu" in printed
+    assert [r["loss"] for r in profiled] == [r["loss"] for r in plain]  # profiling changes nothing it computes
+    assert not (tmp_path / "plain" / "profile").exists()
+
+
+def test_a_run_ending_inside_the_window_writes_what_it_profiled(data, tmp_path):
+    run_driver(data, tmp_path, profile_from=5, profile_steps=10)  # max_steps=6
+    s = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    assert (s["first"], s["last"], s["steps"]) == (5, 6, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_of_a_bert_layer_fall_into_their_kinds(tmp_path):
+    """On a GPU the rows are kernels, named by cuBLAS, flash attention and aten: a bf16 GEMM, flash varlen
+    attention with dropout, a layer norm and a foreach update each land in their own kind, none in 'other'."""
+    from bert.batch import SeqLayout
+    from bert.model.cuda_varlen import flash_varlen
+
+    cuda = torch.device("cuda")
+    x = torch.randn(4096, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3072, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    attend = flash_varlen(SeqLayout.from_lengths([512] * 8, device=cuda))
+    params = [torch.randn(1024, device=cuda) for _ in range(8)]
+    prof = StepProfiler(first=1, steps=2, out_dir=tmp_path, device=cuda)
+    for n in (1, 2):
+        with prof.step(n):
+            q, k, v = (x @ w.t()).view(4096, 3, 16, 64).unbind(1)
+            out = F.layer_norm(attend(q, k, v, 0.1).reshape(4096, 1024), (1024,))
+            out.float().square().mean().backward()
+            torch._foreach_add_(params, params, alpha=0.5)
+    s = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    kinds = {k["kind"]: k["ms_per_step"] for k in s["kinds"]}
+    assert {"gemm", "attention", "layer norm", "optimizer / foreach"} <= set(kinds), s["top"]
+    assert kinds["gemm"] > kinds.get("other", 0.0), s["top"]
+    assert s["peak_memory_gib"] > 0 and 0 < s["busy_share"] <= 1.05
