@@ -20,8 +20,10 @@ The eval: rank 0's slice of `--eval-examples` samples of the same mix over `--ev
 of `--eval-batch` (EVAL_BATCHSIZE), as `bert.data.eval_set.batch_shapes` cuts it:
 
     unpadded    distinct (sequences, T) shapes without STATIC_TOKENS (each recorded at the first evaluation)
-    padded      distinct shapes padded to the bucket (each recorded by the warm-up, before run_start)
+    eval bucket the eval's token bucket, STATIC_TOKENS capped at 512 (bert.static_shapes.eval_token_bucket)
+    padded      distinct shapes padded to the eval bucket (each recorded by the warm-up, before run_start)
     token_waste padding tokens over real tokens
+    padded to STATIC_TOKENS, token_waste   the same padded to STATIC_TOKENS itself (the rule before the cap)
 
 CPU only, seconds.
 
@@ -40,7 +42,7 @@ import numpy as np
 from bert.data.eval_set import batch_shapes, eval_slice
 from bert.data.format import predictions_per_sequence
 from bert.lengths import WIKI_PHASE2
-from bert.static_shapes import MASKED_BUCKET, likely_token_buckets, masked_rows_bound, round_up
+from bert.static_shapes import MASKED_BUCKET, eval_token_bucket, likely_token_buckets, masked_rows_bound, round_up
 
 RULES = ("own bucket", "tied to T")
 
@@ -64,13 +66,18 @@ def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, s
 
 
 def eval_row(bucket: int, batch: int, examples: int, world: int, seeds: int) -> dict:
-    runs = []
+    """Rank 0's eval batches: distinct shapes unpadded, padded to the eval's bucket (`eval_token_bucket`, what
+    the driver does) and to STATIC_TOKENS itself (what it did before), with the extra tokens each computes."""
+    runs, eval_bucket = [], eval_token_bucket(bucket)
     for seed in range(seeds):
         lengths = WIKI_PHASE2.sample(examples, np.random.default_rng(seed))[eval_slice(examples, world, 0)]
-        plain, padded = batch_shapes(lengths, batch), batch_shapes(lengths, batch, bucket)
+        plain = batch_shapes(lengths, batch)
+        padded, coarse = batch_shapes(lengths, batch, eval_bucket), batch_shapes(lengths, batch, bucket)
+        real = sum(t for _, t in plain)
         runs.append({"batches": len(plain), "unpadded": len(set(plain)), "padded": len(set(padded)),
-                     "token_waste": sum(t for _, t in padded) / sum(t for _, t in plain) - 1})
-    return {"static_tokens": bucket, "eval_batch": batch, "world": world,
+                     "token_waste": sum(t for _, t in padded) / real - 1, "padded_to_static_tokens": len(set(coarse)),
+                     "token_waste_at_static_tokens": sum(t for _, t in coarse) / real - 1})
+    return {"static_tokens": bucket, "eval_bucket": eval_bucket, "eval_batch": batch, "world": world,
             **{k: float(np.mean([r[k] for r in runs])) for k in runs[0]}}
 
 
@@ -102,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
              for bucket in args.buckets for world in args.eval_worlds]
     print(f"\neval: {args.eval_examples} examples, EVAL_BATCHSIZE={args.eval_batch}, rank 0's slice, "
           f"mean of {args.seeds} draws")
-    print(f"{'STATIC_TOKENS':>13} {'GPUs':>5} {'batches':>8} {'unpadded':>9} {'padded':>7} {'token_waste':>12}")
+    print(f"{'STATIC_TOKENS':>13} {'GPUs':>5} {'batches':>8} {'unpadded':>9} {'eval bucket':>12} {'padded':>7} "
+          f"{'token_waste':>12} {'padded to STATIC_TOKENS':>24} {'token_waste':>12}")
     for r in evals:
         print(f"{r['static_tokens']:>13} {r['world']:>5} {r['batches']:>8.0f} {r['unpadded']:>9.1f} "
-              f"{r['padded']:>7.1f} {r['token_waste']:>12.3f}")
+              f"{r['eval_bucket']:>12} {r['padded']:>7.1f} {r['token_waste']:>12.3f} "
+              f"{r['padded_to_static_tokens']:>24.1f} {r['token_waste_at_static_tokens']:>12.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "warmup_steps": args.warmup_steps,
                                      "seeds": args.seeds, "rows": rows, "eval_examples": args.eval_examples,

@@ -77,8 +77,9 @@ class ModelConfig:
     compile_scope: str = opt("model", "what one compiled graph holds: the model, or each layer apart (overlaps "
                              "the gradient hand-over with the backward under GRAD_BUCKETS=balanced)",
                              env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
-    static_tokens: int = opt(0, "pad each batch's tokens, training and eval, to a multiple of this (one "
-                             "padding sequence; masked rows to a multiple of 64) for few shapes; 0 = off",
+    static_tokens: int = opt(0, "pad each batch's tokens to a multiple of this (one padding sequence; masked rows "
+                             "to a multiple of 64; eval batches to a multiple of min(this, MAX_SEQ_LENGTH)) for few "
+                             "shapes; 0 = off",
                              env="STATIC_TOKENS", low=0, high=65536)
 
 

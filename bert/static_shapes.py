@@ -24,7 +24,9 @@ thousand when fewer shapes matter more (about 4 % more tokens at 2048 on the pha
 The extra masked rows (about B / 2 + 0.15 x the padding tokens) cost the MLM head well under 0.1 %.
 
 The eval batches are padded the same way (`bert.data.eval_set`): the same shapes at every evaluation, each
-known before the run from the eval set's lengths, so a CUDA-graph mode records them in the warm-up.
+known before the run from the eval set's lengths, so a CUDA-graph mode records them in the warm-up. Their bucket
+is STATIC_TOKENS capped at one sequence's length (`eval_token_bucket`): an eval batch of 16 sequences holds about
+4,000 tokens, and a 4,096-token bucket padded it by about half (`bench/static_shapes.py`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ def pad_static(batch: Batch, static_tokens: int) -> Batch:
     """STATIC_TOKENS's padding (training, eval and warm-up batches alike): `pad_to_buckets` with the driver's
     masked-row bucket, or `batch` itself when `static_tokens` is 0 (off)."""
     return pad_to_buckets(batch, static_tokens, MASKED_BUCKET) if static_tokens else batch
+
+
+def eval_token_bucket(static_tokens: int, max_seq_length: int = 512) -> int:
+    """The eval batches' token bucket: STATIC_TOKENS, at most one sequence's length (0: off). Eval batches are small
+    (EVAL_BATCHSIZE sequences) and their few shapes are recorded once, so a fine bucket costs little and saves
+    the padding a coarse training bucket would add. A multiple of 16 either way when STATIC_TOKENS is (float8)."""
+    return min(static_tokens, max_seq_length) if static_tokens else 0
 
 
 def likely_token_buckets(lengths: np.ndarray, sequences: int, token_bucket: int, max_len: int = 512,

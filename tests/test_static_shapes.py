@@ -123,4 +123,35 @@ def test_shape_count_bench_table_and_json(tmp_path, capsys):
     one, eight = report["eval"]
     assert (one["batches"], eight["batches"]) == (625, 79)
     assert eight["padded"] < 15 < 70 < eight["unpadded"] <= 79 and 0 < eight["token_waste"] < 0.1
+    assert eight["eval_bucket"] == 512 and eight["padded_to_static_tokens"] == eight["padded"]
     assert "timed_new" in capsys.readouterr().out
+
+
+def test_eval_bucket_is_static_tokens_capped_at_one_sequence():
+    """An eval batch of 16 holds ~4,000 tokens: a 4,096 bucket would pad it by half; capped at 512 the eval pays
+    at most 511 tokens a batch (as STATIC_TOKENS=512 does), and off stays off."""
+    from script_modules import load_script
+
+    from bert.static_shapes import eval_token_bucket
+
+    assert [eval_token_bucket(n) for n in (0, 128, 512, 4096)] == [0, 128, 512, 512]
+    assert eval_token_bucket(4096, max_seq_length=128) == 128
+    row = load_script("bench/static_shapes.py").eval_row(4096, 16, 10_000, 8, seeds=1)
+    assert row["eval_bucket"] == 512 and row["token_waste"] < 0.1 < 0.3 < row["token_waste_at_static_tokens"]
+
+
+def test_driver_pads_eval_batches_to_the_capped_bucket(world_of_one, one_thread, tmp_path):
+    """The run the driver builds at STATIC_TOKENS=1024 pads training batches to 1024 and eval batches to 512."""
+    from script_modules import load_script
+
+    hs = load_script("bench/host_syncs.py")
+    data = hs.write_random_shards(tmp_path / "data", eval_samples=40)
+    run = hs.build(hs.config(data, tmp_path / "run", {"static_tokens": 1024, "num_eval_examples": 40}, max_steps=2))
+    try:
+        assert run.eval_set.static_tokens == 512
+        tokens = [b.num_tokens for b in run.eval_set]
+        assert all(t % 512 == 0 for t in tokens) and any(t % 1024 for t in tokens)  # not padded to 1024
+        assert next(iter(run.loader)).num_tokens % 1024 == 0
+    finally:
+        run.loader.close()
+        run.progress.close()

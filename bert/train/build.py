@@ -24,6 +24,7 @@ from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
+from bert.static_shapes import eval_token_bucket
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.faults import StopAgreement
 from bert.train.loop import Run
@@ -86,7 +87,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                          static_tokens=cfg.model.static_tokens)
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
     eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
-                       static_tokens=cfg.model.static_tokens)
+                       static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length))
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,

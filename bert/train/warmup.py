@@ -85,7 +85,7 @@ def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     from the length index), so that no graph is recorded at the first evaluation."""
     vocab, seed = run.ddp.module.config.real_vocab_size, run.cfg.run.seed
     max_len = min(run.cfg.data.max_seq_length, run.ddp.module.config.max_position_embeddings)
-    bucket = run.cfg.model.static_tokens
+    bucket = run.eval_set.static_tokens  # the eval's own bucket (bert.static_shapes.eval_token_bucket)
     if bucket and run.cfg.model.compile in CUDA_GRAPH_MODES:
         batches = [bucket_batch(tokens, n, bucket, vocab, seed, max_len)
                    for n, tokens in sorted(set(run.eval_set.shapes))]
