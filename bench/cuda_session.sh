@@ -12,6 +12,7 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
+#   model-attention  bench/model.py at batch 96: flash varlen against cuDNN's ragged attention (ATTENTION=cudnn)
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
@@ -51,6 +52,9 @@ declare -A DRIVERS=(
   [fp8-eager]="--precision fp8 --static-tokens 512 --bench-repeats 0"
   [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
   [global-off]="--balance none"
+  # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager
+  [cudnn]="--attention cudnn --static-tokens 512 --compile default --bench-repeats 0"
+  [cudnn-eager]="--attention cudnn --static-tokens 512 --bench-repeats 0"
 )
 
 # the profiler timelines (tens of MB) stay behind: a file over 16 MiB would not come back; their summaries travel
@@ -105,6 +109,10 @@ for name in "$@"; do
       step model-compiled 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --precision fp8 --compile default --variants compiled/varlen compiled-static512/varlen compiled-fp8/varlen \
         compiled-master-fp8/varlen unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
+    model-attention)
+      # its own step: a cuDNN failure (not run on a GPU yet) costs this step, not the model table
+      step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
+        --variants unpadded/varlen unpadded/cudnn --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

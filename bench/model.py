@@ -16,7 +16,8 @@ instead (one thread, so no OpenMP thread waits on a descheduled sibling), which 
 between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
-    unpadded/<name>   our model on the concatenated tokens with attention backend <name>
+    unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen and
+                      cuDNN's ragged attention, `cudnn`, side by side)
     static<N>/<name>  unpadded/<name> on the batch padded to a multiple of N tokens (`--static-tokens N`,
                       bert.static_shapes), charged for the padding it computes
     compiled/<name>   unpadded/<name> under torch.compile (`--compile MODE`, bert.model.compile; compiled in
@@ -48,6 +49,7 @@ without bf16 matrix units that is slower than fp32: the row is there to check th
     python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
     python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
     python bench/model.py --device cuda --variants unpadded/varlen master-bf16/varlen   # autocast vs master weights
+    python bench/model.py --device cuda --batch-size 96 --variants unpadded/varlen unpadded/cudnn   # flash vs cuDNN
     python bench/model.py --device cuda --compile default --variants master-bf16/varlen master-bf16-lamb/varlen \
         master-bf16-lamb-copt/varlen    # fused AdamW vs eager LAMB vs compiled LAMB, all on fp32 masters
 """
@@ -161,9 +163,14 @@ def hf_step_inputs(batch: Batch) -> dict:
             "next_sentence_label": batch.nsp_labels}
 
 
+def attention_backends(device: str) -> list[str]:
+    """The unpadded/<name> rows: every backend the device runs (varlen and cudnn need CUDA)."""
+    return ["loop", "grouped", "padded"] + (["varlen", "cudnn"] if device == "cuda" else [])
+
+
 def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8: bool = False) -> list[str]:
     """Every variant `build_variants` builds for these settings, in its order (--variants picks among them)."""
-    backends = ["loop", "grouped", "padded"] + (["varlen"] if device == "cuda" else [])
+    backends = attention_backends(device)
     fast = "varlen" if device == "cuda" else "loop"
     names = ["padded", *(f"unpadded/{b}" for b in backends)]
     names += [f"static{static_tokens}/{fast}"] if static_tokens else []
@@ -184,7 +191,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
     T, B, L = sum(lengths), len(lengths), max(lengths)
     grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
-    backends = ["loop", "grouped", "padded"] + (["varlen"] if device == "cuda" else [])
+    backends = attention_backends(device)
     specs = {"padded": ("loop", lambda m: m.forward_padded(batch).loss, B * L, B * L * L, M, B, False)}
     for name in backends:
         pairs = {"grouped": grouped_pairs, "padded": B * L * L}.get(name, sum(n * n for n in lengths))

@@ -70,8 +70,9 @@ def test_backend_names():
     assert resolve_backend("auto", "cuda") == "varlen"
     with pytest.raises(ValueError, match="nope"):
         resolve_backend("nope")
-    with pytest.raises(ValueError, match="CUDA"):
-        BACKENDS["varlen"](SeqLayout.from_lengths([3, 4]))
+    for cuda_only in ("varlen", "cudnn"):
+        with pytest.raises(ValueError, match=f"'{cuda_only}' needs the batch on a CUDA device"):
+            BACKENDS[cuda_only](SeqLayout.from_lengths([3, 4]))
 
 
 def test_reference_runs_on_the_device_of_its_inputs():
@@ -82,7 +83,7 @@ def test_reference_runs_on_the_device_of_its_inputs():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ("varlen", "grouped"))
+@pytest.mark.parametrize("backend", ("varlen", "cudnn", "grouped"))
 def test_cuda_backends_match_reference_in_bf16(backend):
     q, k, v = random_qkv(LENGTHS, heads=4, head_dim=64, dtype=torch.bfloat16, device="cuda")
     seq = SeqLayout.from_lengths(LENGTHS, device="cuda")
@@ -114,3 +115,53 @@ def test_cuda_dropout_path_takes_strided_views_of_the_fused_qkv():
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
     (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
     torch.testing.assert_close(g.double(), w, rtol=0, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cudnn_takes_strided_views_of_the_fused_qkv():
+    """cuDNN's ragged attention on q, k, v as the model hands them over (views of one (T, 3, H, D) QKV output)
+    equals the reference at dropout 0, gradients into the fused tensor included."""
+    from bert.model.cudnn_varlen import cudnn_varlen
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(sum(LENGTHS), 3, 4, 64, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    got = cudnn_varlen(SeqLayout.from_lengths(LENGTHS, device="cuda"))(*qkv.unbind(1), 0.0)
+    ref_qkv = qkv.detach().double().requires_grad_()
+    want = reference_attention(*ref_qkv.unbind(1), LENGTHS)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-2)
+    (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
+    torch.testing.assert_close(g.double(), w, rtol=0, atol=5e-2)
+
+
+def check_dropout_backward_replays_the_forwards_mask(backend: str, device: str, dtype: torch.dtype) -> None:
+    """out = P v with P the dropped-out attention probabilities. With v's rows one-hot (sequences no longer than
+    the head dimension), out's rows are P's rows; the gradient with respect to v of sum(out * w) is P^T w, which
+    the backward must compute with the same P: a mask drawn afresh would miss by the size of P's entries."""
+    lengths = (48, 40, 64)
+    seq = SeqLayout.from_lengths(lengths, device=device)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(sum(lengths), 2, 64, generator=gen).to(device, dtype) for _ in range(2))
+    v = torch.cat([torch.eye(n, 64).expand(2, n, 64).transpose(0, 1) for n in lengths]).to(device, dtype)
+    v.requires_grad_()
+    out = BACKENDS[backend](seq)(q, k, v, 0.3)
+    w = torch.randn(out.shape, generator=gen).to(device, dtype)
+    (got,) = torch.autograd.grad(out, v, w)
+    want, dropped = torch.zeros_like(got, dtype=torch.float64), []
+    for start, n in zip(seq.cu_seqlens.tolist(), lengths):
+        p = out[start : start + n, :, :n].double()  # (i, h, j) = P_h[i, j]
+        want[start : start + n] = torch.einsum("ihj,ihd->jhd", p, w[start : start + n].double())
+        dropped.append((p == 0).double().mean().item())
+    assert min(dropped) > 0.2  # dropout 0.3 did drop entries of every sequence's P
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=3e-2)
+
+
+def test_dropout_backward_replays_the_forwards_mask():
+    """The check itself, on the CPU's per-sequence SDPA (autograd keeps its mask), in float64."""
+    check_dropout_backward_replays_the_forwards_mask("loop", "cpu", torch.float64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ("varlen", "cudnn"))
+def test_cuda_dropout_backward_replays_the_forwards_mask(backend):
+    """The flash and cuDNN kernels redraw the mask in the backward from the forward's philox state."""
+    check_dropout_backward_replays_the_forwards_mask(backend, "cuda", torch.bfloat16)

@@ -131,6 +131,23 @@ def test_check_env_fails_on_the_issues_typos_with_one_line_and_exit_2():
     assert out.stderr.count("\n") == 1 and "$BALANCE" in out.stderr and "samsnug" in out.stderr, out.stderr
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(torch_cuda_available(), reason="the CPU's answer")
+@pytest.mark.parametrize("backend", ["varlen", "cudnn"])
+def test_check_device_refuses_a_cuda_attention_backend_on_the_cpu(backend):
+    """Before anything is logged (run_and_time.sh's check), not at the first forward inside the timed run."""
+    env = {**os.environ, **BASE, "ATTENTION": backend}
+    out = subprocess.run([sys.executable, "-m", "bert.train.config", "--check-env", "--check-device"], env=env,
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and out.stderr == f"error: ATTENTION={backend} needs a CUDA device (this run's is " \
+        "cpu): use ATTENTION=auto\n", out.stderr
+
+
 def test_builders_take_their_section():
     import torch
 

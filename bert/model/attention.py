@@ -10,6 +10,7 @@ A backend is a planner: called once per batch with the `SeqLayout`, it does its 
     grouped  Baidu's length-grouped attention ([001] §IV-A-2): one padded SDPA per length
              group (0,128], (128,256], (256,384], (384,512]; on CUDA each group on its own stream
     varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
+    cudnn    cuDNN's fused attention on the same ragged layout (`cudnn_varlen.py`; Hopper kernels, not measured yet)
     padded   pad every sequence to the batch maximum, mask padded keys: the baseline
     auto     `varlen` when CUDA is available, else `loop`
 """
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from bert.batch import SeqLayout
 from bert.model.cuda_varlen import flash_varlen
+from bert.model.cudnn_varlen import cudnn_varlen
 from bert.model.padding import PadLayout, pad, unpad
 
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
@@ -116,9 +118,18 @@ BACKENDS: dict[str, Planner] = {
     "loop": plan_loop,
     "grouped": plan_grouped,
     "varlen": flash_varlen,
+    "cudnn": cudnn_varlen,
     "padded": plan_padded,
 }
 ATTENTION_CHOICES = ("auto", *BACKENDS)  # what the config accepts: a backend, or `auto` to pick by device
+CUDA_ONLY = ("varlen", "cudnn")  # fused kernels on the concatenated tokens
+
+
+def check_attention(name: str, device: torch.device) -> None:
+    """Raise a one-line ValueError naming ATTENTION when the backend cannot run on `device` (before any work,
+    not at the first forward, which may be inside the timed run)."""
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise ValueError(f"ATTENTION={name} needs a CUDA device (this run's is {device.type}): use ATTENTION=auto")
 
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:

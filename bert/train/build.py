@@ -17,6 +17,7 @@ from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.dist.reduce import build_reduce, mean_placement
 from bert.model import BertConfig, BertForPreTraining
+from bert.model.attention import check_attention
 from bert.model.compile import check_compile, compile_model
 from bert.model.fp8 import apply_precision, check_fp8
 from bert.model.init_checkpoint import load_init_checkpoint
@@ -48,6 +49,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device)
+    check_attention(cfg.attention, device)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)

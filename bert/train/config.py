@@ -1,13 +1,14 @@
 """The configuration check on the command line (`bert.config` holds the sections and the parser).
 
     python -m bert.train.config --check-env   # validate the environment: "config OK" or one error line, exit 2
-    python -m bert.train.config --check-env --check-device   # and COMPILE / PRECISION=fp8 on this node's device
+    python -m bert.train.config --check-env --check-device   # and COMPILE, fp8, ATTENTION on this node's device
     python -m bert.train.config [--flag v]    # print the resolved configuration, section by section
 
 `run_and_time.sh` runs the check with `--check-device` before `STARTING TIMING RUN`, so a typo in any
-variable (a selector such as BALANCE or ATTENTION included), or a COMPILE mode or PRECISION=fp8 this node
-cannot run (no GPU, a GPU without float8, torchao missing), stops the job before anything is logged.
-`--check-device` imports torch only when COMPILE or PRECISION=fp8 asks for a device check.
+variable (a selector such as BALANCE or ATTENTION included), or a COMPILE mode, PRECISION=fp8 or CUDA
+attention backend this node cannot run (no GPU, a GPU without float8, torchao missing), stops the job before
+anything is logged. `--check-device` imports torch only when COMPILE, PRECISION=fp8 or an ATTENTION other than
+auto asks for a device check.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from bert.config import TrainConfig, from_env_and_args
 def check_device(cfg: TrainConfig) -> None:
     """The driver's own device checks (`bert.train.build.build_model`), on the device it will pick: a GPU
     when there is one. A ValueError with one line naming the setting."""
-    if cfg.model.compile == "off" and cfg.model.precision != "fp8":
+    if cfg.model.compile == "off" and cfg.model.precision != "fp8" and cfg.model.attention == "auto":
         return
     import torch
 
+    from bert.model.attention import check_attention
     from bert.model.compile import check_compile
     from bert.model.fp8 import check_fp8
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device)
+    check_attention(cfg.model.attention, device)
 
 
 def main(argv: list[str] | None = None) -> int:
