@@ -13,6 +13,10 @@ shapes: with `STATIC_TOKENS` (`bert.static_shapes`) every step of a bucket is th
 GH200 (pytorch/pytorch#187770) found cuDNN varlen slower than flash for an encoder, and torch's own
 `varlen_attn` leaves cuDNN off by default; the bench decides.
 Needs CUDA and fp16/bf16 q, k, v, as `varlen` does.
+
+Under COMPILE the call stays outside the compiled graphs (a graph break per layer): the op has no fake
+implementation in torch 2.11-2.13 (it fails on meta tensors), so dynamo cannot trace through it, and a
+`torch.library` wrapper would have to state the shape of cuDNN's ragged log-sum-exp, which is not documented.
 """
 
 from __future__ import annotations
@@ -37,4 +41,4 @@ def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
         # ragged offsets are taken from their token stride.
         return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, dropout_p)[0]
 
-    return attend
+    return torch.compiler.disable(attend)
