@@ -166,3 +166,30 @@ def test_cuda_kernels_of_a_bert_layer_fall_into_their_kinds(tmp_path):
     assert {"gemm", "attention", "layer norm", "optimizer / foreach"} <= set(kinds), s["top"]
     assert kinds["gemm"] > kinds.get("other", 0.0), s["top"]
     assert s["peak_memory_gib"] > 0 and 0 < s["busy_share"] <= 1.05
+
+
+def test_compile_activity_inside_the_window_is_reported(tmp_path, one_thread):
+    """A compiled function with a graph break: the window of its first calls reports the graphs it compiled and
+    the break's reason; a later window of the same shapes reports nothing compiled."""
+    def f(x):
+        x = torch.sin(x) * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+    g = torch.compile(f, backend="aot_eager", dynamic=True)
+    x = torch.randn(8)
+    prof = StepProfiler(first=1, steps=2, out_dir=tmp_path / "first")
+    for n in (1, 2):
+        with prof.step(n):
+            g(x)
+    first = json.loads((tmp_path / "first" / "profile" / "rank0.json").read_text())["compile"]
+    prof = StepProfiler(first=1, steps=2, out_dir=tmp_path / "later", announce=True)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        for n in (1, 2):
+            with prof.step(n):
+                g(x)
+    later = json.loads((tmp_path / "later" / "profile" / "rank0.json").read_text())["compile"]
+    assert first["in_window"]["stats"]["unique_graphs"] >= 2 and first["graph_breaks"] >= 1
+    assert any("graph_break()" in reason for reason in first["graph_break_reasons"])
+    assert later["in_window"] == {} and later["unique_graphs"] >= 2
+    assert "compile in the window: nothing" in printed.getvalue()

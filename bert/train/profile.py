@@ -6,7 +6,9 @@ progress line and any evaluation in between included. Each rank writes `<output_
 chrome://tracing); rank 0 prints the table when the window closes. On a GPU the rows are the device's
 kernels (CUPTI, kernels inside CUDA graphs included), on a CPU the training thread's operators by their self
 time. Beside them: the wall time per step and the share of it the device was busy with compute, so a
-host-bound step (busy well under 100 %) tells itself apart from a slow kernel.
+host-bound step (busy well under 100 %) tells itself apart from a slow kernel. Under COMPILE the summary also
+says what torch.compile did: graphs, graph breaks with their reasons, and anything it compiled or counted inside
+the window (a steady run compiles nothing there: a recompile or a new CUDA-graph shape in the timed steps shows up).
 
 Kinds are told apart by name (`KINDS`, first match wins): what inductor fused is one kind whatever it holds,
 since a fused kernel's name lists every op it absorbed. Communication runs on its own stream, overlapping
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -105,6 +108,27 @@ def device_records(events: Iterable, device: torch.device, thread: int | None) -
 WINDOW = "bert.train.profile step"  # the record_function around each profiled step: marks the training thread
 
 
+def compile_counters() -> dict[str, dict[str, int]] | None:
+    """torch.compile's counters (dynamo's frames, graphs, graph breaks, recompiles; inductor's), or None when
+    nothing was compiled in this process (torch._dynamo never imported: importing it costs a second)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return None if utils is None else {group: dict(c) for group, c in utils.counters.items()}
+
+
+def compile_report(before: dict | None, after: dict | None) -> dict | None:
+    """Graphs and graph breaks so far (reasons by their first line), and the counters that moved in the window."""
+    if after is None:
+        return None
+    def named(counts: dict[str, int]) -> dict[str, int]:  # graph-break reasons are paragraphs: their first line
+        return {str(k).splitlines()[0][:100]: v for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v}
+
+    breaks = after.get("graph_break", {})
+    moved = {group: named({k: v - (before or {}).get(group, {}).get(k, 0) for k, v in counts.items()})
+             for group, counts in after.items()}
+    return {"unique_graphs": after.get("stats", {}).get("unique_graphs", 0), "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": named(breaks), "in_window": {g: c for g, c in moved.items() if c}}
+
+
 def format_table(summary: dict) -> str:
     lines = [f"profile: steps {summary['first']}-{summary['last']} on {summary['device']}: "
              f"{summary['wall_ms_per_step']:.1f} ms per step, device busy {summary['busy_ms_per_step']:.1f} ms "
@@ -115,6 +139,13 @@ def format_table(summary: dict) -> str:
               for k in summary["kinds"]]
     lines += [f"  top: {t['ms_per_step']:7.2f} ms x{t['calls_per_step']:<5.0f} {t['kind']:<20} {t['name']}"
               for t in summary["top"]]
+    compiled = summary.get("compile")
+    if compiled and (compiled["unique_graphs"] or compiled["graph_breaks"] or compiled["in_window"]):
+        lines.append(f"  compile: {compiled['unique_graphs']} graphs, {compiled['graph_breaks']} graph breaks"
+                     + "".join(f"; {n} x {reason}" for reason, n in list(compiled["graph_break_reasons"].items())[:3]))
+        moved = compiled["in_window"]
+        lines.append("  compile in the window: " + ("nothing" if not moved else "; ".join(
+            f"{group} " + ", ".join(f"{k} +{v}" for k, v in counts.items()) for group, counts in moved.items())))
     return "\n".join(lines)
 
 
@@ -129,6 +160,7 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._started = 0.0
         self._done = 0
+        self._counters: dict | None = None
 
     @contextmanager
     def step(self, number: int) -> Iterator[None]:
@@ -148,6 +180,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
+        self._counters = compile_counters()
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
         self._started = time.perf_counter()
@@ -164,7 +197,8 @@ class StepProfiler:
         events = prof.events()
         thread = next((e.thread for e in events if e.name == WINDOW), None)
         summary = summarize(device_records(events, self.device, thread), max(self._done, 1), wall)
-        summary.update(first=self.first, last=self.first + self._done - 1, device=device_label(self.device))
+        summary.update(first=self.first, last=self.first + self._done - 1, device=device_label(self.device),
+                       compile=compile_report(self._counters, compile_counters()))
         if self.device.type == "cuda":
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.out_dir.mkdir(parents=True, exist_ok=True)
