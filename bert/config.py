@@ -155,8 +155,8 @@ class RunConfig:
     skip_checkpoint: bool = opt(False, "write no final checkpoint (BERT-large: 1.3 GB per run)", env="SKIP_CHECKPOINT")
     resume: bool = opt(False, "continue from the latest checkpoint in output_dir", env="RESUME")
     profile_from: int = opt(0, "profile optimizer steps from this one with torch.profiler: kernels by kind and a trace "
-                            "under output_dir/profile (0 = off; bert.train.profile)", env="PROFILE_FROM", low=0,
-                            high=10**9)
+                            "under output_dir/profile (0 = off; bert.train.profile; the profiled steps are slower, so "
+                            "not in a result run)", env="PROFILE_FROM", low=0, high=10**9)
     profile_steps: int = opt(5, "steps in the profiled window", env="PROFILE_STEPS", low=1, high=1000)
     steps_this_job: int = opt(0, "optimizer steps this job may take, then checkpoint and exit (0 = no limit; "
                               "for walltime-limited jobs, continued with --resume)", env="STEPS_THIS_JOB",
