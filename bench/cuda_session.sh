@@ -112,7 +112,7 @@ for name in "$@"; do
     model-attention)
       # its own step: a cuDNN failure (not run on a GPU yet) costs this step, not the model table
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
-        --variants unpadded/varlen unpadded/cudnn --json "$WORK/model_cuda_attention.json" ;;
+        --variants unpadded/varlen unpadded/cudnn --profile --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

@@ -49,7 +49,8 @@ without bf16 matrix units that is slower than fp32: the row is there to check th
     python bench/model.py --device cuda --compile default --static-tokens 512   # adds compiled and static rows
     python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
     python bench/model.py --device cuda --variants unpadded/varlen master-bf16/varlen   # autocast vs master weights
-    python bench/model.py --device cuda --batch-size 96 --variants unpadded/varlen unpadded/cudnn   # flash vs cuDNN
+    python bench/model.py --device cuda --batch-size 96 --variants unpadded/varlen unpadded/cudnn --profile
+                                                         # flash vs cuDNN, with each step's attention kernels timed
     python bench/model.py --device cuda --compile default --variants master-bf16/varlen master-bf16-lamb/varlen \
         master-bf16-lamb-copt/varlen    # fused AdamW vs eager LAMB vs compiled LAMB, all on fp32 masters
 """
@@ -62,6 +63,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -86,6 +88,7 @@ from bert.optim.compiled import compile_step, warm_up_step
 from bert.optim.master import MasterWeights
 from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 from bert.synthetic import random_batch
+from bert.train.profile import StepProfiler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", default="off", help="COMPILE mode for the compiled/* variants and the compiled "
                    "optimizer of master-bf16-lamb-copt/* (off: none; on the CPU inductor takes minutes: try debug)")
     p.add_argument("--static-tokens", type=int, default=0, help="token bucket of the static<N>/* variants (0: none)")
+    p.add_argument("--profile", action="store_true", help="after timing, one more step of each variant under "
+                   "torch.profiler: its device time by kind of kernel (bert.train.profile) in the table and JSON")
     p.add_argument("--precision", choices=("default", "fp8"), default="default",
                    help="fp8: add the fp8/* variants (CUDA); every other variant runs bf16 on CUDA, fp32 on the CPU")
     args = p.parse_args(argv)
@@ -330,6 +335,15 @@ def time_steps(steps: dict, repeats: int, device: str, clock=time.perf_counter, 
     return times
 
 
+def profile_step(step, device: str) -> dict:
+    """One more call of `step` under the driver's profiler (`bert.train.profile`): its summary (ms per kind)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        profiler = StepProfiler(first=1, steps=1, out_dir=tmp, device=torch.device(device))
+        with profiler.step(1):
+            step()
+        return json.loads((Path(tmp) / "profile" / "rank0.json").read_text())
+
+
 def matmul_rate(device: str, repeats: int = 5) -> float:
     """FLOP/s of `make_matmul`'s GEMM: the median of `repeats` timed calls after one warm-up."""
     matmul, flops = make_matmul(device)
@@ -392,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()[0]  # the machine may be shared: record how busy it was
     times = time_steps(steps, args.repeats, args.device, clock)
+    profiles = {name: profile_step(step, args.device) for name, step in steps.items() if name != "matmul"} \
+        if args.profile else {}
 
     matmul_rate = matmul_flops / statistics.median(times.pop("matmul"))
     med = {name: statistics.median(t) for name, t in times.items()}
@@ -405,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             "vs_hf": med["hf"] / med[name] if "hf" in med else None,
             "flops_per_step": flops, "achieved_flops": achieved, "fraction_of_matmul": achieved / matmul_rate,
             "times_s": times[name],
+            "profile": profiles.get(name),
         })
     report = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
@@ -422,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     print_table(report)
+    for name, summary in profiles.items():
+        kinds = ", ".join(f"{k['kind']} {k['ms_per_step']:.2f}" for k in summary["kinds"][:6])
+        print(f"{name}: {summary['busy_ms_per_step']:.1f} ms busy of {summary['wall_ms_per_step']:.1f}; {kinds}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")

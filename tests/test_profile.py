@@ -193,3 +193,19 @@ def test_compile_activity_inside_the_window_is_reported(tmp_path, one_thread):
     assert any("graph_break()" in reason for reason in first["graph_break_reasons"])
     assert later["in_window"] == {} and later["unique_graphs"] >= 2
     assert "compile in the window: nothing" in printed.getvalue()
+
+
+def test_bench_model_profiles_each_variant(tmp_path, one_thread, capsys, monkeypatch):
+    """bench/model.py --profile: one more step of each variant under the profiler, its kernel kinds in the JSON."""
+    from script_modules import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load_script("bench/model.py")
+    out = tmp_path / "model.json"
+    assert bench.main(["--config", "tiny", "--layers", "1", "--batch-size", "4", "--repeats", "1", "--candidates", "5",
+                       "--variants", "padded", "unpadded/loop", "--profile", "--json", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    for row in rows.values():
+        kinds = {k["kind"] for k in row["profile"]["kinds"]}
+        assert {"gemm", "optimizer / foreach"} <= kinds and row["profile"]["busy_ms_per_step"] > 0
+    assert "unpadded/loop: " in capsys.readouterr().out
