@@ -50,6 +50,9 @@ declare -A DRIVERS=(
   # run of fp32 weights under bf16 autocast (MASTER_WEIGHTS=1 was refused with fp8 then)
   [fp8]="--precision fp8 --static-tokens 512 --compile default --bench-repeats 0"
   [fp8-eager]="--precision fp8 --static-tokens 512 --bench-repeats 0"
+  # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
+  [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"
+  [fp8-ffn-qkv]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn-qkv --bench-repeats 0"
   [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
   [global-off]="--balance none"
   # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager

@@ -18,7 +18,7 @@ from torch import nn
 
 from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.fp8 import ALIGN, FP8_LINEARS, check_fp8, is_fp8_linear
+from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, FP8_LINEARS, check_fp8, is_fp8_linear
 from bert.synthetic import random_batch
 
 CPU = torch.device("cpu")
@@ -83,6 +83,25 @@ def test_filter_takes_the_encoder_linears_and_rejects_misaligned_ones():
         is_fp8_linear(nn.Linear(24, 16), names[3])
 
 
+def test_fp8_linears_selects_a_subset_of_each_layers_linears():
+    """FP8_LINEARS: `ffn` takes the two FFN linears of every layer, `ffn-qkv` adds QKV; the attention output (whose
+    name also ends in output.dense) only with `all`."""
+    model = tiny_model()
+    picked = {s: [n for n, m in model.named_modules() if is_fp8_linear(m, n, s)] for s in FP8_LINEAR_SETS}
+    layer = lambda names: {n.split(".", 4)[-1] for n in names if n.startswith("bert.encoder.layer.1.")}  # noqa: E731
+    assert layer(picked["all"]) == set(ENCODER_LINEARS)
+    assert layer(picked["ffn"]) == {"intermediate.dense", "output.dense"}
+    assert layer(picked["ffn-qkv"]) == {"attention.self.qkv", "intermediate.dense", "output.dense"}
+    assert all(len(v) == 2 * len(FP8_LINEAR_SETS[s]) for s, v in picked.items())  # both layers of the tiny model
+    base = dict(input_dir="d", eval_dir="e", train_batch_size=8, bert_config_path="tiny", learning_rate=1e-3,
+                max_steps=10, static_tokens=128)
+    from_flat(**base, precision="fp8", fp8_linears="ffn").validate()
+    with pytest.raises(ConfigError, match=r"\$FP8_LINEARS = 'ffn' has no effect without PRECISION=fp8"):
+        from_flat(**base, precision="bf16", fp8_linears="ffn").validate()
+    with pytest.raises(ConfigError, match=r"\$FP8_LINEARS = 'fnn' must be one of all, ffn, ffn-qkv"):
+        from_flat(**base, precision="fp8", fp8_linears="fnn").validate()
+
+
 @NEEDS_TORCHAO
 def test_conversion_swaps_exactly_the_encoder_linears_and_keeps_the_parameters():
     from torchao.float8.float8_linear import Float8Linear
@@ -100,6 +119,10 @@ def test_conversion_swaps_exactly_the_encoder_linears_and_keeps_the_parameters()
     assert type(model.cls.predictions.transform.dense) is nn.Linear
     after = dict(model.named_parameters())  # same names and the same tensors: checkpoints, decay groups, DDP
     assert after.keys() == params.keys() and all(after[n] is params[n] for n in params)
+    ffn = tiny_model()
+    assert sorted(convert_to_fp8(ffn, emulate=True, linears="ffn")) == sorted(
+        f"bert.encoder.layer.{i}.{s}" for i in range(2) for s in ("intermediate.dense", "output.dense"))
+    assert type(ffn.bert.encoder.layer[0].attention.output.dense) is nn.Linear
 
 
 def quantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

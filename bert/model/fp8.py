@@ -6,13 +6,17 @@ optimizer (bert.optim.master), which is how the submissions hold a float8 model 
 parameters, fp32 masters in DistributedFusedLAMB) and saves autocast's per-step weight casts.
 
 Which layers: in every encoder layer the fused QKV projection (`attention.self.qkv`), the attention output
-(`attention.output.dense`) and the FFN (`intermediate.dense`, `output.dense`), which carry nearly all of the
-step's FLOPs. The pooler, the NSP classifier, the MLM transform and the decoder tied to the word embeddings stay
-in bf16, as in NVIDIA's H100 submissions [NVIDIA-BERT] (v3.0, `--use_transformer_engine2`): there
-TransformerEngine's `fp8_autocast` wraps the encoder layers only (`FP8_MHA`'s QKV and projection GEMMs and
-`LayerNormMLP`'s two), and the heads run outside it. The heads see few rows (the pooler one per sequence, the
-MLM head only the masked ones), so float8 would gain little there, and the decoder shares its weight with the
-embedding lookup (it is `F.linear` on that weight, not an `nn.Linear` torchao could swap).
+(`attention.output.dense`) and the FFN (`intermediate.dense`, `output.dense`), which carry nearly all of the step's
+FLOPs. `FP8_LINEARS` narrows that (`FP8_LINEAR_SETS`): dynamic scaling pays an amax pass and a cast of each operand
+(input, weight, output gradient, and their transposes), so a GEMM's float8 gain per byte cast grows with its sizes
+(a cast is T x K, the GEMM T x K x N), and the smallest, the 1024 x 1024 attention output, gains least and may lose:
+`ffn-qkv` keeps it in bf16, `ffn` QKV too (`bench/fp8_linear.py` times each). The pooler, the NSP classifier, the
+MLM transform and the decoder tied to the word embeddings stay in bf16, as in NVIDIA's H100 submissions
+[NVIDIA-BERT] (v3.0, `--use_transformer_engine2`): there TransformerEngine's `fp8_autocast` wraps the encoder layers
+only (`FP8_MHA`'s QKV and projection GEMMs and `LayerNormMLP`'s two), and the heads run outside it. The heads see
+few rows (the pooler one per sequence, the MLM head only the masked ones), so float8 would gain little there, and
+the decoder shares its weight with the embedding lookup (it is `F.linear` on that weight, not an `nn.Linear` torchao
+could swap).
 
 How: torchao's float8 training (`convert_to_float8_training` with a module filter) swaps those `nn.Linear`s for
 `Float8Linear`s with the same parameters (same names: checkpoints, weight decay groups and DDP are unchanged).
@@ -48,8 +52,20 @@ from torch import nn
 TORCHAO = "torchao==0.18.0"  # float8 training needs torch >= 2.11 at this version
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 ALIGN = 16  # torch._scaled_mm: inner dimension and both weight dimensions
-FP8_LINEARS = re.compile(r"(^|\.)encoder\.layer\.\d+\.(attention\.self\.qkv|attention\.output\.dense|"
-                         r"intermediate\.dense|output\.dense)$")
+FP8_LINEAR_SETS: dict[str, tuple[str, ...]] = {  # FP8_LINEARS -> the linears of each encoder layer in float8
+    "all": ("attention.self.qkv", "attention.output.dense", "intermediate.dense", "output.dense"),
+    "ffn": ("intermediate.dense", "output.dense"),
+    "ffn-qkv": ("attention.self.qkv", "intermediate.dense", "output.dense"),
+}
+
+
+def fp8_pattern(linears: str = "all") -> re.Pattern:
+    """Module names of the float8 linears of set `linears` (`FP8_LINEAR_SETS`), in any encoder layer."""
+    names = "|".join(re.escape(name) for name in FP8_LINEAR_SETS[linears])
+    return re.compile(rf"(^|\.)encoder\.layer\.\d+\.({names})$")
+
+
+FP8_LINEARS = fp8_pattern("all")
 
 
 def check_fp8(precision: str, device: torch.device) -> None:
@@ -72,9 +88,9 @@ def check_fp8(precision: str, device: torch.device) -> None:
                          f"pip install {TORCHAO}") from None
 
 
-def is_fp8_linear(module: nn.Module, name: str) -> bool:
-    """The module filter: the encoder's four linear layers per layer; a ValueError if one cannot be float8."""
-    if not (isinstance(module, nn.Linear) and FP8_LINEARS.search(name)):
+def is_fp8_linear(module: nn.Module, name: str, linears: str = "all") -> bool:
+    """The module filter: the encoder linears of set `linears`; a ValueError if one cannot be float8."""
+    if not (isinstance(module, nn.Linear) and fp8_pattern(linears).search(name)):
         return False
     if any(d % ALIGN for d in module.weight.shape):
         raise ValueError(f"PRECISION=fp8: {name} has weight shape {tuple(module.weight.shape)}; float8 GEMMs need "
@@ -92,15 +108,15 @@ def float8_config(emulate: bool = False):
                               emulate=emulate)
 
 
-def convert_to_fp8(model: nn.Module, emulate: bool = False) -> list[str]:
-    """Swap the encoder's linear layers for torchao `Float8Linear`s in place (after `check_fp8`, before
-    compiling and DDP); returns the names swapped."""
+def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all") -> list[str]:
+    """Swap the encoder's linear layers of set `linears` (FP8_LINEARS) for torchao `Float8Linear`s in place (after
+    `check_fp8`, before compiling and DDP); returns the names swapped."""
     from torchao.float8 import convert_to_float8_training
 
     swapped: list[str] = []
 
     def keep(module: nn.Module, name: str) -> bool:
-        if is_fp8_linear(module, name):
+        if is_fp8_linear(module, name, linears):
             swapped.append(name)
             return True
         return False
@@ -111,10 +127,10 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False) -> list[str]:
     return swapped
 
 
-def apply_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
-    """PRECISION's change to the model itself: fp8 swaps the encoder linears; the others change nothing here
-    (autocast does their work)."""
+def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_linears: str = "all") -> nn.Module:
+    """PRECISION's change to the model itself: fp8 swaps the encoder linears (those of FP8_LINEARS); the others
+    change nothing here (autocast does their work)."""
     check_fp8(precision, device)
     if precision == "fp8":
-        convert_to_fp8(model)
+        convert_to_fp8(model, linears=fp8_linears)
     return model

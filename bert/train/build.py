@@ -53,7 +53,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
-    return compile_model(apply_precision(model.to(device), cfg.precision, device), cfg.compile, device,
+    return compile_model(apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears), cfg.compile, device,
                          cfg.compile_scope)
 
 
