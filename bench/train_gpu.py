@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = args.keep or Path(tempfile.mkdtemp(prefix="train_gpu_"))
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (out / "result.txt", out / "output" / "metrics.jsonl"):
+    for stale in (out / "result.txt", out / "output" / "metrics.jsonl", out / "output" / "profile" / "rank0.json"):
         stale.unlink(missing_ok=True)  # a result log is never written over (the driver would stop)
     env = driver_env(args, out)
     try:

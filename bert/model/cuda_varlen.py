@@ -46,15 +46,25 @@ class FlashVarlenDropout(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
+def require_cuda_batch(seq: SeqLayout, backend: str) -> None:
+    """The fused CUDA backends (varlen, cudnn) plan only batches on a CUDA device."""
     if seq.cu_seqlens.device.type != "cuda":
-        raise ValueError("attention backend 'varlen' needs the batch on a CUDA device; use 'loop' on CPU")
+        raise ValueError(f"attention backend '{backend}' needs the batch on a CUDA device; use 'loop' on CPU")
+
+
+def require_half(q: Tensor, backend: str) -> None:
+    """Their kernels take fp16/bf16 only."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention backend '{backend}' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
+
+
+def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
+    require_cuda_batch(seq, "varlen")
     cu, longest = seq.cu_seqlens, seq.max_seqlen
     varlen_attn = _varlen_attn()
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention backend 'varlen' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
+        require_half(q, "varlen")
         if dropout_p == 0.0 and varlen_attn is not None:
             return varlen_attn(q, k, v, cu, cu, longest, longest)
         # q, k and v as they come (views of the fused QKV output): the kernels take any row and head strides

@@ -27,16 +27,15 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.cuda_varlen import require_cuda_batch, require_half
 
 
 def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
-    if seq.cu_seqlens.device.type != "cuda":
-        raise ValueError("attention backend 'cudnn' needs the batch on a CUDA device; use 'loop' on CPU")
+    require_cuda_batch(seq, "cudnn")
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention backend 'cudnn' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
+        require_half(q, "cudnn")
         # compute_log_sumexp: the backward needs it. q, k, v as they come (views of the fused QKV output): the
         # ragged offsets are taken from their token stride.
         return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, dropout_p)[0]

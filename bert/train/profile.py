@@ -51,6 +51,7 @@ OTHER = "other"
 COMMUNICATION = "communication"
 TOP = 15  # kernels listed by name
 CPU = torch.device("cpu")
+WINDOW = "bert.train.profile step"  # the record_function around each profiled step: marks the training thread
 
 
 def kind_of(name: str) -> str:
@@ -103,9 +104,6 @@ def device_records(events: Iterable, device: torch.device, thread: int | None) -
                 yield Timed(e.name, e.time_range.elapsed_us())
         elif e.device_type == DeviceType.CPU and not e.is_async and e.thread == thread and e.name != WINDOW:
             yield Timed(e.name, e.self_cpu_time_total)
-
-
-WINDOW = "bert.train.profile step"  # the record_function around each profiled step: marks the training thread
 
 
 def compile_counters() -> dict[str, dict[str, int]] | None:
