@@ -2,10 +2,9 @@
 
 The flash kernels behind `varlen` are FlashAttention-2, written before Hopper; cuDNN's SDPA has Hopper kernels
 (warpgroup MMA, the tensor memory accelerator) and takes variable-length batches as ragged tensors, which
-torch exposes as `aten::_cudnn_attention_forward` with cumulative sequence lengths, dropout included (a philox
-seed and offset the backward replays), and with a derivative (`_cudnn_attention_backward`), so autograd needs
-nothing from us. TransformerEngine's `FusedAttention`, which NVIDIA's H100 BERT results use, is the same cuDNN
-operation.
+torch exposes as `aten::_cudnn_attention_forward` / `_cudnn_attention_backward` with cumulative sequence lengths
+and dropout (a philox seed and offset that the backward replays). TransformerEngine's `FusedAttention`, which
+NVIDIA's H100 BERT results use, is the same cuDNN operation.
 
 Why it is not `auto`: not measured on a GPU yet (`bench/model.py --device cuda --variants unpadded/varlen
 unpadded/cudnn`). cuDNN builds an execution plan per problem shape and caches it, so a run should have few
@@ -14,9 +13,15 @@ GH200 (pytorch/pytorch#187770) found cuDNN varlen slower than flash for an encod
 `varlen_attn` leaves cuDNN off by default; the bench decides.
 Needs CUDA and fp16/bf16 q, k, v, as `varlen` does.
 
-Under COMPILE the call stays outside the compiled graphs (a graph break per layer): the op has no fake
-implementation in torch 2.11-2.13 (it fails on meta tensors), so dynamo cannot trace through it, and a
-`torch.library` wrapper would have to state the shape of cuDNN's ragged log-sum-exp, which is not documented.
+Why a custom op: torch 2.11-2.13 give the aten op no fake (meta) implementation, so `torch.compile` cannot trace
+it and would break the graph at every layer (48 breaks a step for BERT-large, forward and backward).
+`bert::cudnn_varlen` wraps the two aten calls as `torch.library` custom ops whose fake implementations state the
+outputs' metadata (`CONTRACT`). The ragged log-sum-exp's shape, (T, H, 1) float32, is what torch's cuDNN
+frontend glue (`run_cudnn_SDP_fprop_nestedtensor`) allocates; it is not a documented interface, so the real
+kernels check their outputs against the contract on every call (host-side metadata, no device sync) and fail
+with one line naming `ATTENTION=cudnn` if a torch build differs, instead of letting a compiled graph run on
+wrong shapes. The CPU tests run the ops, fake and autograd included, with a float64 reference put in place of
+the aten calls; the CUDA tests run the real ones.
 """
 
 from __future__ import annotations
@@ -29,6 +34,94 @@ from torch import Tensor
 from bert.batch import SeqLayout
 from bert.model.cuda_varlen import require_cuda_batch, require_half
 
+CONTRACT = (
+    "out (T, H, Dv) in q's dtype, logsumexp (T, H, 1) float32, philox seed and offset one int64 each, all on "
+    "q's device and contiguous; gradients contiguous, shaped as q, k, v"
+)
+
+
+def _aten_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, dropout_p: float):
+    """(out, logsumexp, philox seed, philox offset). q, k, v as they come (views of the fused QKV output): the
+    ragged offsets are taken from their token stride. compute_log_sumexp: the backward needs it."""
+    out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu, cu, max_seqlen, max_seqlen, True, dropout_p
+    )
+    return out, lse, seed, offset
+
+
+def _aten_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                   offset: Tensor, cu: Tensor, max_seqlen: int, dropout_p: float):
+    return torch.ops.aten._cudnn_attention_backward(
+        grad, q, k, v, out, lse, seed, offset, None, cu, cu, max_seqlen, max_seqlen, dropout_p, False
+    )
+
+
+def _expect(got: Tensor, shape: tuple[int, ...], dtype: torch.dtype, like: Tensor, name: str) -> None:
+    if tuple(got.shape) != shape or got.dtype != dtype or got.device != like.device or not got.is_contiguous():
+        raise RuntimeError(
+            f"ATTENTION=cudnn: this torch build's cuDNN attention returned {name} {tuple(got.shape)} {got.dtype} on "
+            f"{got.device}, not what bert.model.cudnn_varlen states for torch.compile ({CONTRACT}); "
+            "use ATTENTION=varlen"
+        )
+
+
+@torch.library.custom_op("bert::cudnn_varlen", mutates_args=())
+def cudnn_varlen_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, logsumexp, philox seed and offset as one int64 pair)."""
+    out, lse, seed, offset = _aten_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p)
+    tokens, heads = q.shape[0], q.shape[1]
+    _expect(out, (tokens, heads, v.shape[-1]), q.dtype, q, "out")
+    _expect(lse, (tokens, heads, 1), torch.float32, q, "logsumexp")
+    for scalar, name in ((seed, "philox seed"), (offset, "philox offset")):
+        _expect(scalar.reshape(1), (1,), torch.int64, q, name)
+    return out, lse, torch.stack((seed.reshape(()), offset.reshape(())))
+
+
+@cudnn_varlen_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float):
+    tokens, heads = q.shape[0], q.shape[1]
+    return (
+        q.new_empty((tokens, heads, v.shape[-1])),
+        q.new_empty((tokens, heads, 1), dtype=torch.float32),
+        q.new_empty(2, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("bert::cudnn_varlen_backward", mutates_args=())
+def cudnn_varlen_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng: Tensor, cu_seqlens: Tensor,
+    max_seqlen: int, dropout_p: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _aten_backward(grad.contiguous(), q, k, v, out, lse, rng[0], rng[1], cu_seqlens, max_seqlen, dropout_p)
+    for got, like, name in zip(grads, (q, k, v), ("dq", "dk", "dv")):
+        _expect(got, tuple(like.shape), like.dtype, like, name)
+    return grads
+
+
+@cudnn_varlen_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rng: Tensor, cu_seqlens: Tensor,
+      max_seqlen: int, dropout_p: float):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_seqlens, max_seqlen, dropout_p = inputs
+    out, lse, rng = output
+    ctx.mark_non_differentiable(lse, rng)
+    ctx.save_for_backward(q, k, v, out, lse, rng, cu_seqlens)
+    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor | None, _grad_rng: Tensor | None):
+    q, k, v, out, lse, rng, cu = ctx.saved_tensors
+    dq, dk, dv = cudnn_varlen_backward(grad_out, q, k, v, out, lse, rng, cu, ctx.max_seqlen, ctx.dropout_p)
+    return dq, dk, dv, None, None, None
+
+
+cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
+
 
 def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
     require_cuda_batch(seq, "cudnn")
@@ -36,8 +129,6 @@ def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
         require_half(q, "cudnn")
-        # compute_log_sumexp: the backward needs it. q, k, v as they come (views of the fused QKV output): the
-        # ragged offsets are taken from their token stride.
-        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, dropout_p)[0]
+        return cudnn_varlen_op(q, k, v, cu, longest, dropout_p)[0]
 
-    return torch.compiler.disable(attend)
+    return attend
