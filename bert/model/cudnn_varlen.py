@@ -14,7 +14,7 @@ GH200 (pytorch/pytorch#187770) found cuDNN varlen slower than flash for an encod
 Needs CUDA and fp16/bf16 q, k, v, as `varlen` does.
 
 Why a custom op: torch 2.11-2.13 give the aten op no fake (meta) implementation, so `torch.compile` cannot trace
-it and would break the graph at every layer (48 breaks a step for BERT-large, forward and backward).
+it and would break the graph at every layer (24 breaks in BERT-large, so 25 graphs forward and 25 backward).
 `bert::cudnn_varlen` wraps the two aten calls as `torch.library` custom ops whose fake implementations state the
 outputs' metadata (`CONTRACT`). The ragged log-sum-exp's shape, (T, H, 1) float32, is what torch's cuDNN
 frontend glue (`run_cudnn_SDP_fprop_nestedtensor`) allocates; it is not a documented interface, so the real
