@@ -58,6 +58,8 @@ declare -A DRIVERS=(
   # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager
   [cudnn]="--attention cudnn --static-tokens 512 --compile default --bench-repeats 0"
   [cudnn-eager]="--attention cudnn --static-tokens 512 --bench-repeats 0"
+  # the whole bf16 stack, now that cuDNN attention compiles into the graphs (a custom op): graphs, compiled LAMB
+  [cudnn-graphs-opt]="--attention cudnn --compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
 )
 
 # the profiler timelines (tens of MB) stay behind: a file over 16 MiB would not come back; their summaries travel
