@@ -304,11 +304,11 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
 @pytest.mark.parametrize("name, static", [("default", 0), ("reduce-overhead", 512)])
 @pytest.mark.parametrize("attention", ["varlen", "cudnn"])
 def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
-    """BERT-tiny with flash varlen (or cuDNN's ragged attention, a custom op) under bf16 autocast: compiled (with CUDA graphs for reduce-overhead, on
-    static shapes) against the same model in fp32, on several token counts. Both bf16 runs round; the compiled
-    one may round differently (inductor fuses casts away) but must be no further from fp32 than twice eager's
-    distance (plus 0.1 %): on the H100 a fixed 5 % bound on compiled vs eager failed by rounding alone (6 % on
-    one small gradient)."""
+    """BERT-tiny with flash varlen (or cuDNN's ragged attention, a custom op) under bf16 autocast: compiled (with
+    CUDA graphs for reduce-overhead, on static shapes) against the same model in fp32, on several token counts.
+    Both bf16 runs round; the compiled one may round differently (inductor fuses casts away) but must be no further
+    from fp32 than twice eager's distance (plus 0.1 %): on the H100 a fixed 5 % bound on compiled vs eager failed
+    by rounding alone (6 % on one small gradient)."""
     from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 
     cuda = torch.device("cuda")
