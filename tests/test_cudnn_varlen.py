@@ -24,21 +24,29 @@ def reference_lse(q, k, lengths):
     return torch.cat(parts)
 
 
-def float64_kernels(lengths, lse_layout="thd"):
-    """Stand-ins for `_aten_forward` / `_aten_backward` (dropout 0). lse_layout='ht' returns the log-sum-exp as
-    (H, T), a layout the contract does not state."""
+SEED, OFFSET = 1234, 5678  # the philox state a forward with dropout "returns"
+
+
+def float64_kernels(lengths, lse_layout="thd", replayed=None):
+    """Stand-ins for `_aten_forward` / `_aten_backward`. They compute attention without dropout; with dropout they
+    return the philox state (SEED, OFFSET) and the backward appends the state it is handed to `replayed`. At
+    dropout 0 they return no state at all (None, the worst torch could hand back). lse_layout='ht' returns the
+    log-sum-exp as (H, T), a layout the contract does not state."""
 
     def forward(q, k, v, cu, max_seqlen, dropout_p):
-        assert dropout_p == 0.0 and max_seqlen == max(lengths) and cu.tolist()[-1] == sum(lengths)
+        assert max_seqlen == max(lengths) and cu.tolist()[-1] == sum(lengths)
         out = reference_attention(q, k, v, lengths).contiguous()
         lse = reference_lse(q, k, lengths)
         lse = lse.squeeze(-1).T.contiguous() if lse_layout == "ht" else lse
-        seed = torch.zeros((), dtype=torch.int64)
-        return out, lse.float(), seed, seed.clone()
+        if dropout_p == 0.0:
+            return out, lse.float(), None, None
+        return out, lse.float(), torch.tensor([SEED]), torch.tensor(OFFSET)
 
     def backward(grad, q, k, v, out, lse, seed, offset, cu, max_seqlen, dropout_p):
         # by hand: a custom op's kernel runs below autograd, so it cannot differentiate the reference
         assert grad.is_contiguous() and lse.shape == (q.shape[0], q.shape[1], 1) and seed.dim() == 0
+        if replayed is not None:
+            replayed.append((seed.item(), offset.item(), dropout_p))
         dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype) for t in (q, k, v))
         scale, start = q.shape[-1] ** -0.5, 0
         for n in lengths:
@@ -70,12 +78,13 @@ def fused_qkv(lengths, dtype=torch.float64, device="cpu"):
     return qkv, qkv.unbind(1)
 
 
-def test_opcheck_fake_autograd_and_schema(float64_cudnn):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_opcheck_fake_autograd_and_schema(float64_cudnn, dropout_p):
     """torch's own checker: the fake implementation's outputs match the real ones' metadata, the autograd
     registration is complete, and the op traces under AOT autograd with dynamic shapes."""
     _, (q, k, v) = fused_qkv(LENGTHS)
     seq = SeqLayout.from_lengths(LENGTHS)
-    torch.library.opcheck(cudnn_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.0))
+    torch.library.opcheck(cudnn_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p))
 
 
 def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
@@ -100,6 +109,21 @@ def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
     torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_the_backward_gets_the_forwards_philox_state(monkeypatch):
+    """With dropout the backward must redraw the forward's mask: it is handed the seed and offset the forward
+    returned (and the dropout probability), through the op's saved outputs."""
+    replayed = []
+    forward, backward = float64_kernels(LENGTHS, replayed=replayed)
+    monkeypatch.setattr(cudnn_varlen, "_aten_forward", forward)
+    monkeypatch.setattr(cudnn_varlen, "_aten_backward", backward)
+    _, (q, k, v) = fused_qkv(LENGTHS)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    out, _, rng = cudnn_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)
+    assert rng.tolist() == [SEED, OFFSET] and rng.dtype == torch.int64
+    grads(out, (q, k, v))
+    assert replayed == [(SEED, OFFSET, 0.1)]
 
 
 def test_a_layout_off_the_contract_fails_naming_the_setting(monkeypatch):
