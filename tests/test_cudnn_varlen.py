@@ -133,6 +133,11 @@ def test_a_layout_off_the_contract_fails_naming_the_setting(monkeypatch):
     seq = SeqLayout.from_lengths(LENGTHS)
     with pytest.raises(RuntimeError, match=r"ATTENTION=cudnn: .* logsumexp \(2, 212\) .* use ATTENTION=varlen"):
         cudnn_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.0)
+    # with dropout the backward needs the philox state: none coming back is the same error, not an AttributeError
+    forward, _ = float64_kernels(LENGTHS)
+    monkeypatch.setattr(cudnn_varlen, "_aten_forward", lambda *args: (*forward(*args)[:2], None, None))
+    with pytest.raises(RuntimeError, match=r"ATTENTION=cudnn: .* philox seed no tensor, .* use ATTENTION=varlen"):
+        cudnn_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

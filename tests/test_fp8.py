@@ -18,7 +18,7 @@ from torch import nn
 
 from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, FP8_LINEARS, check_fp8, is_fp8_linear
+from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, check_fp8, fp8_pattern, is_fp8_linear
 from bert.synthetic import random_batch
 
 CPU = torch.device("cpu")
@@ -74,10 +74,10 @@ def test_fp8_config_needs_token_counts_the_float8_gemms_accept():
 
 def test_filter_takes_the_encoder_linears_and_rejects_misaligned_ones():
     names = [f"bert.encoder.layer.3.{s}" for s in ENCODER_LINEARS]
-    assert all(FP8_LINEARS.search(n) for n in names)
+    assert all(fp8_pattern().search(n) for n in names)
     heads = ["bert.pooler.dense", "cls.predictions.transform.dense", "cls.seq_relationship",
              "bert.encoder.layer.0.attention.output.LayerNorm"]
-    assert not any(FP8_LINEARS.search(n) for n in heads)
+    assert not any(fp8_pattern().search(n) for n in heads)
     assert is_fp8_linear(nn.Linear(32, 64), names[0]) and not is_fp8_linear(nn.Linear(32, 64), heads[0])
     with pytest.raises(ValueError, match=r"^PRECISION=fp8: bert\.encoder\.layer\.3\.output\.dense .* multiples of 16"):
         is_fp8_linear(nn.Linear(24, 16), names[3])

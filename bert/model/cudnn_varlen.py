@@ -56,12 +56,13 @@ def _aten_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     )
 
 
-def _expect(got: Tensor, shape: tuple[int, ...], dtype: torch.dtype, like: Tensor, name: str) -> None:
-    if tuple(got.shape) != shape or got.dtype != dtype or got.device != like.device or not got.is_contiguous():
+def _expect(got: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, like: Tensor, name: str) -> None:
+    if got is None or tuple(got.shape) != shape or got.dtype != dtype or got.device != like.device \
+            or not got.is_contiguous():
+        what = "no tensor" if got is None else f"{tuple(got.shape)} {got.dtype} on {got.device}"
         raise RuntimeError(
-            f"ATTENTION=cudnn: this torch build's cuDNN attention returned {name} {tuple(got.shape)} {got.dtype} on "
-            f"{got.device}, not what bert.model.cudnn_varlen states for torch.compile ({CONTRACT}); "
-            "use ATTENTION=varlen"
+            f"ATTENTION=cudnn: this torch build's cuDNN attention returned {name} {what}, not what "
+            f"bert.model.cudnn_varlen states for torch.compile ({CONTRACT}); use ATTENTION=varlen"
         )
 
 
@@ -77,7 +78,7 @@ def cudnn_varlen_op(
     if dropout_p == 0.0:  # no mask to replay: whatever comes back as the seed and offset (maybe nothing) is unused
         return out, lse, q.new_zeros(2, dtype=torch.int64)
     for scalar, name in ((seed, "philox seed"), (offset, "philox offset")):
-        _expect(scalar.reshape(1), (1,), torch.int64, q, name)
+        _expect(None if scalar is None else scalar.reshape(1), (1,), torch.int64, q, name)
     return out, lse, torch.stack((seed.reshape(()), offset.reshape(())))
 
 

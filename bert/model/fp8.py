@@ -65,8 +65,6 @@ def fp8_pattern(linears: str = "all") -> re.Pattern:
     return re.compile(rf"(^|\.)encoder\.layer\.\d+\.({names})$")
 
 
-FP8_LINEARS = fp8_pattern("all")
-
 
 def check_fp8(precision: str, device: torch.device) -> None:
     """Raise a one-line ValueError naming PRECISION=fp8 when float8 training cannot run on `device`."""
