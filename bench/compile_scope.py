@@ -2,8 +2,9 @@
 
 The driver compiles before run_start (`bert.train.warmup`), inside the rules' untimed initialisation, but
 that time still comes out of every run's 20-minute init budget and out of every debugging cycle. One graph
-for the model traces all its layers; per layer, the encoder layers share one graph, so one layer is traced
-(`bert.model.compile`). This times `warm_up` (the driver's first call) for each scope, counts the graphs dynamo
+for the model traces all its layers; per layer, the encoder layers share one graph, so one layer is traced (and
+the last, which keeps only the loss rows after its attention: `bert.model.last_layer`) (`bert.model.compile`).
+This times `warm_up` (the driver's first call) for each scope, counts the graphs dynamo
 made, and times the next steps on new token counts (no recompilation expected in either scope).
 
     .venv/bin/python bench/compile_scope.py                      # BERT-large, COMPILE=debug, on the CPU

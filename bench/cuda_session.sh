@@ -12,7 +12,8 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
-#   model-attention  bench/model.py at batch 96: flash varlen against cuDNN's ragged attention (ATTENTION=cudnn)
+#   model-attention  bench/model.py at batch 96: flash varlen against cuDNN's ragged attention (ATTENTION=cudnn),
+#                    and against the last layer on every token (LAST_LAYER_SUBSET=0: the subset's gain)
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
@@ -117,7 +118,7 @@ for name in "$@"; do
     model-attention)
       # its own step: a cuDNN failure (not run on a GPU yet) costs this step, not the model table
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
-        --variants unpadded/varlen unpadded/cudnn --profile --json "$WORK/model_cuda_attention.json" ;;
+        --variants unpadded/varlen unpadded/cudnn full-last/varlen --profile --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

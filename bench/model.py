@@ -17,7 +17,9 @@ between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
     unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen and
-                      cuDNN's ragged attention, `cudnn`, side by side)
+                      cuDNN's ragged attention, `cudnn`, side by side); every unpadded row runs the last layer on
+                      the [CLS] and masked rows only after its attention (LAST_LAYER_SUBSET=1, the default)
+    full-last/<name>  unpadded/<name> with the last layer on every token (LAST_LAYER_SUBSET=0): the subset's gain
     static<N>/<name>  unpadded/<name> on the batch padded to a multiple of N tokens (`--static-tokens N`,
                       bert.static_shapes), charged for the padding it computes
     compiled/<name>   unpadded/<name> under torch.compile (`--compile MODE`, bert.model.compile; compiled in
@@ -81,6 +83,7 @@ from bert.model.attention import length_groups
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
+from bert.model.last_layer import kept_row_count
 from bert.model.padding import PadLayout, pad
 from bert.model.precision import autocast_dtype  # the driver's rule (fp8: bf16 outside the float8 GEMMs)
 from bert.optim import build_optimizer, build_schedule
@@ -177,7 +180,7 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
     """Every variant `build_variants` builds for these settings, in its order (--variants picks among them)."""
     backends = attention_backends(device)
     fast = "varlen" if device == "cuda" else "loop"
-    names = ["padded", *(f"unpadded/{b}" for b in backends)]
+    names = ["padded", *(f"unpadded/{b}" for b in backends), f"full-last/{fast}"]
     names += [f"static{static_tokens}/{fast}"] if static_tokens else []
     names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}"]
     if compile != "off":
@@ -202,6 +205,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         pairs = {"grouped": grouped_pairs, "padded": B * L * L}.get(name, sum(n * n for n in lengths))
         specs[f"unpadded/{name}"] = (name, lambda m: m(batch).loss, T, pairs, M, B, False)
     fast = "varlen" if device == "cuda" else "loop"
+    specs[f"full-last/{fast}"] = specs[f"unpadded/{fast}"]
     if static_tokens:
         static = pad_to_buckets(batch, static_tokens, MASKED_BUCKET)
         extra = static.seq.lengths[-1]
@@ -231,15 +235,17 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         if names and name not in names:
             continue
         torch.manual_seed(0)
+        subset = backend is not None and name != "padded" and not name.startswith("full-last/")
         if backend is None:
             model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
         else:
-            model = BertForPreTraining(cfg, attention=backend, device=device).to(device)
+            model = BertForPreTraining(cfg, attention=backend, device=device, last_layer_subset=subset).to(device)
             if name in fp8_names:
                 convert_to_fp8(model)
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
-        shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows)
+        shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows,
+                          last_rows=kept_row_count(sequences, head_rows) if subset else None)
         variants[name] = (model.to(device).train(), loss_fn, train_flops(cfg, shape))
     return variants
 
@@ -412,10 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     matmul_rate = matmul_flops / statistics.median(times.pop("matmul"))
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = []
-    for name, (_, _, flops) in variants.items():
+    for name, (model, _, flops) in variants.items():
         achieved = flops / med[name]
         rows.append({
             "variant": name, "median_s": med[name], "samples_per_s": len(lengths) / med[name],
+            "last_layer_subset": bool(getattr(model, "last_layer_subset", False)),  # HF's model has no such thing
             "tokens_per_s": int(sum(lengths)) / med[name],
             "vs_padded": med["padded"] / med[name] if "padded" in med else None,
             "vs_hf": med["hf"] / med[name] if "hf" in med else None,

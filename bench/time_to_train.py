@@ -248,7 +248,8 @@ def rate_from_model_json(path: Path) -> tuple[float, int, str]:
     from bert.model.config import NAMED
     from bert.model.flops import StepShape, train_flops
 
-    large = train_flops(NAMED["large"], StepShape.unpadded(lengths, masked))
+    # BERT-large run as the bench ran its model: with the last-layer subset or without (JSONs from before it: without)
+    large = train_flops(NAMED["large"], StepShape.unpadded(lengths, masked, bool(best.get("last_layer_subset"))))
     scale = best["flops_per_step"] / large
     note = f"{path}: {best['variant']} {best['samples_per_s']:.4g} samples/s on {report['device']}"
     if scale < 0.999:

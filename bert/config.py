@@ -80,6 +80,9 @@ class ModelConfig:
     compile_scope: str = opt("model", "what one compiled graph holds: the model, or each layer apart (overlaps "
                              "the gradient hand-over with the backward under GRAD_BUCKETS=balanced)",
                              env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
+    last_layer_subset: bool = opt(True, "the last encoder layer, after its attention, runs only the [CLS] and masked "
+                                  "rows the losses read (exact; HazyResearch's --last_layer_subset; "
+                                  "bert.model.last_layer)", env="LAST_LAYER_SUBSET")
     static_tokens: int = opt(0, "pad each batch's tokens to a multiple of this (one padding sequence; masked rows "
                              "to a multiple of 64; eval batches to a multiple of min(this, MAX_SEQ_LENGTH)) for few "
                              "shapes; 0 = off",

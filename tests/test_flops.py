@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.flops import StepShape, batch_train_flops, forward_flops, train_flops
+from bert.model.last_layer import kept_row_count
 from bert.synthetic import random_batch
 
 # Small and odd-sized (h != i, vocab padded 2042 -> 2048), so a transposed or missing term shows.
@@ -26,16 +27,19 @@ def counted(run) -> tuple[int, int]:
     return fwd.get_total_flops(), step.get_total_flops()
 
 
+@pytest.mark.parametrize("subset", (True, False), ids=("last_layer_subset", "full_last_layer"))
 @pytest.mark.parametrize("lengths", BATCHES.values(), ids=BATCHES.keys())
-def test_unpadded_step_flops_equal_the_counted_ones(lengths):
+def test_unpadded_step_flops_equal_the_counted_ones(lengths, subset):
     torch.manual_seed(0)
-    model = BertForPreTraining(CFG, attention="loop").double()
+    model = BertForPreTraining(CFG, attention="loop", last_layer_subset=subset).double()
     batch = random_batch(lengths, seed=len(lengths), vocab_size=CFG.real_vocab_size)
     fwd, step = counted(lambda: model(batch))
-    shape = StepShape.of_batch(batch)
-    assert shape == StepShape(sum(lengths), sum(n * n for n in lengths), len(lengths), len(batch.masked_labels))
+    shape = StepShape.of_batch(batch, subset)
+    B, M = len(lengths), len(batch.masked_labels)
+    kept = -(-(B + M) // 16) * 16 if subset else None  # [CLS] and masked rows, to a multiple of 16
+    assert shape == StepShape(sum(lengths), sum(n * n for n in lengths), B, M, kept)
     assert forward_flops(CFG, shape) == fwd
-    assert train_flops(CFG, shape) == batch_train_flops(CFG, batch) == step
+    assert train_flops(CFG, shape) == batch_train_flops(CFG, batch, subset) == step
 
 
 @pytest.mark.parametrize("path", ("padded_backend", "padded_model"))
@@ -46,7 +50,8 @@ def test_padded_shapes_equal_the_counted_ones(path):
     batch = random_batch(lengths, seed=1, vocab_size=CFG.real_vocab_size)
     B, L, T, M = len(lengths), max(lengths), sum(lengths), len(batch.masked_labels)
     if path == "padded_backend":
-        model, shape = BertForPreTraining(CFG, attention="padded").double(), StepShape(T, B * L * L, B, M)
+        shape = StepShape(T, B * L * L, B, M, kept_row_count(B, M))  # the last layer keeps R rows after attention
+        model = BertForPreTraining(CFG, attention="padded").double()
         run = lambda: model(batch)
     else:
         model, shape = BertForPreTraining(CFG, attention="loop").double(), StepShape(B * L, B * L * L, B, M)
@@ -67,5 +72,5 @@ def test_bert_large_is_6_flops_per_weight_and_token_plus_attention():
     pooler_nsp = model.bert.pooler.dense.weight.numel() + model.cls.seq_relationship.weight.numel()
     mlm = model.cls.predictions.transform.dense.weight.numel() + model.bert.embeddings.word_embeddings.weight.numel()
     want = 6 * (encoder * n + pooler_nsp + mlm * m) + 3 * cfg.num_hidden_layers * 4 * n * n * cfg.hidden_size
-    assert train_flops(cfg, StepShape.unpadded([n], m)) == want
+    assert train_flops(cfg, StepShape.unpadded([n], m, last_layer_subset=False)) == want
     assert round(want / 1e12, 2) == 1.02

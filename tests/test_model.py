@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bert.model import BertConfig, BertForPreTraining
+from bert.model.last_layer import kept_row_count
 from bert.synthetic import random_batch
 
 BATCHES = {"one_token": (1,), "full_512": (512,), "mixed": (3, 1, 77, 260, 130, 385)}  # every length group
@@ -106,23 +107,31 @@ def test_padding_classes_take_no_part_in_loss_accuracy_or_gradients():
 
 
 def test_no_padded_tensor_in_the_unpadded_trunk_and_the_head_sees_only_masked_rows():
+    """Every module of the trunk sees the T tokens, except the last layer after its attention, which keeps the
+    [CLS] and masked rows (bert.model.last_layer), the pooler (B rows) and the MLM head (M rows)."""
     model = tiny_model()
     batch = random_batch(BATCHES["mixed"], seed=6)
     shapes = []
-    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((type(m).__name__, tuple(o.shape))))
-             for m in [*model.bert.embeddings.children(), *model.bert.encoder.modules(), model.bert.pooler,
-                       model.cls.predictions.transform]]
+    last = f"bert.encoder.layer.{model.config.num_hidden_layers - 1}"
+    modules = [(n, m) for n, m in model.named_modules() if n.startswith(("bert.embeddings.", "bert.encoder"))]
+    modules += [("bert.pooler", model.bert.pooler), ("cls.predictions.transform", model.cls.predictions.transform)]
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: shapes.append((n, tuple(o.shape)))) for n, m in modules]
     model(batch)
     for h in hooks:
         h.remove()
     T, M, B = batch.num_tokens, len(batch.masked_labels), batch.num_sequences
+    kept = kept_row_count(B, M)
     for name, shape in shapes:
-        if name == "BertPooler":
+        if name == "bert.pooler":
             assert shape == (B, 128)
-        elif name == "BertPredictionHeadTransform":
+        elif name == "cls.predictions.transform":
             assert shape == (M, 128)
+        elif name in ("bert.encoder", last, f"{last}.attention") or name.startswith(
+                (f"{last}.attention.output", f"{last}.intermediate", f"{last}.output")):
+            assert shape[0] == kept and len(shape) == 2, (name, shape)
         else:
             assert shape[0] == T and len(shape) == 2, (name, shape)
+    assert len(shapes) == len(modules) - 1  # every module ran once (the layer list itself is not called)
 
 
 def test_dropout_is_active_in_train_mode_only():

@@ -135,6 +135,24 @@ def test_bad_settings_fail_with_one_line(ttt, capsys, tmp_path: Path, argv: list
     assert not (tmp_path / "t.json").exists()
 
 
+@pytest.mark.parametrize("subset", (True, False, None), ids=("subset", "full", "before_the_subset"))
+def test_a_bert_large_model_json_is_taken_at_its_own_rate(ttt, tmp_path: Path, subset) -> None:
+    """A BERT-large bench row is not rescaled, whether it ran the last-layer subset or not (None: a JSON written
+    before the key existed, when every row ran the full last layer): the rate is BERT-large's as measured."""
+    from bert.model.config import NAMED
+    from bert.model.flops import StepShape, train_flops
+
+    lengths, masked = [512, 300, 128, 77], 80
+    flops = train_flops(NAMED["large"], StepShape.unpadded(lengths, masked, bool(subset)))
+    row = {"variant": "unpadded/varlen", "samples_per_s": 600.0, "flops_per_step": flops}
+    row |= {} if subset is None else {"last_layer_subset": subset}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"results": [row], "batch_lengths": lengths, "masked_tokens": masked,
+                                "device": "H100"}))
+    rate, batch, note = ttt.rate_from_model_json(path)
+    assert (rate, batch) == (600.0, 4) and " x " not in note
+
+
 def test_a_bad_model_json_exits_2_from_the_command_line(tmp_path: Path) -> None:
     bad = tmp_path / "model.json"
     bad.write_text('{"results": [], "batch_lengths": [512], "masked_tokens": 76}')

@@ -19,8 +19,9 @@ generation, so it is quick, and it is how the CPU tests check that capture leave
             communication overlaps it: the config refuses that pairing.
     layers  the embeddings, each encoder layer and the heads with their losses, compiled apart, as torchtitan
             compiles each transformer block: the encoder layers share one graph (dynamo does not
-            specialise on the module), so the tracing is that of one layer, and each layer's gradients are
-            handed over as soon as its backward has run, under either wrapper (tests/test_compile.py).
+            specialise on the module), so the tracing is that of one layer (two: the last, which keeps only the
+            rows the losses read after its attention, `bert.model.last_layer`, has its own), and each layer's
+            gradients are handed over as soon as its backward has run, under either wrapper (tests/test_compile.py).
 
 Nothing falls back silently: a mode that cannot run here (no C++ compiler for inductor's CPU code, no
 Triton for its GPU code, CUDA graphs without CUDA) is a `ValueError` naming the setting.

@@ -70,8 +70,12 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertResidualOutput(cfg, cfg.hidden_size)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        return self.output(self.self(x, attend), x)
+    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
+        """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`)."""
+        h = self.self(x, attend)
+        if rows is not None:
+            h, x = h.index_select(0, rows), x.index_select(0, rows)
+        return self.output(h, x)
 
 
 class BertIntermediate(nn.Module):
@@ -90,8 +94,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertResidualOutput(cfg, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        x = self.attention(x, attend)
+    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
+        x = self.attention(x, attend, rows)
         return self.output(self.intermediate(x), x)
 
 
@@ -100,10 +104,12 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        for layer in self.layer:
+    def forward(self, x: Tensor, attend: Attend, last_rows: Tensor | None = None) -> Tensor:
+        """Every layer on every token; `last_rows`: the last layer's output holds only these rows."""
+        *layers, last = self.layer
+        for layer in layers:
             x = layer(x, attend)
-        return x
+        return last(x, attend, last_rows)
 
 
 class BertPooler(nn.Module):

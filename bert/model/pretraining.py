@@ -2,7 +2,8 @@
 
 `forward` never pads: embeddings and encoder run on the (T, hidden) token axis, the pooler takes
 the [CLS] rows at `cu_seqlens[:-1]`, and the MLM head runs only on the masked rows (NVIDIA's
-"dense sequence output"). `forward_padded` runs the same weights on a zero-padded (B, L) batch with
+"dense sequence output"); with `last_layer_subset` the last layer already keeps only those rows after its
+attention (`last_layer.py`). `forward_padded` runs the same weights on a zero-padded (B, L) batch with
 a key-padding mask: the reference for tests and the baseline for benchmarks.
 """
 
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from bert.batch import Batch
 from bert.model.attention import BACKENDS, masked_sdpa, resolve_backend
 from bert.model.config import BertConfig
+from bert.model.last_layer import kept_rows, split_kept
 from bert.model.layers import BertModel
 from bert.model.padding import PadLayout, pad
 
@@ -71,10 +73,12 @@ class BertPreTrainingHeads(nn.Module):
 
 
 class BertForPreTraining(nn.Module):
-    def __init__(self, cfg: BertConfig, attention: str = "auto", device: torch.device | str | None = None):
-        """`attention` names a backend of `bert.model.attention`; `auto` is resolved here, for `device`."""
+    def __init__(self, cfg: BertConfig, attention: str = "auto", device: torch.device | str | None = None,
+                 last_layer_subset: bool = True):
+        """`attention` names a backend of `bert.model.attention`; `auto` is resolved here, for `device`.
+        `last_layer_subset`: the last layer computes only the rows the losses read (exact; `last_layer.py`)."""
         super().__init__()
-        self.config = cfg
+        self.config, self.last_layer_subset = cfg, last_layer_subset
         self.attention = resolve_backend(attention, device)
         # Planning is host work (numpy, Python lists): under torch.compile it stays eager, so a new batch's
         # lengths do not recompile the graph; the plan's tensors and sizes enter the graph as inputs.
@@ -94,13 +98,17 @@ class BertForPreTraining(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def encode(self, batch: Batch) -> Tensor:
-        """The encoder's output for every token, (T, hidden)."""
-        attend = self.plan_attention(batch.seq)  # host-side planning, once for all layers
+    def encode(self, batch: Batch, last_layer_subset: bool = False) -> Tensor:
+        """The encoder's output for every token, (T, hidden), or with `last_layer_subset` for `kept_rows` only."""
+        # host-side planning, once for all layers, and first: under COMPILE it splits the graph, and work before it
+        # would be a graph of its own
+        attend = self.plan_attention(batch.seq)
         x = self.bert.embeddings(batch.input_ids, batch.position_ids, batch.segment_ids)
-        return self.bert.encoder(x, attend)
+        return self.bert.encoder(x, attend, kept_rows(batch) if last_layer_subset else None)
 
     def forward(self, batch: Batch) -> PretrainOutput:
+        if self.last_layer_subset:
+            return self.heads(*split_kept(self.encode(batch, last_layer_subset=True), batch), batch)
         x = self.encode(batch)
         cls_rows = x.index_select(0, batch.seq.cu_seqlens[:-1])
         return self.heads(x.index_select(0, batch.masked_positions), cls_rows, batch)

@@ -50,7 +50,8 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device)
     check_attention(cfg.attention, device)
-    model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device)
+    model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device,
+                               last_layer_subset=cfg.last_layer_subset)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
     return compile_model(apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears), cfg.compile, device,

@@ -112,7 +112,8 @@ def train(run: Run) -> str:
                                                           cfg.eval_iter_samples)
     # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not
     # useful work
-    meter = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens))
+    meter = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens),
+                      last_layer_subset=run.cfg.model.last_layer_subset)
     batches = meter.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:

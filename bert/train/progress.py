@@ -29,13 +29,14 @@ class FlopMeter:
     `padded`: the batches end in `bert.static_shapes`' padding sequence, which is left out; its padding
     masked rows cannot be told apart on the host (their labels are on the device) and are counted."""
 
-    def __init__(self, cfg: BertConfig, padded: bool = False):
-        self.cfg, self.padded, self.flops, self.tokens = cfg, padded, 0, 0
+    def __init__(self, cfg: BertConfig, padded: bool = False, last_layer_subset: bool = True):
+        self.cfg, self.padded, self.subset, self.flops, self.tokens = cfg, padded, last_layer_subset, 0, 0
 
     def counting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         for batch in batches:
             lengths = batch.seq.lengths[:-1] if self.padded else batch.seq.lengths
-            self.flops += train_flops(self.cfg, StepShape.unpadded(lengths, batch.masked_labels.numel()))
+            shape = StepShape.unpadded(lengths, batch.masked_labels.numel(), self.subset)
+            self.flops += train_flops(self.cfg, shape)
             self.tokens += sum(lengths)
             yield batch
 

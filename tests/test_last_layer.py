@@ -1,0 +1,92 @@
+"""The last-layer subset (bert.model.last_layer) against the full model and the padded model, in float64 on the CPU."""
+
+import pytest
+import torch
+
+from bert.config import from_flat
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.last_layer import kept_row_count, kept_rows, split_kept
+from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+from bert.synthetic import random_batch
+from bert.train.build import build_model
+
+CFG = BertConfig(vocab_size=1064, real_vocab_size=1061, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 intermediate_size=80, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+LENGTHS = {"one": (9,), "mixed": (3, 1, 77, 260, 130, 45)}
+
+
+def batch_of(name: str, static: bool = False):
+    batch = random_batch(LENGTHS[name], seed=7, vocab_size=CFG.real_vocab_size)
+    return pad_to_buckets(batch, 128, MASKED_BUCKET) if static else batch
+
+
+def pair(attention: str) -> tuple[BertForPreTraining, BertForPreTraining]:
+    """The same float64 weights with and without the subset, in training mode (dropout 0 in CFG)."""
+    torch.manual_seed(0)
+    subset = BertForPreTraining(CFG, attention=attention, last_layer_subset=True).double().train()
+    full = BertForPreTraining(CFG, attention=attention, last_layer_subset=False).double().train()
+    full.load_state_dict(subset.state_dict())
+    return subset, full
+
+
+def grads(model: BertForPreTraining, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["loop", "grouped", "padded"])
+@pytest.mark.parametrize("name,static", [("one", False), ("mixed", False), ("mixed", True)])
+def test_losses_and_every_gradient_equal_the_full_model(attention, name, static):
+    batch = batch_of(name, static)
+    subset, full = pair(attention)
+    got, want = subset(batch), full(batch)
+    for field in ("loss", "mlm_loss", "nsp_loss", "mlm_logits", "nsp_logits"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=0, atol=1e-12, msg=field)
+    assert (got.mlm_correct, got.mlm_total) == (want.mlm_correct, want.mlm_total)
+    g_sub, g_full = grads(subset, got.loss), grads(full, want.loss)
+    for p in g_full:
+        torch.testing.assert_close(g_sub[p], g_full[p], rtol=0, atol=1e-12, msg=p)
+    assert g_full["bert.encoder.layer.2.output.dense.weight"].abs().sum() > 0  # the last layer is trained
+
+
+def test_the_padded_model_agrees():
+    """An independent reference: the same weights on the zero-padded batch with a key mask, every row computed."""
+    batch = batch_of("mixed")
+    subset, _ = pair("loop")
+    got, want = subset(batch), subset.forward_padded(batch)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.mlm_logits, want.mlm_logits, rtol=0, atol=1e-12)
+
+
+def test_kept_rows_are_cls_then_masked_then_filler_to_a_multiple_of_16():
+    batch = batch_of("mixed", static=True)
+    rows = kept_rows(batch)
+    b, m = batch.num_sequences, batch.masked_positions.numel()
+    assert len(rows) == kept_row_count(b, m) and len(rows) % 16 == 0 and len(rows) >= b + m
+    assert rows.dtype == torch.int64
+    assert rows[:b].tolist() == batch.seq.cu_seqlens[:-1].tolist()
+    assert rows[b:b + m].tolist() == batch.masked_positions.tolist()
+    assert set(rows[b + m:].tolist()) <= {0}
+    x = torch.randn(batch.num_tokens, 5)
+    masked, cls = split_kept(x.index_select(0, rows), batch)
+    assert torch.equal(masked, x[batch.masked_positions]) and torch.equal(cls, x[batch.seq.cu_seqlens[:-1].long()])
+
+
+def test_the_last_layer_sees_only_the_kept_rows():
+    """What makes it cheaper: the last layer's feed-forward gets R rows, every other layer T."""
+    batch = batch_of("mixed")
+    subset, _ = pair("loop")
+    seen = {}
+    for i, layer in enumerate(subset.bert.encoder.layer):
+        layer.intermediate.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, args[0].shape[0]))
+    subset(batch)
+    T, R = batch.num_tokens, kept_row_count(batch.num_sequences, batch.masked_positions.numel())
+    assert seen == {0: T, 1: T, 2: R} and R < T / 2
+
+
+def test_last_layer_subset_is_chosen_in_the_config():
+    model_cfg = lambda **kw: from_flat(bert_config_path="tiny", **kw).model  # noqa: E731
+    assert model_cfg().last_layer_subset is True  # exact, so on by default
+    assert build_model(model_cfg(last_layer_subset=False), torch.device("cpu")).last_layer_subset is False
+    assert build_model(model_cfg(), torch.device("cpu")).last_layer_subset is True
