@@ -22,7 +22,7 @@ point is then predicted, not fitted, and its error printed. The terms:
     evaluations          one per eval interval, 10,000 samples split over the GPUs, forward only (c / 3)
 
     .venv/bin/python bench/time_to_train.py                        # table, JSON, PNG
-    .venv/bin/python bench/time_to_train.py --rate 540 --system H100   # your measured rate per H100
+    .venv/bin/python bench/time_to_train.py --rate 631 --system H100   # your measured rate per H100
     .venv/bin/python bench/time_to_train.py --model-json results/bench/model_cuda.json --system H100
 """
 
@@ -337,8 +337,9 @@ PUBLISHED = (
     Published("v3.1 NVIDIA 434xDGX H100 (packed)", "H100", 3472, 4, 13888, 0.119, 5.46e6,
               Technique("packing", "hierarchical", "sharded", DEFAULT_OVERLAP)),
 )  # fmt: skip
-# Issue 9: this harness's driver, bf16, batch 96, one H100 (the whole step, optimizer included).
-OUR_H100_RATE = 540.0
+# Issue 9: this harness's driver as config_DGXH100_1x8x96x1.sh runs it (bf16 weights, fp32 masters, LAMB, eager),
+# batch 96, one H100, the whole step: results/bench/train_gpu_cuda_bf16.json (2026-11-23; 540 before master weights).
+OUR_H100_RATE = 631.0
 
 
 def calibrations() -> dict[str, float]:
