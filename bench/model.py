@@ -193,9 +193,10 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
 
 
 def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None, compile: str = "off",
-                   static_tokens: int = 0, fp8: bool = False) -> dict:
+                   static_tokens: int = 0, fp8: bool = False, last_layer_subset: bool = True) -> dict:
     """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
-    is charged for the rows and attention pairs it computes, padding included)."""
+    is charged for the rows and attention pairs it computes, padding included). `last_layer_subset=False` runs
+    every variant's last layer on every token (LAST_LAYER_SUBSET=0), as full-last/* always does."""
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
     T, B, L = sum(lengths), len(lengths), max(lengths)
     grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
@@ -235,7 +236,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         if names and name not in names:
             continue
         torch.manual_seed(0)
-        subset = backend is not None and name != "padded" and not name.startswith("full-last/")
+        subset = last_layer_subset and backend is not None and name != "padded" and not name.startswith("full-last/")
         if backend is None:
             model, loss_fn = hf_model(cfg), _hf_loss(hf_step_inputs(batch))
         else:

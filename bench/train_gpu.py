@@ -214,7 +214,8 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
     lengths = draw_lengths(cfg.data.train_batch_size, "representative", np.random.default_rng(seed), 1000)
     batch = random_batch(lengths, seed=seed).to(device)
     model, loss_fn, flops = build_variants(model_cfg, batch, device, [name], cfg.model.compile,
-                                           cfg.model.static_tokens, fp8=cfg.model.precision == "fp8")[name]
+                                           cfg.model.static_tokens, fp8=cfg.model.precision == "fp8",
+                                           last_layer_subset=cfg.model.last_layer_subset)[name]
     optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
     build_schedule(optimizer, cfg.optim)  # puts the LR on the device, as in the driver
     if cfg.optim.compile_optimizer:  # as bert.train.build and the warm-up before run_start
@@ -222,7 +223,8 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
         warm_up_step(optimizer)
     step = make_step(model, loss_fn, device, optimizer, cfg.model.precision, cfg.optim.master_weights)
     median = statistics.median(time_steps({name: step}, repeats, device, quiet=True)[name])
-    return {"variant": name, "optimizer": type(optimizer).__name__, "precision": cfg.model.precision,
+    return {"variant": name, "last_layer_subset": model.last_layer_subset, "optimizer": type(optimizer).__name__,
+            "precision": cfg.model.precision,
             "master_weights": cfg.optim.master_weights, "compile_optimizer": cfg.optim.compile_optimizer,
             "batch_lengths": [int(n) for n in lengths], "tokens": int(sum(lengths)), "repeats": repeats,
             "median_s": median, "samples_per_s": len(lengths) / median, "tokens_per_s": int(sum(lengths)) / median,

@@ -105,6 +105,22 @@ def test_bench_step_builds_the_drivers_optimizer(random_shards, tmp_path, master
     assert step["optimizer"] == ("MasterWeights" if master == "1" else "AdamW") and step["samples_per_s"] > 0
 
 
+@pytest.mark.parametrize("subset", ("0", "1"))
+def test_bench_step_runs_the_drivers_last_layer(random_shards, tmp_path, subset):
+    """LAST_LAYER_SUBSET reaches the bench step's model, and its FLOPs are counted as that model runs them."""
+    from bert.model.config import NAMED
+    from bert.model.flops import StepShape, train_flops
+    from bert.synthetic import random_batch
+
+    args = bench.parse_args(["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(random_shards), "--bert-config",
+                             "tiny", "--env", f"LAST_LAYER_SUBSET={subset}"])
+    step = bench.bench_step(bench.driver_env(args, tmp_path / "run"), "cpu", repeats=1, seed=0)
+    assert step["last_layer_subset"] is (subset == "1")
+    batch = random_batch(step["batch_lengths"], seed=0)
+    want = train_flops(NAMED["tiny"], StepShape.of_batch(batch, subset == "1"))
+    assert step["tflops"] * step["median_s"] * 1e12 == pytest.approx(want, rel=1e-9)
+
+
 def test_bad_windows_and_missing_data_are_named(tmp_path, capsys):
     base = ["--config", str(ROOT / "config_CPU_1x2.sh"), "--data", str(tmp_path)]
     for extra, words in ((["--window-steps", "12"], "multiples of --log-freq"), ([], "no train_varlength")):
