@@ -38,11 +38,11 @@ def kept_row_count(sequences: int, masked: int) -> int:
 
 
 def kept_rows(batch: Batch) -> Tensor:
-    """Token indices of the kept rows (int64): the [CLS] rows, the masked rows, then row 0 as filler."""
+    """Token indices of the kept rows, in `masked_positions`' dtype: the [CLS] rows, the masked rows, then row 0."""
+    b, m = batch.num_sequences, batch.masked_positions.numel()
     cls_rows = batch.seq.cu_seqlens[:-1].to(batch.masked_positions.dtype)
-    filler = kept_row_count(batch.num_sequences, batch.masked_positions.numel()) - len(cls_rows) \
-        - batch.masked_positions.numel()
-    return torch.cat([cls_rows, batch.masked_positions, batch.masked_positions.new_zeros(filler)])
+    filler = batch.masked_positions.new_zeros(kept_row_count(b, m) - b - m)
+    return torch.cat([cls_rows, batch.masked_positions, filler])
 
 
 def split_kept(x: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
