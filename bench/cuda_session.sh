@@ -54,6 +54,9 @@ declare -A DRIVERS=(
   # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
   [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"
   [fp8-ffn-qkv]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn-qkv --bench-repeats 0"
+  # torchao's rowwise scaling (a scale per row, CUTLASS GEMMs), and with the weight-gradient GEMM kept in bf16
+  [fp8-rowwise]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=rowwise --bench-repeats 0"
+  [fp8-rowwise-gw-hp]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=rowwise-gw-hp --bench-repeats 0"
   [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
   [global-off]="--balance none"
   # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager

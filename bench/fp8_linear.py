@@ -23,7 +23,6 @@ nothing. A float8 layer slower than bf16 while its bare GEMMs are faster means t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
@@ -44,14 +43,11 @@ LAYERS = ("bf16", "fp8-tensorwise", "fp8-rowwise")
 
 
 def float8_layer(layer: nn.Linear, recipe: str, emulate: bool) -> nn.Module:
-    """`layer` swapped for torchao's Float8Linear with `recipe` (tensorwise: the driver's config)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    """`layer` swapped for torchao's Float8Linear with `recipe` (an FP8_RECIPE, as the driver builds it)."""
+    from torchao.float8 import convert_to_float8_training
 
-    config = float8_config(emulate) if recipe == "tensorwise" else Float8LinearConfig.from_recipe_name(recipe)
-    if emulate and recipe != "tensorwise":
-        config = dataclasses.replace(config, emulate=True)
     holder = nn.Sequential(layer)
-    convert_to_float8_training(holder, config=config)
+    convert_to_float8_training(holder, config=float8_config(emulate, recipe))
     return holder
 
 

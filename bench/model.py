@@ -193,10 +193,12 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
 
 
 def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] | None, compile: str = "off",
-                   static_tokens: int = 0, fp8: bool = False, last_layer_subset: bool = True) -> dict:
+                   static_tokens: int = 0, fp8: bool = False, last_layer_subset: bool = True,
+                   fp8_linears: str = "all", fp8_recipe: str = "tensorwise") -> dict:
     """name -> (model, step loss function, executed matmul FLOPs per step (`bert.model.flops`): each variant
     is charged for the rows and attention pairs it computes, padding included). `last_layer_subset=False` runs
-    every variant's last layer on every token (LAST_LAYER_SUBSET=0), as full-last/* always does."""
+    every variant's last layer on every token (LAST_LAYER_SUBSET=0), as full-last/* always does; the fp8 variants
+    swap the linears of `fp8_linears` with `fp8_recipe` (FP8_LINEARS, FP8_RECIPE)."""
     lengths, M = batch.seq.lengths, len(batch.masked_labels)
     T, B, L = sum(lengths), len(lengths), max(lengths)
     grouped_pairs = sum(len(g) * max(lengths[j] for j in g) ** 2 for g in length_groups(lengths))
@@ -242,7 +244,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
         else:
             model = BertForPreTraining(cfg, attention=backend, device=device, last_layer_subset=subset).to(device)
             if name in fp8_names:
-                convert_to_fp8(model)
+                convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
         shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows,

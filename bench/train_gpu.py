@@ -215,7 +215,8 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
     batch = random_batch(lengths, seed=seed).to(device)
     model, loss_fn, flops = build_variants(model_cfg, batch, device, [name], cfg.model.compile,
                                            cfg.model.static_tokens, fp8=cfg.model.precision == "fp8",
-                                           last_layer_subset=cfg.model.last_layer_subset)[name]
+                                           last_layer_subset=cfg.model.last_layer_subset,
+                                           fp8_linears=cfg.model.fp8_linears, fp8_recipe=cfg.model.fp8_recipe)[name]
     optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
     build_schedule(optimizer, cfg.optim)  # puts the LR on the device, as in the driver
     if cfg.optim.compile_optimizer:  # as bert.train.build and the warm-up before run_start

@@ -74,6 +74,9 @@ class ModelConfig:
     fp8_linears: str = opt("all", "with PRECISION=fp8, which of each encoder layer's linears run in float8 (all: QKV, "
                            "attention output, both FFN; ffn; ffn-qkv)", env="FP8_LINEARS",
                            registry="bert.model.fp8:FP8_LINEAR_SETS")
+    fp8_recipe: str = opt("tensorwise", "with PRECISION=fp8, torchao's scaling recipe (tensorwise; rowwise; "
+                          "rowwise-gw-hp: rowwise, the weight-gradient GEMM in bf16)", env="FP8_RECIPE",
+                          registry="bert.model.fp8:FP8_RECIPES")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")
@@ -227,9 +230,11 @@ class TrainConfig:
             raise ConfigError("static_tokens", "STATIC_TOKENS", self.model.static_tokens, "must be a positive multiple "
                               f"of {FP8_TOKEN_ALIGN} with PRECISION=fp8 (float8 weight-gradient GEMMs contract over "
                               "the token count)")
-        if self.model.fp8_linears != "all" and self.model.precision != "fp8":
-            raise ConfigError("fp8_linears", "FP8_LINEARS", self.model.fp8_linears, "has no effect without "
-                              f"PRECISION=fp8 (PRECISION={self.model.precision})")
+        for name, env, default in (("fp8_linears", "FP8_LINEARS", "all"), ("fp8_recipe", "FP8_RECIPE", "tensorwise")):
+            value = getattr(self.model, name)
+            if value != default and self.model.precision != "fp8":
+                raise ConfigError(name, env, value, f"has no effect without PRECISION=fp8 "
+                                  f"(PRECISION={self.model.precision})")
         # PRECISION=fp8 is allowed in the closed division: [MLPerf-rules] "Numerical formats" pre-approves fp8
         # with per-tensor scaling (bert.model.fp8).
         if self.optim.master_weights and self.model.precision not in ("bf16", "fp16", "fp8"):

@@ -18,7 +18,7 @@ from torch import nn
 
 from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, check_fp8, fp8_pattern, is_fp8_linear
+from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, FP8_RECIPES, check_fp8, fp8_pattern, is_fp8_linear
 from bert.synthetic import random_batch
 
 CPU = torch.device("cpu")
@@ -70,6 +70,18 @@ def test_fp8_config_needs_token_counts_the_float8_gemms_accept():
         with pytest.raises(ConfigError, match=r"\$STATIC_TOKENS.*multiple of 16 with PRECISION=fp8"):
             from_flat(**base, static_tokens=static).validate()
     from_flat(**base, static_tokens=128, division="closed").validate()  # the rules pre-approve fp8
+
+
+def test_fp8_recipe_is_a_checked_selector_that_needs_fp8():
+    base = dict(input_dir="d", eval_dir="e", train_batch_size=8, bert_config_path="tiny", learning_rate=1e-3,
+                max_steps=10, static_tokens=128)
+    assert from_flat(**base).model.fp8_recipe == "tensorwise"
+    for recipe in FP8_RECIPES:
+        from_flat(**base, precision="fp8", fp8_recipe=recipe).validate()
+    with pytest.raises(ConfigError, match=r"\$FP8_RECIPE.*must be one of tensorwise, rowwise, rowwise-gw-hp"):
+        from_flat(**base, precision="fp8", fp8_recipe="rowise").validate()
+    with pytest.raises(ConfigError, match=r"\$FP8_RECIPE.*no effect without PRECISION=fp8"):
+        from_flat(**base, precision="bf16", fp8_recipe="rowwise").validate()
 
 
 def test_filter_takes_the_encoder_linears_and_rejects_misaligned_ones():
@@ -159,6 +171,50 @@ def test_float8_layer_matches_a_float64_reference_of_scaled_float8():
     assert (y.double() - exact).abs().max() > 1e-3  # it did round to float8: the reference is not the identity
 
 
+def one_float8_linear(recipe: str, fin: int = 64, fout: int = 128) -> tuple[nn.Module, nn.Linear]:
+    """An encoder-named linear swapped by `convert_to_fp8` with `recipe` (emulated), and a copy of the original."""
+    from bert.model.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.encoder = nn.Module()
+    holder.encoder.layer = nn.ModuleList([nn.Module()])
+    holder.encoder.layer[0].intermediate = nn.Module()
+    holder.encoder.layer[0].intermediate.dense = nn.Linear(fin, fout)
+    original = nn.Linear(fin, fout)
+    original.load_state_dict(holder.encoder.layer[0].intermediate.dense.state_dict())
+    convert_to_fp8(holder, emulate=True, recipe=recipe)
+    return holder.encoder.layer[0].intermediate.dense, original
+
+
+def rowwise_quantized(x: torch.Tensor) -> torch.Tensor:
+    """float64 reference of torchao's rowwise cast: per row, scale = max(e4m3) / amax rounded down to a power of 2,
+    the row scaled, rounded to e4m3 and scaled back."""
+    x = x.double()
+    scale = torch.finfo(torch.float8_e4m3fn).max / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(scale.float()))).double()
+    return (x * scale).to(torch.float8_e4m3fn).double() / scale
+
+
+@NEEDS_TORCHAO
+@pytest.mark.parametrize("recipe", ("rowwise", "rowwise-gw-hp"))
+def test_rowwise_recipes_match_a_float64_reference_of_per_row_scales(recipe):
+    """The forward of both rowwise recipes against per-row power-of-2 scaling of input and weight; the weight
+    gradient of rowwise-gw-hp is the high-precision product (grad^T x), that of the others is not."""
+    layer, original = one_float8_linear(recipe)
+    x = torch.randn(48, 64, requires_grad=True)
+    x.data[5] *= 300  # an outlier row: its own scale, the other rows theirs
+    y = layer(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w, b = original.weight.detach(), original.bias.detach().double()
+    want = rowwise_quantized(x.detach()) @ rowwise_quantized(w).T + b
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    exact_gw = grad.double().T @ x.detach().double()
+    gw_error = (layer.weight.grad.double() - exact_gw).abs().max() / exact_gw.abs().max()
+    assert (gw_error < 1e-6) if recipe == "rowwise-gw-hp" else (gw_error > 1e-3), gw_error
+
+
 @NEEDS_TORCHAO
 def test_float8_model_trains_under_bf16_autocast():
     """The swapped model's forward and backward under bf16 autocast: a loss near the unconverted model's (not
@@ -234,8 +290,10 @@ def test_run_and_time_stops_before_the_timing_run_with_one_line(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9) or not has_torchao(),
                     reason="needs a GPU of compute capability >= 8.9 and torchao")
-def test_cuda_float8_step_is_close_to_bf16():
-    """BERT-tiny on the GPU, real float8 GEMMs (tokens padded to 128): loss within 2 % of bf16, finite grads."""
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_cuda_float8_step_is_close_to_bf16(recipe):
+    """BERT-tiny on the GPU, real float8 GEMMs (tokens padded to 128), each FP8_RECIPE: loss within 2 % of bf16,
+    finite grads."""
     from bert.model.fp8 import convert_to_fp8
     from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
 
@@ -245,7 +303,7 @@ def test_cuda_float8_step_is_close_to_bf16():
     for fp8 in (False, True):
         model = tiny_model(attention="varlen").to(cuda)
         if fp8:
-            convert_to_fp8(model)
+            convert_to_fp8(model, recipe=recipe)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(batch).loss
         loss.backward()

@@ -20,9 +20,18 @@ could swap).
 
 How: torchao's float8 training (`convert_to_float8_training` with a module filter) swaps those `nn.Linear`s for
 `Float8Linear`s with the same parameters (same names: checkpoints, weight decay groups and DDP are unchanged).
-Scaling is dynamic and per tensor; activations and weights are e4m3, gradients e5m2 (the "hybrid" format of
-NVIDIA's recipe). torchao's float8 is meant to be compiled (the casts and amax reductions fuse into a few
-kernels), so it composes with COMPILE; eager works but is slower than bf16.
+`FP8_RECIPE` picks the scaling (`FP8_RECIPES`):
+    tensorwise     (the default) dynamic, one scale per tensor; activations and weights e4m3, gradients e5m2 (the
+                   "hybrid" format of NVIDIA's recipe); cuBLAS's float8 GEMMs; torchao's fastest
+    rowwise        torchao's "rowwise": one scale per row of each operand (each row gets e4m3's whole range,
+                   2^-9 to 448, however large another row's values are), power-of-2 scales, e4m3 everywhere;
+                   CUTLASS's rowwise-scaled GEMMs
+    rowwise-gw-hp  torchao's "rowwise_with_gw_hp": rowwise, but the weight-gradient GEMM in bf16, so the two
+                   transposed casts it needs (input and output gradient, each T x K) are not made; its most
+                   accurate recipe. For BERT-large's K = 1024 those casts may cost what the GEMM saves
+                   (`bench/fp8_linear.py` times tensorwise and rowwise per linear).
+torchao's float8 is meant to be compiled (the casts and amax reductions fuse into a few kernels), so it composes
+with COMPILE; eager works but is slower than bf16.
 
 Shapes: `torch._scaled_mm` needs the inner dimension and the weight's dimensions to be multiples of 16. The
 weight-gradient GEMM's inner dimension is the token count, so training batches must be padded to a multiple
@@ -33,6 +42,7 @@ Rules: the closed division pre-approves fp8 among the numerical formats, with sc
 per-block" is a listed numerically safe technique), since [MLPerf-rules] commit da1fa63 (2022-04, "Add FP8 to
 the accepted datatypes"; section "Numerical formats" at d73e20f179). So PRECISION=fp8 is allowed in both
 divisions; reference convergence points are fp32 or bf16, so an fp8 run must still converge within the RCP.
+The rowwise recipes' scales are per row, which we read as blocks of one row (the rules do not name rows).
 
 Nothing falls back silently: no CUDA device, compute capability below 8.9 (float8 tensor cores: Ada, Hopper,
 Blackwell), or torchao not installed is a one-line `ValueError` naming PRECISION=fp8, raised before any work
@@ -44,6 +54,7 @@ float8 library; this harness does not use it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -52,6 +63,11 @@ from torch import nn
 TORCHAO = "torchao==0.18.0"  # float8 training needs torch >= 2.11 at this version
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 ALIGN = 16  # torch._scaled_mm: inner dimension and both weight dimensions
+FP8_RECIPES: dict[str, str | None] = {  # FP8_RECIPE -> torchao's recipe name (None: ours, tensorwise hybrid)
+    "tensorwise": None,
+    "rowwise": "rowwise",
+    "rowwise-gw-hp": "rowwise_with_gw_hp",
+}
 FP8_LINEAR_SETS: dict[str, tuple[str, ...]] = {  # FP8_LINEARS -> the linears of each encoder layer in float8
     "all": ("attention.self.qkv", "attention.output.dense", "intermediate.dense", "output.dense"),
     "ffn": ("intermediate.dense", "output.dense"),
@@ -96,19 +112,23 @@ def is_fp8_linear(module: nn.Module, name: str, linears: str = "all") -> bool:
     return True
 
 
-def float8_config(emulate: bool = False):
-    """torchao's config: dynamic per-tensor scaling, e4m3 activations and weights, e5m2 gradients. `emulate`
-    runs the GEMMs in fp32 on the float8-rounded operands (any device: how the CPU tests run it)."""
+def float8_config(emulate: bool = False, recipe: str = "tensorwise"):
+    """torchao's config for `recipe` (FP8_RECIPE; tensorwise: dynamic per-tensor scaling, e4m3 activations and
+    weights, e5m2 gradients). `emulate` runs the GEMMs in fp32 on the float8-rounded operands (any device: how
+    the CPU tests run it)."""
     from torchao.float8 import CastConfig, Float8LinearConfig
 
+    if FP8_RECIPES[recipe] is not None:
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name(FP8_RECIPES[recipe]), emulate=emulate)
     e4m3, e5m2 = CastConfig(target_dtype=torch.float8_e4m3fn), CastConfig(target_dtype=torch.float8_e5m2)
     return Float8LinearConfig(cast_config_input=e4m3, cast_config_weight=e4m3, cast_config_grad_output=e5m2,
                               emulate=emulate)
 
 
-def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all") -> list[str]:
-    """Swap the encoder's linear layers of set `linears` (FP8_LINEARS) for torchao `Float8Linear`s in place (after
-    `check_fp8`, before compiling and DDP); returns the names swapped."""
+def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all", recipe: str = "tensorwise"
+                   ) -> list[str]:
+    """Swap the encoder's linear layers of set `linears` (FP8_LINEARS) for torchao `Float8Linear`s scaled by
+    `recipe` (FP8_RECIPE) in place (after `check_fp8`, before compiling and DDP); returns the names swapped."""
     from torchao.float8 import convert_to_float8_training
 
     swapped: list[str] = []
@@ -119,16 +139,17 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
             return True
         return False
 
-    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(emulate))
+    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(emulate, recipe))
     if not swapped:
         raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
     return swapped
 
 
-def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_linears: str = "all") -> nn.Module:
-    """PRECISION's change to the model itself: fp8 swaps the encoder linears (those of FP8_LINEARS); the others
-    change nothing here (autocast does their work)."""
+def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_linears: str = "all",
+                    fp8_recipe: str = "tensorwise") -> nn.Module:
+    """PRECISION's change to the model itself: fp8 swaps the encoder linears (those of FP8_LINEARS, scaled by
+    FP8_RECIPE); the others change nothing here (autocast does their work)."""
     check_fp8(precision, device)
     if precision == "fp8":
-        convert_to_fp8(model, linears=fp8_linears)
+        convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
     return model

@@ -54,8 +54,8 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
                                last_layer_subset=cfg.last_layer_subset)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
-    return compile_model(apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears), cfg.compile, device,
-                         cfg.compile_scope)
+    model = apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears, cfg.fp8_recipe)
+    return compile_model(model, cfg.compile, device, cfg.compile_scope)
 
 
 def autocast_for(precision: str, device: torch.device, master_weights: bool = False):
