@@ -27,9 +27,9 @@ How: torchao's float8 training (`convert_to_float8_training` with a module filte
                    2^-9 to 448, however large another row's values are), power-of-2 scales, e4m3 everywhere;
                    CUTLASS's rowwise-scaled GEMMs
     rowwise-gw-hp  torchao's "rowwise_with_gw_hp": rowwise, but the weight-gradient GEMM in bf16, so the two
-                   transposed casts it needs (input and output gradient, each T x K) are not made; its most
-                   accurate recipe. For BERT-large's K = 1024 those casts may cost what the GEMM saves
-                   (`bench/fp8_linear.py` times tensorwise and rowwise per linear).
+                   casts it needs (the input, T x K, and the output gradient, T x N, each scaled along the token
+                   axis) are not made; its most accurate recipe. For BERT-large's K = 1024 those casts may cost
+                   what the GEMM saves (`bench/fp8_linear.py` times tensorwise and rowwise per linear).
 torchao's float8 is meant to be compiled (the casts and amax reductions fuse into a few kernels), so it composes
 with COMPILE; eager works but is slower than bf16.
 
