@@ -112,8 +112,8 @@ def train(run: Run) -> str:
                                                           cfg.eval_iter_samples)
     # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not
     # useful work
-    meter = FlopMeter(run.ddp.module.config, padded=bool(run.cfg.model.static_tokens),
-                      last_layer_subset=run.cfg.model.last_layer_subset)
+    model = run.ddp.module  # the FLOPs of the model as built: its config and whether its last layer keeps a subset
+    meter = FlopMeter(model.config, padded=bool(run.cfg.model.static_tokens), last_layer_subset=model.last_layer_subset)
     batches = meter.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:
