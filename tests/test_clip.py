@@ -30,7 +30,11 @@ from bert.dist.clip import ClipAfterAllreduce, Clipper, install_clipping
 from bert.dist.reduce import allreduce_sum
 
 SHAPES = [(24, 32), (32,), (32, 32), (32,), (16, 32), (16,), (40, 16)]
-SCALES = [3.0, 0.001, 0.5, 0.002, 0.02, 5.0, 0.0005]  # some buckets clip, some do not
+# Gradient magnitudes per parameter, and per step (rank r has 1 + r times them): every clipping mode meets
+# gradients on both sides of its limit (a bucket or a whole gradient that is clipped, another left alone), at
+# least 7 % away from it; the test checks that it does, or a clip that scaled every gradient would pass.
+SCALES = [0.05, 0.001, 0.012, 0.002, 0.003, 0.05, 0.0005]
+STEP_GAINS = [0.3, 1.0, 3.0]
 C = 1.0
 # case: (mode, DDP bucket cap in MB, fp16 loss scale, accumulate a no_sync micro-step first, dtype)
 CASE_SETUP = {
@@ -64,9 +68,10 @@ class FixedGrad(nn.Module):
         return sum((p * g).sum() for p, g in zip(self.ps, gs))
 
 
-def fixed_grads(rank: int, step: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    return [(torch.randn(s, generator=gen) * k * (1 + rank)).to(dtype) for s, k in zip(SHAPES, SCALES)]
+def fixed_grads(rank: int, step: int, dtype: torch.dtype = torch.float32, micro: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * rank + 100 * micro + step)
+    gain = STEP_GAINS[step] * (1 + rank)
+    return [(torch.randn(s, generator=gen) * k * gain).to(dtype) for s, k in zip(SHAPES, SCALES)]
 
 
 def recording(hook, layout: list[list[int]], index_of: dict[int, int]):
@@ -102,7 +107,7 @@ def run_case(rank: int, case: str) -> dict:
         layout.clear()
         if accumulate:
             with ddp.no_sync():
-                (ddp(fixed_grads(rank, 10 * step, dtype)) * clipper.loss_factor).backward()
+                (ddp(fixed_grads(rank, step, dtype, micro=1)) * clipper.loss_factor).backward()
         scaler.scale(ddp(fixed_grads(rank, step, dtype)) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)  # what the training loop calls, whatever the mode
         result["steps"].append({
@@ -123,30 +128,34 @@ def worker(rank: int, world: int, store: str, cases: list[str], out_path: str) -
 def local_grads(rank: int, step: int, case: str) -> list[torch.Tensor]:
     gs = [g.double() for g in fixed_grads(rank, step)]
     if CASE_SETUP[case][3]:
-        gs = [g + a.double() for g, a in zip(gs, fixed_grads(rank, 10 * step))]
+        gs = [g + a.double() for g, a in zip(gs, fixed_grads(rank, step, micro=1))]
     return gs
 
 
-def clip(gs: list[torch.Tensor], limit: float, eps: float = 0.0) -> list[torch.Tensor]:
+def clip(gs: list[torch.Tensor], limit: float, eps: float = 0.0, seen: set | None = None) -> list[torch.Tensor]:
+    """`gs` scaled to norm `limit` if above it; `seen` collects whether it was (True) or not (False)."""
     norm = math.sqrt(sum(float((g * g).sum()) for g in gs))
+    if seen is not None:
+        seen.add(norm > limit)
     return [g * min(1.0, limit / (norm + eps)) for g in gs]
 
 
-def reference(world: int, step: int, case: str, layout: list[list[int]] | None) -> list[torch.Tensor]:
+def reference(world: int, step: int, case: str, layout: list[list[int]] | None,
+              seen: set | None = None) -> list[torch.Tensor]:
     mode = CASE_SETUP[case][0]
     per_rank = []
     for r in range(world):
         gs = local_grads(r, step, case)
         if mode == "before" or case == "one_bucket":
-            gs = clip(gs, C)
+            gs = clip(gs, C, seen=seen)
         elif mode == "bucket":  # Algorithm 1: each bucket to c/sqrt(B)
             for bucket in layout:
-                for i, g in zip(bucket, clip([gs[i] for i in bucket], C / math.sqrt(len(layout)))):
+                for i, g in zip(bucket, clip([gs[i] for i in bucket], C / math.sqrt(len(layout)), seen=seen)):
                     gs[i] = g
         per_rank.append(gs)
     mean = [sum(rank_gs[i] for rank_gs in per_rank) / world for i in range(len(SHAPES))]
     # `after` is torch's clip_grad_norm_, which divides by norm + 1e-6 (the hooks use the norm alone)
-    return clip(mean, C, eps=1e-6) if mode == "after" else mean
+    return clip(mean, C, eps=1e-6, seen=seen) if mode == "after" else mean
 
 
 CASES = list(CASE_SETUP)
@@ -159,13 +168,14 @@ def test_clip_modes_match_hand_references(tmp_path):
     mp.spawn(worker, args=(world, str(tmp_path / "store"), CASES, out), nprocs=world)
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for case in CASES:
+        seen: set[bool] = set()  # whether each clip the reference made was active
         for step in range(3):
             layout = results[0][case]["steps"][step]["layout"]
             if case in ("bucket", "fp16_scaled", "accumulate", "bucket_f64") and step == 2:
                 assert len(layout) >= 3, f"{case}: the test needs several buckets, DDP made {layout}"
             if case == "one_bucket":
                 assert len(layout) == 1
-            want = reference(world, step, case, layout)
+            want = reference(world, step, case, layout, seen)
             f64 = CASE_SETUP[case][4] == torch.float64
             tol = dict(rtol=1e-12, atol=1e-15) if f64 else dict(rtol=2e-5, atol=1e-7)
             for r in range(world):
@@ -174,10 +184,19 @@ def test_clip_modes_match_hand_references(tmp_path):
                     assert g.dtype == CASE_SETUP[case][4]
                     where = f"{case} step {step} rank {r} param {i}"
                     torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, w=where: f"{w}: {m}")
+        if CASE_SETUP[case][0] != "none":
+            assert seen == {True, False}, f"{case}: every clip was {'active' if True in seen else 'idle'}"
 
 
-def test_bucket_clipping_differs_from_clip_before_when_buckets_are_many(tmp_path):
-    """Guards the test itself: with several buckets the two references must disagree."""
-    layout = [[0, 1], [2, 3], [4, 5, 6]]
-    a, b = reference(2, 0, "bucket", layout), reference(2, 0, "before", None)
+def test_the_references_clip_some_gradients_and_not_others():
+    """Guards the test itself, quickly (the spawned test checks the same on the layouts DDP made): with several
+    buckets bucket-wise and whole-gradient clipping disagree, and every mode's limit is crossed by some
+    gradients and not by others, so a clip that also scaled the gradients below its limit would fail."""
+    layouts = [[list(range(len(SHAPES)))], [[6, 5, 4], [3, 2], [1, 0]], [[6, 5, 4], [3, 2], [1, 0]]]
+    a, b = reference(3, 1, "bucket", layouts[1]), reference(3, 1, "before", None)
     assert max(float((x - y).abs().max()) for x, y in zip(a, b)) > 1e-3
+    for case in ("bucket", "before", "after", "accumulate"):
+        seen: set[bool] = set()
+        for step, layout in enumerate(layouts):
+            reference(3, step, case, layout, seen)
+        assert seen == {True, False}, case

@@ -34,8 +34,8 @@ def lr_at(cfg: OptimConfig, k: int) -> float:
     return cfg.learning_rate * (1 - min(k / cfg.max_steps, 1.0))
 
 
-def reference_step(cfg, p, m, v, g, t, lr, decay) -> tuple:
-    """One update of one tensor in float64; returns the new (p, m, v)."""
+def reference_step(cfg, p, m, v, g, t, lr, decay, trust_ratios: list | None = None) -> tuple:
+    """One update of one tensor in float64; returns the new (p, m, v) (and appends LAMB's trust ratio)."""
     b1, b2, eps, wd = cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2, cfg.opt_epsilon, cfg.weight_decay_rate if decay else 0
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
@@ -45,30 +45,47 @@ def reference_step(cfg, p, m, v, g, t, lr, decay) -> tuple:
     u = m_hat / (v_hat.sqrt() + eps) + wd * p
     p_norm, u_norm = p.norm().item(), u.norm().item()
     trust = p_norm / u_norm if (decay and p_norm > 0 and u_norm > 0) else 1.0
+    if trust_ratios is not None:
+        trust_ratios.append(trust)
     return p - lr * trust * u, m, v
 
 
+# Gradient scale per parameter; "edges" adds the regimes the typical one never reaches: gradients near eps
+# (where eps inside or outside the bias-corrected sqrt(v) differ) and weights so large against their update
+# that LAMB's trust ratio is far above 10 (some LAMB variants clip it there; apex's and the submissions' do not).
+GRAD_SCALES = {"typical": {"bias": 0.1}, "edges": {"bias": 0.1, "LayerNorm.bias": 1e-7, "LayerNorm.weight": 3e-7}}
+
+
+@pytest.mark.parametrize("regime", ["typical", "edges"])
 @pytest.mark.parametrize("optimizer", ["lamb", "adam"])
-def test_optimizer_matches_float64_reference(optimizer):
+def test_optimizer_matches_float64_reference(optimizer, regime):
     torch.manual_seed(0)
-    cfg = config(optimizer)
+    cfg = config(optimizer, **({"weight_decay_rate": 0.01} if regime == "edges" else {}))
     model = Tiny()
+    if regime == "edges":
+        with torch.no_grad():
+            model.dense.weight.mul_(100.0)
     opt = build_optimizer(model, cfg)
     schedule = build_schedule(opt, cfg)
     names = [n for n, _ in model.named_parameters()]
     ref = {n: (p.detach().double().clone(), torch.zeros_like(p, dtype=torch.float64),
                torch.zeros_like(p, dtype=torch.float64)) for n, p in model.named_parameters()}
+    scales = GRAD_SCALES[regime]
+    trust_ratios = []
     for t in range(1, 7):
-        grads = {n: torch.randn_like(p) * (0.1 if "bias" in n else 1.0) for n, p in model.named_parameters()}
+        grads = {n: torch.randn_like(p) * scales.get(n, scales["bias"] if "bias" in n else 1.0)
+                 for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
             p.grad = grads[n].clone()
         opt.step()
         schedule.step()
         for n in names:
             decay = not ("bias" in n or "LayerNorm" in n)
-            ref[n] = reference_step(cfg, *ref[n], grads[n].double(), t, lr_at(cfg, t - 1), decay)
+            ref[n] = reference_step(cfg, *ref[n], grads[n].double(), t, lr_at(cfg, t - 1), decay, trust_ratios)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach().double(), ref[n][0], rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    if optimizer == "lamb":  # the regime is what it claims to be
+        assert (max(trust_ratios) > 20) == (regime == "edges"), max(trust_ratios)
 
 
 def test_lamb_trust_ratio_is_per_tensor():

@@ -35,6 +35,7 @@ SHAPES = {"dense_weight": (7, 5), "dense_bias": (7,), "LayerNorm_weight": (7,), 
           "zero_weight": (2, 3), "LayerNorm_bias": (7,)}  # 83 elements: shards of 28, 28, 27
 CASES = [(o, c) for o in ("lamb", "adam") for c in ("after", "before", "bucket")]
 STEPS, C = 3, 0.5
+STEP_GAINS = (0.01, 1.0, 2.0)  # step 0's gradients are under every clip limit, the later ones over it
 
 
 class FixedGrad(nn.Module):
@@ -50,7 +51,8 @@ class FixedGrad(nn.Module):
 
 def grads(rank: int, step: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * rank + step)
-    return {n: (torch.randn(s, generator=gen) * (1 + step) * (1 + rank)).to(dtype) for n, s in SHAPES.items()}
+    gain = STEP_GAINS[step] * (1 + rank)
+    return {n: (torch.randn(s, generator=gen) * gain).to(dtype) for n, s in SHAPES.items()}
 
 
 def config(optimizer: str, clip: str, sharding: bool):
@@ -183,3 +185,14 @@ def test_sharded_update_matches_unsharded(tmp_path):
     print("max relative difference to the unsharded optimizer:", worst)
     for r in range(world):
         assert results[r]["fp16"] == {"scale": 512.0, "unchanged": True}, (r, results[r]["fp16"])
+
+
+def test_the_gradients_are_under_the_clip_limit_at_one_step_and_over_it_at_the_others():
+    """Guards the test above: a clip that also scaled gradients under its limit must change some step."""
+    world = 3
+    for step in range(STEPS):
+        local = [torch.linalg.vector_norm(torch.cat([g.ravel() for g in grads(r, step).values()]))
+                 for r in range(world)]
+        mean = torch.linalg.vector_norm(sum(torch.cat([g.ravel() for g in grads(r, step).values()])
+                                            for r in range(world)) / world)
+        assert (max(local) < C and mean < C) if step == 0 else (min(local) > C and mean > C), (step, local, mean)
