@@ -106,6 +106,12 @@ def _truncate_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: int
             longer.pop()
 
 
+def masked_count(num_tokens: int, cfg: PretrainingConfig) -> int:
+    """How many of a sequence's `num_tokens` tokens (framing included) are masked: round(15 %), at least one,
+    at most `max_predictions_per_seq`, and never [CLS] or a [SEP] (Google's create_pretraining_data)."""
+    return min(cfg.max_predictions_per_seq, max(1, round(num_tokens * cfg.masked_lm_prob)), max(num_tokens - 3, 0))
+
+
 def _masked_sample(
     tokens_a: list[int],
     tokens_b: list[int],
@@ -119,7 +125,7 @@ def _masked_sample(
     special = {0, len(tokens_a) + 1, len(tokens) - 1}
     candidates = [i for i in range(len(tokens)) if i not in special]
     rng.shuffle(candidates)
-    n_pred = min(cfg.max_predictions_per_seq, max(1, round(len(tokens) * cfg.masked_lm_prob)))
+    n_pred = masked_count(len(tokens), cfg)
     positions = sorted(candidates[:n_pred])
     output = list(tokens)
     for position in candidates[:n_pred]:

@@ -23,6 +23,7 @@ from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.optim import build_optimizer, build_schedule
+from bert.train.faults import NonFiniteLoss, check_finite
 from bert.train.loop import Run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,16 @@ def test_killed_rank_ends_the_job_nonzero_within_the_timeout(data, tmp_path):
     assert elapsed < TIMEOUT_S + 45
     assert "success" not in run_stops(outs[0])
     assert "run aborted" in output
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_loss_ends_an_unscaled_run_and_not_a_scaled_one(loss):
+    """Without fp16 loss scaling nothing skips the step that made it, so NaN and both infinities end the run;
+    with it, GradScaler skips that step and lowers the scale, and training goes on."""
+    with pytest.raises(NonFiniteLoss, match=f"non-finite training loss \\({loss}\\) before step 7"):
+        check_finite(loss, 7, scaled=False)
+    check_finite(loss, 7, scaled=True)
+    check_finite(3.5, 7, scaled=False)
 
 
 def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):

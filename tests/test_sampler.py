@@ -149,6 +149,17 @@ def test_stratified_steps_have_exact_counts_until_a_stratum_runs_out():
     # The next epoch's first whole step is stratified again.
     first = -(-index.num_samples // 64)
     assert all(row_strata(index.lengths[plan.draw(first)[r]]) == list(plan.counts) for r in range(4))
+    # ... and its ranks read their own shards again, from the part of the step that straddles the two epochs on:
+    # the epoch is laid out from the position in a step where it starts. (Exact counts alone cannot show that:
+    # any L consecutive ids of rows laid out alike hold the counts.)
+    streams1 = rank_streams(index, 4, 1, 1, 100)
+    straddling, offset = divmod(index.num_samples, 64)
+    assert offset and index.num_samples % 16  # the epoch starts inside a rank's row
+    for t in (straddling, first, first + 1):
+        for rank in range(4) if t > straddling else range(offset // 16, 4):  # the rows with epoch-1 ids
+            position = t * 64 + rank * 16 + np.arange(16)  # in the stream of epochs
+            new = plan.draw(t)[rank][position >= index.num_samples]
+            assert len(new) and set(new) <= set(streams1[rank]), (t, rank)
 
 
 def test_uneven_shards_cost_no_steps():

@@ -2,12 +2,16 @@
 gradient equal the unpadded batch's, float64."""
 
 import json
+import math
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bert.data.format import MASK_RATE
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.static_shapes import (
@@ -155,3 +159,21 @@ def test_driver_pads_eval_batches_to_the_capped_bucket(world_of_one, one_thread,
     finally:
         run.loader.close()
         run.progress.close()
+
+
+def test_masked_rows_bound_holds_for_the_data_generators_worst_batches():
+    """The bound against the rule the shards were made with (`data/pretraining_instances.masked_count`, Google's
+    round(15 %), at least one): batches of B sequences of one length, every length up to 512, which is where the
+    rounding adds most per sequence. Were the bound under a real batch's count, batches of one token bucket could
+    take two masked-row shapes, and a CUDA graph would be recorded inside the timed run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from pretraining_instances import PretrainingConfig, masked_count
+
+    cfg = PretrainingConfig()
+    assert cfg.masked_lm_prob == MASK_RATE
+    for sequences in (1, 16, 96):
+        for n in range(4, 513):
+            bound, real = masked_rows_bound(sequences * n, sequences), sequences * masked_count(n, cfg)
+            assert real <= bound, (sequences, n, real, bound)
+    # The rounding's part is needed: 15 % of the tokens alone is short by half a row per 10-token sequence.
+    assert 96 * masked_count(10, cfg) > math.ceil(MASK_RATE * 96 * 10)

@@ -67,6 +67,34 @@ def test_eval_schedule_first_step_at_or_past_each_threshold():
     schedule = EvalSchedule.from_config(global_batch_size=448)
     due = [s for s in range(448, 700_000, 448) if schedule.due(s)]
     assert due == [448 * math.ceil(t / 448) for t in (150_000, 300_000, 450_000, 600_000)]
+    # A step that lands exactly on a threshold evaluates there, not one step later.
+    schedule = EvalSchedule.from_config(global_batch_size=32, start=320, interval=160)
+    assert [s for s in range(32, 1000, 32) if schedule.due(s)] == [320, 480, 640, 800, 960]
+
+
+def test_evaluate_counts_every_batch():
+    """MLM accuracy over several batches of different sizes, against the heads' counts summed by hand and the
+    argmax of the logits written out (the eval runs in eval mode: no dropout, so the same numbers)."""
+    from bert.model import BertConfig, BertForPreTraining
+    from bert.synthetic import random_batch
+    from bert.train.evaluate import evaluate
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.load("tiny"), attention="loop").double()
+    batches = [random_batch(lengths, seed=i) for i, lengths in enumerate([(40, 7), (120,), (12, 30, 64, 9)])]
+    labels = torch.cat([b.masked_labels for b in batches])
+    with torch.no_grad():  # a random model predicts nothing right; this one predicts the commonest label
+        model.cls.predictions.bias[int(labels.mode().values)] = 100.0
+    correct = total = 0
+    with torch.no_grad():
+        for b in batches:
+            out = model.eval()(b)
+            correct += int((out.mlm_logits.argmax(-1) == b.masked_labels).sum())
+            total += b.masked_labels.numel()
+    model.train()
+    assert 0 < correct < total  # an accuracy that can tell a batch left out
+    assert evaluate(model, batches, torch.autocast("cpu", enabled=False)) == correct / total
+    assert model.training  # evaluate restores the mode it found
 
 
 @pytest.mark.slow
