@@ -345,3 +345,29 @@ def test_two_torchrun_launchers_form_nodes_from_their_local_ranks(tmp_path):
         torch.testing.assert_close(torch.tensor(record["fp32"], dtype=torch.float64), total, rtol=1e-12, atol=1e-15)
         err = (torch.tensor(record["bf16"], dtype=torch.float64) - total).abs()
         assert (err <= 5 * UNIT_ROUNDOFF["bf16"] * scale).all() and err.max() > 0, rank
+
+
+def _node_sum_worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    results = {}
+    for node_size in (WORLD, NODE):  # one node of 4 (3 peers a rank: DGX nodes have 7), and 2 nodes of 2
+        for exchange in ("p2p", "collective"):
+            reduce = HierarchicalSum(node_size, exchange=exchange)
+            for n in (1, 7, 1001):  # chunks of unequal size, and fewer elements than ranks
+                flat = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank / 3
+                results[node_size, exchange, n] = reduce(flat).wait().clone()
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hierarchical_sum_adds_every_peers_chunk_for_any_node_size(tmp_path):
+    """The sum over the world, by hand, for a node of 4 ranks as well as 2: with one peer per node (the test
+    above) a node sum that kept only the first peer's chunk would still be right."""
+    out = str(tmp_path / "sums")
+    mp.spawn(_node_sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
+    for rank in range(WORLD):
+        for (node_size, exchange, n), got in torch.load(f"{out}.{rank}").items():
+            want = sum(torch.arange(n, dtype=torch.float64) * (r + 1) + r / 3 for r in range(WORLD))
+            torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-12, msg=f"{node_size} {exchange} {n} {rank}")
