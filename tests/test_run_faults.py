@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -182,6 +183,38 @@ def test_corrupt_shard_mid_run_is_one_line_naming_the_shard_and_sample(synthetic
     assert re.search(rf"^error: rank \d: {re.escape(str(shard))}: sample \d+ unreadable", lines[0]), lines
     assert len(lines) <= 4, lines  # one line per rank, the launcher's line
     assert re.match(r"^launch: rank \d \(pid \d+\) exited with status 2$", lines[-1]), lines
+    assert [e["metadata"]["status"] for e in events(tmp_path / "out" / "result_0.txt")
+            if e["key"] == "run_stop"] == ["aborted"]
+
+
+def out_of_vocabulary_copy(src: Path, dst: Path) -> Path:
+    """A copy of the synthetic set whose second training shard was tokenized with a larger vocabulary: every
+    sample's second token is 30600 (a valid int16, beyond the 30522 words of the MLPerf vocabulary)."""
+    shutil.copytree(src, dst)
+    shard = dst / "train_varlength" / "part_00001_of_00004.hdf5"
+    with h5py.File(shard, "r+") as f:
+        ids = f["input_ids"]
+        for row in range(len(ids)):
+            tokens = ids[row]
+            tokens[1] = 30600
+            ids[row] = tokens
+    return shard
+
+
+@pytest.mark.slow
+def test_token_id_beyond_the_vocabulary_is_one_line_naming_the_shard_and_sample(synthetic_data, tmp_path, marker):
+    """Not an embedding's "index out of range" (a device-side assert on a GPU) after run_start, nameless: the loader
+    checks every batch against the model's limits (bert.data.limits) and names the sample, status 2 (bad data)."""
+    shard = out_of_vocabulary_copy(synthetic_data, tmp_path / "data")
+    proc = start(run_env(tmp_path / "data", tmp_path / "out", marker))
+    output = finish(proc)
+
+    assert proc.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    lines = user_lines(output)
+    assert re.search(rf"^error: rank \d: {re.escape(str(shard))}: sample \d+: token id 30600 is outside the "
+                     r"model's 0\.\.\d+; run aborted$", lines[0]), lines
+    assert len(lines) <= 4, lines
     assert [e["metadata"]["status"] for e in events(tmp_path / "out" / "result_0.txt")
             if e["key"] == "run_stop"] == ["aborted"]
 

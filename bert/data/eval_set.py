@@ -28,6 +28,7 @@ import torch
 
 from bert.batch import Batch, collate
 from bert.data.index import LengthIndex
+from bert.data.limits import SampleLimits
 from bert.data.reader import SampleReader
 from bert.static_shapes import pad_static, round_up
 
@@ -56,7 +57,8 @@ class EvalSet:
     than the set holds, fails here, before the run); the samples themselves are read on the first iteration."""
 
     def __init__(self, eval_dir: str | os.PathLike, batch_size: int, world_size: int, rank: int,
-                 num_examples: int, device: torch.device | str = "cpu", static_tokens: int = 0):
+                 num_examples: int, device: torch.device | str = "cpu", static_tokens: int = 0,
+                 limits: SampleLimits | None = None):
         if batch_size < 1 or num_examples < 1:
             raise ValueError(f"batch size ({batch_size}) and number of eval examples ({num_examples}) must be >= 1")
         self.index = LengthIndex.scan(eval_dir)
@@ -66,6 +68,9 @@ class EvalSet:
         self.num_examples, self.batch_size, self.device = num_examples, batch_size, device
         self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.ids = eval_slice(num_examples, world_size, rank)
+        self.limits = limits  # what the model takes (bert.data.limits): the set is checked against it when read
+        if limits is not None:
+            limits.check_index(self.index)
         self._batches: list[Batch] | None = None
 
     @property
@@ -88,12 +93,17 @@ class EvalSet:
         if self._batches is None:
             reader = SampleReader(self.index)
             try:
-                self._batches = [pad_static(collate(reader.read(self.ids[i : i + self.batch_size])),
-                                            self.static_tokens).to(self.device)
+                self._batches = [self._read(reader, self.ids[i : i + self.batch_size])
                                  for i in range(0, len(self.ids), self.batch_size)]
             finally:
                 reader.close()
         return iter(self._batches)
+
+    def _read(self, reader: SampleReader, ids: np.ndarray) -> Batch:
+        batch = collate(reader.read(ids))
+        if self.limits is not None:
+            self.limits.check(batch, self.index, ids)
+        return pad_static(batch, self.static_tokens).to(self.device)
 
 
 def eval_batches(

@@ -24,6 +24,7 @@ from bert.balance import Strategy
 from bert.batch import Batch, collate
 from bert.data.eval_set import EvalSet, eval_batches
 from bert.data.index import LengthIndex
+from bert.data.limits import SampleLimits
 from bert.data.plan import TrainPlan
 from bert.data.prefetch import Prefetcher
 from bert.data.reader import SampleReader
@@ -46,12 +47,16 @@ class TrainLoader:
         device: torch.device | str = "cpu",
         prefetch: int = 2,
         static_tokens: int = 0,
+        limits: SampleLimits | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.plan = TrainPlan(
             LengthIndex.scan(input_dir), world_size, local_batch_size, ranks_per_node, strategy, seed, shuffle_buffer
         )
+        self.limits = limits  # what the model takes (bert.data.limits): every batch is checked against it
+        if limits is not None:
+            limits.check_index(self.plan.index)
         self.rank, self.device, self.prefetch = rank, torch.device(device), prefetch
         self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.step = 0  # batches handed to the caller so far
@@ -69,7 +74,10 @@ class TrainLoader:
         return self.step * self.plan.global_batch_size
 
     def _batch(self, step: int) -> Batch:
-        batch = collate(self._reader.read(self.plan.rank_ids(step, self.rank)))
+        ids = self.plan.rank_ids(step, self.rank)
+        batch = collate(self._reader.read(ids))
+        if self.limits is not None:
+            self.limits.check(batch, self.plan.index, ids)
         # Padded here, in the background thread and before pinning: on the device the new cu_seqlens would be
         # a pageable host-to-device copy, which waits for the stream, in every training step.
         return pad_static(batch, self.static_tokens)

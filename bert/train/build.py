@@ -10,6 +10,7 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bert.config import ModelConfig, TrainConfig
+from bert.data.limits import SampleLimits
 from bert.data.manifest import check_data_for_division
 from bert.data.pipeline import EvalSet, TrainLoader
 from bert.dist.clip import install_clipping
@@ -85,12 +86,15 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env),
                                mean_at=mean_placement(cfg.model.precision, sharded))
     schedule = build_schedule(optimizer, cfg.optim)
+    bert = model.config  # every sample is checked against what the model takes (bert.data.limits)
+    limits = SampleLimits(bert.real_vocab_size, bert.type_vocab_size, min(bert.max_position_embeddings,
+                                                                          data.max_seq_length))
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
-                         static_tokens=cfg.model.static_tokens)
+                         static_tokens=cfg.model.static_tokens, limits=limits)
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
     eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
-                       static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length))
+                       static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
     stop = StopAgreement()
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
