@@ -17,6 +17,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.static_shapes import (
     IGNORE,
     MASKED_BUCKET,
+    PAD_ID,
     bucket_batch,
     likely_token_buckets,
     masked_rows_bound,
@@ -68,6 +69,13 @@ def test_padding_changes_neither_the_loss_nor_any_gradient(attention):
     assert want_grads.keys() == got_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=1e-13, msg=name)
+    # The padding rows' label is IGNORE (-100), which no prediction equals, whatever the model predicts; here it
+    # predicts [PAD] (id 0, the padding tokens' id) everywhere, and the counts still ignore the padding rows.
+    with torch.no_grad():
+        model.cls.predictions.bias[PAD_ID] = 1e3
+        want, got = model(batch), model(padded)
+    assert int(got.mlm_correct) == int(want.mlm_correct) == int((batch.masked_labels == PAD_ID).sum())
+    assert int(got.mlm_total) == int(want.mlm_total) == batch.masked_labels.numel()
 
 
 def draws(n_batches: int, sequences: int, seed: int = 0):
