@@ -68,6 +68,31 @@ def test_hyperparameters_once_each_with_plain_values(tmp_path):
     assert required <= events.keys()
 
 
+def test_each_hyperparameter_logs_its_own_value(tmp_path):
+    """Every logged hyperparameter against the setting it names, each setting a value no other has (NVIDIA's v2.0
+    code logged opt_lamb_weight_decay_rate as 0.0 whatever it was); the RCP checker reads these values."""
+    settings = dict(learning_rate=4.25e-4, opt_epsilon=1.5e-6, max_steps=6700, warmup_steps=17, start_warmup_step=-3,
+                    opt_lamb_beta_1=0.61, opt_lamb_beta_2=0.853, weight_decay_rate=0.0123, lr_poly_power=0.9,
+                    end_learning_rate=2e-7, max_seq_length=500, max_predictions_per_seq=75, optimizer="adam",
+                    seed=4321, org="ours", platform="8xH100", status="onprem")
+    config = from_flat(input_dir="x", eval_dir="x", bert_config_path="tiny", train_batch_size=48,
+                       gradient_accumulation_steps=3, division="open", **settings)
+    path = tmp_path / "result_0.txt"
+    MLPerfLog(str(path), enabled=True).submission(config, world_size=16)
+    events = {e["key"]: e["value"] for e in lines(path)}
+    expected = {
+        "submission_benchmark": "bert", "submission_org": "ours", "submission_division": "open",
+        "submission_status": "onprem", "submission_platform": "8xH100", "seed": 4321,
+        "global_batch_size": 48 * 3 * 16, "gradient_accumulation_steps": 3, "max_sequence_length": 500,
+        "max_predictions_per_seq": 75, "opt_name": "adam", "opt_base_learning_rate": 4.25e-4,
+        "opt_lamb_epsilon": 1.5e-6, "opt_epsilon": 1.5e-6, "opt_learning_rate_training_steps": 6700,
+        "opt_learning_rate_warmup_steps": 17, "num_warmup_steps": 17, "start_warmup_step": -3,
+        "opt_lamb_beta_1": 0.61, "opt_lamb_beta_2": 0.853, "opt_lamb_weight_decay_rate": 0.0123,
+        "opt_lamb_learning_rate_decay_poly_power": 0.9, "opt_learning_rate_end": 2e-7,
+    }
+    assert events == expected
+
+
 def test_eval_accuracy_epoch_num_is_an_int_sample_count_and_other_ranks_write_nothing(tmp_path):
     path = tmp_path / "result_0.txt"
     log = MLPerfLog(str(path), enabled=True)
