@@ -185,3 +185,18 @@ def test_masked_rows_bound_holds_for_the_data_generators_worst_batches():
             assert real <= bound, (sequences, n, real, bound)
     # The rounding's part is needed: 15 % of the tokens alone is short by half a row per 10-token sequence.
     assert 96 * masked_count(10, cfg) > math.ceil(MASK_RATE * 96 * 10)
+
+
+def test_eval_batch_shapes_are_the_shapes_the_padding_makes():
+    """`batch_shapes` names the eval's shapes from the length index, for the warm-up to record each before the clock
+    starts; it must agree with what `pad_static` does to the batches, also where a batch's tokens are an exact
+    multiple of the bucket (the padding sequence then adds a whole bucket: it is never empty)."""
+    from bert.data.eval_set import batch_shapes
+    from bert.static_shapes import pad_static
+
+    lengths = np.array([64, 64, 100, 28, 128, 5, 7, 116, 256, 256, 30])  # pairs of 128, 128, 133, 123, 512, 30
+    for bucket in (64, 128, 512):
+        made = [(len(part), pad_static(random_batch(part, seed=0), bucket).num_tokens)
+                for part in (lengths[i : i + 2] for i in range(0, len(lengths), 2))]
+        assert batch_shapes(lengths, 2, bucket) == made, bucket
+    assert batch_shapes(lengths, 2, 0) == [(2, 128), (2, 128), (2, 133), (2, 123), (2, 512), (1, 30)]
