@@ -22,6 +22,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,6 +171,9 @@ def test_layout_puts_servers_last_on_every_node():
     assert ps.worker_env(jobs[5], cfg) == DistEnv(4, 6, 1, 3, "h", 1)
     assert ps.worker_env(jobs[5], from_flat(grad_reduce="flat").dist) == jobs[5]
     assert ps.shard_sizes(7, 3) == [3, 2, 2] and ps.shard_sizes(1, 2) == [1, 0]
+    for numel, servers in ((11, 4), (1001, 7), (3, 5), (64, 8)):  # equal shards (Herring): at most one apart
+        sizes = ps.shard_sizes(numel, servers)
+        assert sum(sizes) == numel and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     with pytest.raises(ValueError, match="PS_SERVERS=4"):
         ps.layout(jobs[0], 4)
 
@@ -265,3 +269,28 @@ def test_launcher_refuses_a_server_count_it_cannot_honour(overrides, message):
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "STARTING TIMING RUN" not in out.stdout
+
+
+class _Headers:
+    """A stand-in process group for `serve_loop`: worker w's header is `headers[w]`; nothing else is sent."""
+
+    def __init__(self, headers: list[list[int]]):
+        self.headers = headers
+
+    def recv(self, tensors, source, tag):
+        assert tag == ps.HEADER
+        tensors[0].copy_(torch.tensor(self.headers[source]))
+        return SimpleNamespace(wait=lambda *timeout: True)
+
+
+def test_server_refuses_workers_out_of_step():
+    """Every worker's header for one exchange must agree (sequence, kind, length, dtype); a worker one buffer
+    ahead of the others would otherwise be summed with their previous buffer."""
+    me = ps.Layout(workers=3, servers=1, is_server=True, index=0)
+    stop = [4, ps.STOP, 0, 0]
+    assert ps.serve_loop(_Headers([stop, stop, stop]), me) == 0
+    for worker, field in ((1, 0), (2, 2), (2, 1)):  # a later sequence number, another length, another kind
+        headers = [list(stop), list(stop), list(stop)]
+        headers[worker][field] += 1
+        with pytest.raises(RuntimeError, match=f"worker {worker} sent .* out of step"):
+            ps.serve_loop(_Headers(headers), me)
