@@ -10,7 +10,8 @@ Checked over three steps (step 0 runs on the provisional layout, the broadcast o
   - the first slice starts before every gradient has arrived (reduction overlaps the backward);
   - every clipping mode composes: bucket-wise clips each slice to c/sqrt(B) with B = number of slices,
     before/after as in tests/test_clip.py; an explicit Reduce; a no_sync micro-step; apply_ddp's wiring;
-  - `ddp_bucket_bytes` (the report's DDP bucket sizes) equals what DDP itself built after its rebuild.
+  - `ddp_bucket_bytes` (the report's DDP bucket sizes) equals what DDP itself built after its rebuild;
+  - a parameter without a gradient in a step gets zero, not what its slice held from the step before.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ CASES = {
     "bucket_loss": ("bucket", False, False, False),  # the 1/W on the loss, as the driver in fp32/bf16
     "accumulate": ("bucket", False, True, False),
     "apply_ddp": ("bucket", False, False, True),
+    "unused": ("none", False, False, False),  # at step UNUSED[0], parameter UNUSED[1] gets no gradient on any rank
 }
+UNUSED = (2, 3)
 
 
 class FixedGrad(nn.Module):
@@ -57,7 +60,7 @@ class FixedGrad(nn.Module):
 
     def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
         pairs = list(zip(self.ps, gs))  # autograd runs the last-built terms first: reversing them reverses the order
-        return sum((p * g).sum() for p, g in (reversed(pairs) if self.reverse else pairs))
+        return sum((p * g).sum() for p, g in (reversed(pairs) if self.reverse else pairs) if g is not None)
 
 
 def fixed_grads(rank: int, step: int) -> list[torch.Tensor]:
@@ -83,7 +86,10 @@ def run_case(rank: int, case: str) -> dict:
         if accumulate:
             with engine.no_sync():
                 (engine(fixed_grads(rank, 10 * step)) * clipper.loss_factor).backward()
-        (engine(fixed_grads(rank, step)) * clipper.loss_factor).backward()
+        gs = fixed_grads(rank, step)
+        if case == "unused" and step == UNUSED[0]:
+            gs[UNUSED[1]] = None  # its slice still holds the last step's sum: the wrapper must zero it
+        (engine(gs) * clipper.loss_factor).backward()
         clipper.before_step(optimizer, scaler)
         out["steps"].append({"grads": [p.grad.detach().clone() for p in model.ps], "order": list(engine.order),
                              "bounds": list(engine.bounds), "bytes": engine.bucket_bytes(),
@@ -118,6 +124,8 @@ def reference(case: str, step: int, order: list[int], bounds: list[int]) -> list
     per_rank = []
     for r in range(WORLD):
         gs = fixed_grads(r, step)
+        if case == "unused" and step == UNUSED[0]:
+            gs[UNUSED[1]] = torch.zeros_like(gs[UNUSED[1]])
         if accumulate:
             gs = [g + a for g, a in zip(gs, fixed_grads(r, 10 * step))]
         if mode == "before":
