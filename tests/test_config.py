@@ -93,6 +93,7 @@ def test_selector_choices_are_the_registries():
     ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),
     ({"BATCHSIZE": "nan"}, "$BATCHSIZE"),
     ({"BATCHSIZE": "1e30"}, "$BATCHSIZE"),
+    ({"BATCHSIZE": "4.5"}, "$BATCHSIZE"),  # not rounded to 4: a count written as 4.5e6 must be whole
     ({"LR": "nan"}, "$LR"),
     ({"LR": "inf"}, "$LR"),
     ({"LR": "-1e-3"}, "$LR"),
