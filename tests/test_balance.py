@@ -211,3 +211,17 @@ def test_greedy_meets_one_percent_at_1024_gpus() -> None:
         # Samsung's snake on the same (unstratified) draw is far off: the nodes' totals differ.
         snake = np.array(tokens_per_rank(lengths, get_strategy("snake").assign(lengths, 8)))
         assert (snake.max() - snake.min()) / snake.mean() > 0.05
+
+
+def test_stratification_changes_the_draw_and_never_the_dealing():
+    """Each stratified strategy deals a drawn step exactly as its unstratified twin ([000]: stratified sampling
+    chooses what is drawn; presorting and the snake decide who trains on it), and the twin is not stratified."""
+    twins = {"stratified": "none", "stratified_local": "local", "samsung": "snake", "stratified_lpt": "lpt"}
+    assert {n for n, s in STRATEGIES.items() if s.stratified} == set(twins)
+    rng = np.random.default_rng(5)
+    for stratified, plain in twins.items():
+        assert not STRATEGIES[plain].stratified and STRATEGIES[plain].scope == STRATEGIES[stratified].scope
+        for _ in range(20):
+            lengths = rng.integers(1, 513, size=(8, 6))
+            got, want = (STRATEGIES[n].assign(lengths, 4) for n in (stratified, plain))
+            assert np.array_equal(got, want), (stratified, plain)
