@@ -45,11 +45,13 @@ def copy_tracked(dst: Path) -> None:
         if src.is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / name)
-    if (ROOT / ".venv").is_dir():  # run_and_time.sh, which some tests start, takes python from the repository's .venv
-        (dst / ".venv").symlink_to(ROOT / ".venv")
     git = ["git", "-c", "user.name=mutants", "-c", "user.email=mutants@localhost"]
     for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the working tree, for mutants"]):
         subprocess.run([*git, *command], cwd=dst, check=True, capture_output=True)
+    if (ROOT / ".venv").is_dir():  # run_and_time.sh, which some tests start, takes python from the repository's .venv
+        (dst / ".venv").symlink_to(ROOT / ".venv")  # untracked and ignored there, as here
+        with (dst / ".git" / "info" / "exclude").open("a") as exclude:
+            exclude.write("/.venv\n")
 
 
 def passes(tree: Path, tests: list[str], timeout: int) -> bool | None:
