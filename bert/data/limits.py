@@ -6,10 +6,11 @@ device-side assert on a GPU (which also leaves the CUDA context unusable). Neith
 come after `run_start`. Shards tokenized with another vocabulary, or cut at another length, are the usual cause.
 So a `SampleLimits` is checked
 
-* against the length index when a loader or the eval set is built (metadata, before the clock starts), and
-* against every batch the loader collates, in its background thread, before the batch is padded or pinned:
-  vectorised over the batch's concatenated tokens (about 50 microseconds for 96 phase-2 sequences, 25,000 tokens, hidden
-  behind the training step), naming the first bad sample's shard and row.
+* lengths against the length index when a loader or the eval set is built (metadata, before the clock starts:
+  every batch is drawn from that index, so they are not checked again), and
+* ids and labels against every batch the loader collates, in its background thread, before the batch is padded
+  or pinned: vectorised over the batch's concatenated tokens (about 50 microseconds for 96 phase-2 sequences,
+  25,000 tokens, hidden behind the training step), naming the first bad sample's shard and row.
 
 Either failure is a `ShardError` (exit status 2, as for a corrupt shard). A masked label must be a token of the
 vocabulary too: the MLM loss reads the label's logit. Next-sentence labels are 0 or 1.
@@ -57,10 +58,7 @@ class SampleLimits:
         bad = _first_outside(batch.nsp_labels, 2)
         if bad is not None:
             return bad, f"next-sentence label {int(batch.nsp_labels[bad])} is not 0 or 1"
-        longest = int(np.argmax(batch.seq.lengths))
-        if batch.seq.lengths[longest] > self.max_length:
-            return longest, f"{batch.seq.lengths[longest]} tokens, more than the model takes ({self.max_length})"
-        return None
+        return None  # lengths: `check_index`, once, on the index every batch is drawn from
 
     def check(self, batch: Batch, index: LengthIndex, ids: np.ndarray) -> None:
         """Raise a ShardError naming the shard and row of the first bad sample of `batch`, read as `ids`."""

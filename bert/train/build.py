@@ -86,8 +86,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env),
                                mean_at=mean_placement(cfg.model.precision, sharded))
     schedule = build_schedule(optimizer, cfg.optim)
-    bert = model.config  # every sample is checked against what the model takes (bert.data.limits)
-    limits = SampleLimits(bert.real_vocab_size, bert.type_vocab_size, min(bert.max_position_embeddings,
+    arch = model.config  # every sample is checked against what the model takes (bert.data.limits)
+    limits = SampleLimits(arch.real_vocab_size, arch.type_vocab_size, min(arch.max_position_embeddings,
                                                                           data.max_seq_length))
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
