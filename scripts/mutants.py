@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "scripts" / "mutants.json"
 
 
-def load(only: list[str] | None = None) -> list[dict]:
-    mutants = json.loads(MUTANTS.read_text())
+def load(only: list[str] | None = None, path: Path = MUTANTS) -> list[dict]:
+    mutants = json.loads(path.read_text())
     if only:
         unknown = set(only) - {m["id"] for m in mutants}
         if unknown:
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutants only")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per mutant's tests")
+    parser.add_argument("--list", type=Path, default=MUTANTS, help="the mutants' JSON (a draft list, for one)")
     args = parser.parse_args(argv)
-    mutants = load(args.only)
+    mutants = load(args.only, args.list)
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         tree = Path(tmp)
         copy_tracked(tree)

@@ -118,6 +118,13 @@ def _damaged(tmp_path, how: str):
             elif how == "uneven_rows":
                 del f["next_sentence_labels"]
                 f.create_dataset("next_sentence_labels", data=np.zeros(19, np.int8))
+            elif how == "wrong_nsp_dtype":
+                del f["next_sentence_labels"]
+                f.create_dataset("next_sentence_labels", data=np.zeros(20, np.int32))
+            elif how == "uneven_length_index":  # the optional length index, one row short
+                f.create_dataset("lengths", data=np.array([len(s.input_ids) for s in samples[:19]], np.int16))
+            elif how == "wrong_length_index_dtype":
+                f.create_dataset("lengths", data=np.array([len(s.input_ids) for s in samples], np.int32))
     return path
 
 
@@ -129,6 +136,9 @@ def _damaged(tmp_path, how: str):
         ("missing_key", "missing key 'masked_lm_ids'"),
         ("wrong_dtype", "'segment_ids' is vlen int32"),
         ("uneven_rows", "disagree on the number of samples"),
+        ("wrong_nsp_dtype", "'next_sentence_labels' is int32, expected int8"),
+        ("uneven_length_index", "disagree on the number of samples"),
+        ("wrong_length_index_dtype", "'lengths' is int32, expected int16"),
     ],
 )
 def test_bad_shards_raise_naming_the_file(tmp_path, how, message):

@@ -258,3 +258,41 @@ def test_reader_keeps_as_many_shards_open_as_the_file_limit_allows(tmp_path):
         assert got == ids.tolist()
     assert len(bounded._open) == 2 and len(whole._open) == 5
     bounded.close(), whole.close()
+
+
+def test_index_refuses_a_sample_without_tokens(tmp_path):
+    from bert.batch import Sample
+    from bert.data.format import write_varlength_shard
+    from bert.data.index import LengthIndex
+
+    write_id_shards(tmp_path, [[5, 6]])
+    empty = np.zeros(0, np.int64)
+    hollow = Sample(empty, empty, empty, empty, 0)
+    write_varlength_shard(tmp_path / "part_00001_of_00002.hdf5", [id_sample(2, 4), hollow])
+    with pytest.raises(ShardError, match="part_00001_of_00002.hdf5: a sample has 0 tokens"):
+        LengthIndex.scan(tmp_path)
+
+
+def test_index_locates_ids_across_empty_shards_and_the_reader_checks_rows_against_it(tmp_path):
+    from bert.data.index import LengthIndex
+    from bert.data.reader import SampleReader
+
+    paths = write_id_shards(tmp_path, [[5, 6], [], [7, 8, 9]])  # ids 0 1 | - | 2 3 4
+    index = LengthIndex.scan(tmp_path)
+    shard, row = index.locate(np.array([0, 1, 2, 3, 4]))
+    assert shard.tolist() == [0, 0, 2, 2, 2] and row.tolist() == [0, 1, 0, 1, 2]
+    with pytest.raises(IndexError):
+        index.locate(np.array([5]))
+    # An index that disagrees with the rows (a shard rewritten after the scan) is caught, whichever way it is off.
+    for wrong in ([5, 6], [7, 9, 9]), ([5, 6], [7, 7, 9]):
+        reader = SampleReader(LengthIndex.from_lengths(paths, [np.array(wrong[0]), np.zeros(0), np.array(wrong[1])]))
+        assert [len(s.input_ids) for s in reader.read(np.array([0, 1, 2]))] == [5, 6, 7]
+        with pytest.raises(ShardError, match=r"row 1 has 8 tokens, the length index says [79]"):
+            reader.read(np.array([3]))
+        reader.close()
+
+
+def test_prefetcher_refuses_a_depth_below_one():
+    # Queue(maxsize=0) is unbounded: a depth of 0 would let the thread read the whole data set ahead.
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        Prefetcher(lambda step: collate([id_sample(step, 5)]), start=0, depth=0, pin=False)

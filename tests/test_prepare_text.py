@@ -107,3 +107,43 @@ def test_text_dir_in_mlperf_format_reads_back_document_by_document(tmp_path):
     (tmp_path / "sub" / "part-00001-of-00002.txt").write_text(format_documents(docs[2:]))
     read = [document_sentences(block, min_paragraph_words=1) for block in text_dir_documents(tmp_path)]
     assert read == docs
+
+
+def test_vocab_size_limit_is_the_int16_id_range(tmp_path):
+    """Ids 0 .. 32767 fit the int16 shards: a vocab of exactly 2^15 entries is accepted, one entry more is not."""
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(specials + [f"w{i}" for i in range(2**15 - len(specials))]) + "\n")
+    assert load_vocab(path).size == 32768
+    path.write_text(path.read_text() + "onetoomany\n")
+    with pytest.raises(VocabError, match="32769 entries do not fit"):
+        load_vocab(path)
+
+
+def test_md5_covers_the_whole_file(tmp_path):
+    import hashlib
+
+    from wordpiece import md5_of
+
+    data = bytes(np.random.default_rng(0).integers(0, 256, 3 * 2**20 + 17, dtype=np.uint8))
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert md5_of(path) == hashlib.md5(data).hexdigest()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the last byte, in the fourth MiB
+    assert md5_of(path) != hashlib.md5(data).hexdigest()
+
+
+def test_fixed_part_refuses_text_the_vocab_mostly_cannot_spell(tmp_path):
+    """More than 5 % [UNK] among the WordPiece tokens means the wrong vocab; 1 in 50 is accepted."""
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\ncat\nsat\non\nmat\n.\n")
+    cfg = PretrainingConfig(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=1)
+    good = ["The cat sat on the mat."] * 7 + ["The dog sat."]  # 7 x 7 + 4 tokens, 1 [UNK]: 1.9 %
+    bad = ["The cat sat on the mat."] * 3 + ["The dog sat.", "The dog sat."]  # 2 of 29: 6.9 %
+    for name, doc in (("good", good), ("bad", bad)):
+        (tmp_path / f"{name}.txt").write_text(format_documents([doc, doc]))
+    stats = make_fixed_part(PartJob(tmp_path / "good.txt", tmp_path / "good.hdf5", vocab, cfg))
+    assert stats.tokens == 2 * 53 and stats.samples > 0
+    with pytest.raises(VocabError, match=r"6\.9% of the tokens of .*bad.txt are \[UNK\]"):
+        make_fixed_part(PartJob(tmp_path / "bad.txt", tmp_path / "bad.hdf5", vocab, cfg))
+    assert not (tmp_path / "bad.hdf5").exists()

@@ -1,0 +1,139 @@
+"""The dataset scripts' parts, in-process and on a few samples: shard chopping, the eval pick, the text parts'
+eval hold-out and dealing, data/verify.py's per-sample checks and the fixed -> varlength CLI's refusals.
+(tests/test_prepare_cli.py runs the whole pipeline through the command line.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bert.batch import Sample
+from bert.data.format import FixedShard, VarlenShard, write_fixed_shard, write_varlength_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "data"))
+
+import convert_fixed2varlength  # noqa: E402
+from shard_split import Piece, plan_shards, write_eval_set, write_shard  # noqa: E402
+from text_parts import _is_eval, write_text_parts  # noqa: E402
+from verify import check_shard  # noqa: E402
+from wordpiece import default_vocab_path, load_vocab  # noqa: E402
+
+
+def tagged(g: int, length: int = 6) -> Sample:
+    """[CLS] w w .. [SEP] with every word 2000 + g, position 1 masked: the sample says which one it is."""
+    ids = np.full(length, 2000 + g)
+    ids[0], ids[-1] = 101, 102
+    return Sample(ids, (np.arange(length) >= length // 2).astype(np.int64), np.array([1]), np.array([2000 + g]), g % 2)
+
+
+def tags(samples) -> list[int]:
+    return [int(s.input_ids[1]) - 2000 for s in samples]
+
+
+def test_plan_shards_cuts_the_parts_read_back_to_back_into_near_equal_shards(tmp_path):
+    parts = [Path("a"), Path("b"), Path("c")]
+    jobs = plan_shards(parts, [5, 3, 4], 5, tmp_path)  # 12 rows: shards of 2 2 3 2 3 (rows k*12//5 ..)
+    assert [job.dst.name for job in jobs] == [f"part_{k:05d}_of_00005.hdf5" for k in range(5)]
+    assert [job.pieces for job in jobs] == [
+        (Piece(parts[0], 0, 2),),
+        (Piece(parts[0], 2, 4),),
+        (Piece(parts[0], 4, 5), Piece(parts[1], 0, 2)),
+        (Piece(parts[1], 2, 3), Piece(parts[2], 0, 1)),
+        (Piece(parts[2], 1, 4),),
+    ]
+    with pytest.raises(ValueError, match="cannot cut 12 samples into 13 shards"):
+        plan_shards(parts, [5, 3, 4], 13, tmp_path)
+
+
+def test_written_shards_hold_every_row_once_in_order(tmp_path):
+    counts, g = [7, 1, 5], 0
+    parts = []
+    for p, n in enumerate(counts):
+        parts.append(tmp_path / f"part-{p}.hdf5")
+        write_fixed_shard(parts[-1], [tagged(g + i) for i in range(n)], 8, 2)
+        g += n
+    (tmp_path / "out").mkdir()
+    jobs = plan_shards(parts, counts, 4, tmp_path / "out")
+    assert [write_shard(job) for job in jobs] == [3, 3, 3, 4]
+    rows = []
+    for job in jobs:
+        with VarlenShard(job.dst) as shard:
+            rows += tags(shard)
+    assert rows == list(range(13))
+
+
+def test_eval_set_is_a_sorted_pick_without_repeats(tmp_path):
+    write_fixed_shard(tmp_path / "eval.hdf5", [tagged(g) for g in range(30)], 8, 2)
+    dst = write_eval_set(tmp_path / "eval.hdf5", tmp_path, 20, seed=3)
+    assert dst.name == "part_eval_20.hdf5"
+    with VarlenShard(dst) as picked:
+        got = tags(picked)
+    assert len(got) == 20 and len(set(got)) == 20 and got == sorted(got) and set(got) <= set(range(30))
+    (tmp_path / "all").mkdir()
+    everything = write_eval_set(tmp_path / "eval.hdf5", tmp_path / "all", 50, seed=3)  # fewer than wanted: all
+    assert everything.name == "part_eval_30.hdf5"
+    with VarlenShard(everything) as picked:
+        assert tags(picked) == list(range(30))
+
+
+def test_eval_documents_are_evenly_spaced_from_the_first(tmp_path):
+    assert [i for i in range(12) if _is_eval(i, 0.25)] == [0, 4, 8]
+    assert [i for i in range(6) if _is_eval(i, 0.5)] == [0, 2, 4]
+    docs = [(f"Document number {k}.", 1) for k in range(9)]
+    counts = write_text_parts(docs, tmp_path / "text", 2, 0.25, workers=1)
+    assert counts == {"documents": 9, "eval_documents": 3, "sentences": 9}
+
+    def numbers(name: str) -> list[int]:
+        return [int(line.split()[-1][:-1]) for line in (tmp_path / "text" / name).read_text().split("\n") if line]
+
+    # The rest are dealt round robin over the parts: 1 2 3 5 6 7 -> part 0 gets 1 3 6, part 1 gets 2 5 7.
+    assert numbers("eval.txt") == [0, 4, 8]
+    assert numbers("part-00000.txt") == [1, 3, 6] and numbers("part-00001.txt") == [2, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return load_vocab(default_vocab_path())  # [CLS] 101, [SEP] 102, 30522 entries
+
+
+GOOD = Sample(np.array([101, 2000, 2001, 102, 2002, 102]), np.array([0, 0, 0, 0, 1, 1]), np.array([1, 4]),
+              np.array([2000, 2002]), 0)
+
+
+POSITIONS = "has masked positions that are unsorted or on [CLS]/[SEP]"
+OUTSIDE = "has token ids outside {vocab} (30522 entries)"
+FRAMING = "is not [CLS] ... [SEP] in {vocab}; built with another vocab?"
+
+
+@pytest.mark.parametrize("bad, problem", [
+    (GOOD._replace(masked_positions=np.array([1, 5])), POSITIONS),  # the last [SEP]
+    (GOOD._replace(masked_positions=np.array([0, 4])), POSITIONS),  # [CLS]
+    (GOOD._replace(masked_positions=np.array([4, 4])), POSITIONS),  # twice the same
+    (GOOD._replace(masked_positions=np.array([4, 1])), POSITIONS),
+    (GOOD._replace(masked_labels=np.array([2000, 30522])), OUTSIDE),  # a label one past the vocab
+    (GOOD._replace(input_ids=np.array([101, 2000, 30522, 102, 2002, 102])), OUTSIDE),
+    (GOOD._replace(input_ids=np.array([101, 2000, 2001, 102, 2002, 2003])), FRAMING),
+])
+def test_verify_names_the_bad_sample(tmp_path, vocab, bad, problem):
+    path = tmp_path / "shard.hdf5"
+    write_varlength_shard(path, [GOOD, GOOD])
+    assert check_shard((path, vocab)) == []
+    write_varlength_shard(path, [GOOD, bad, GOOD])
+    assert check_shard((path, vocab)) == [f"{path}: sample 1 " + problem.format(vocab=vocab.path)]
+
+
+def test_fixed_to_varlength_cli(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert convert_fixed2varlength.main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'empty'}: no *.hdf5 shards" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "src").mkdir()
+    write_fixed_shard(tmp_path / "src" / "part-0.hdf5", [tagged(g) for g in range(5)], 8, 2)
+    assert convert_fixed2varlength.main([str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "1"]) == 0
+    with VarlenShard(tmp_path / "out" / "part-0.hdf5") as shard, FixedShard(tmp_path / "src" / "part-0.hdf5") as src:
+        assert tags(shard) == tags(src) == list(range(5))
+    assert (tmp_path / "out" / "checksums.md5").read_text().endswith("  part-0.hdf5\n")
