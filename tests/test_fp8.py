@@ -87,6 +87,7 @@ def test_fp8_recipe_is_a_checked_selector_that_needs_fp8():
 def test_filter_takes_the_encoder_linears_and_rejects_misaligned_ones():
     names = [f"bert.encoder.layer.3.{s}" for s in ENCODER_LINEARS]
     assert all(fp8_pattern().search(n) for n in names)
+    assert all(fp8_pattern().search(f"bert.encoder.layer.23.{s}") for s in ENCODER_LINEARS)  # BERT-large's last
     heads = ["bert.pooler.dense", "cls.predictions.transform.dense", "cls.seq_relationship",
              "bert.encoder.layer.0.attention.output.LayerNorm"]
     assert not any(fp8_pattern().search(n) for n in heads)

@@ -205,6 +205,34 @@ def test_the_mean_goes_on_the_loss_except_under_fp16_or_optimizer_sharding():
         install_clipping(None, "none", 1.0, mean_at="wire")
 
 
+def test_divided_hands_the_sum_each_buffer_over_the_world():
+    """The `bucket` placement: the Reduce sums buffers already divided by W, so W equal buffers give their mean
+    back. A stand-in sum over 4 ranks that all hold `flat` (no process group)."""
+    handed = []
+
+    def sum_of_four(flat: torch.Tensor) -> torch.futures.Future:
+        handed.append(flat.clone())
+        done = torch.futures.Future()
+        done.set_result(flat * 4)
+        return done
+
+    flat = torch.tensor([8.0, -2.0, 1.0, 0.0])
+    assert divided(sum_of_four, 4)(flat.clone()).wait().tolist() == [8.0, -2.0, 1.0, 0.0]
+    assert handed[0].tolist() == [2.0, -0.5, 0.25, 0.0]
+
+
+def test_build_reduce_takes_the_configured_node_size_else_the_launchers(monkeypatch):
+    """GRAD_REDUCE_NODE_SIZE overrides the launcher's local world size (a stand-in HierarchicalSum: no groups)."""
+    import bert.dist.reduce as reduce_module
+
+    monkeypatch.setattr(reduce_module, "HierarchicalSum", lambda node_size: ("hierarchical", node_size))
+    env = DistEnv(0, 8, 0, 4, "localhost", 0)
+    assert build_reduce(from_flat(grad_reduce="hierarchical").dist, env) == ("hierarchical", 4)
+    assert build_reduce(from_flat(grad_reduce="hierarchical", grad_reduce_node_size=2).dist, env) == (
+        "hierarchical", 2)
+    assert build_reduce(from_flat(grad_reduce="flat").dist, env) is None  # DDP's own allreduce, no hook
+
+
 def test_node_groups_are_blocks_and_strided_peers():
     assert node_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
     assert node_groups(4, 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])

@@ -5,8 +5,10 @@ import json
 import pytest
 import torch
 
+from bert.batch import SeqLayout
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.last_layer import kept_row_count
+from bert.model.padding import PadLayout, pad, unpad
 from bert.synthetic import random_batch
 
 BATCHES = {"one_token": (1,), "full_512": (512,), "mixed": (3, 1, 77, 260, 130, 385)}  # every length group
@@ -53,6 +55,20 @@ def test_padding_to_512_does_not_change_the_padded_reference():
     batch = random_batch((5, 70), seed=2)
     torch.testing.assert_close(model.forward_padded(batch, width=512).loss, model.forward_padded(batch).loss,
                                rtol=0, atol=1e-12)
+
+
+def test_pad_layout_puts_each_chosen_sequence_in_its_row_and_refuses_a_width_too_small():
+    """Lengths 3, 1, 4 (tokens 0-2, 3, 4-7); sequences 2 then 0 in rows of width 5, by hand."""
+    seq = SeqLayout.from_lengths((3, 1, 4))
+    layout = PadLayout.build(seq, sequences=[2, 0], width=5)
+    assert layout.tokens.tolist() == [4, 5, 6, 7, 0, 1, 2] and layout.slots.tolist() == [0, 1, 2, 3, 5, 6, 7]
+    assert layout.key_mask.tolist() == [[True] * 4 + [False], [True] * 3 + [False] * 2]
+    x = torch.arange(8.0) * 10
+    assert pad(x, layout, value=-1).tolist() == [[40, 50, 60, 70, -1], [0, 10, 20, -1, -1]]
+    assert unpad(pad(x, layout), layout).tolist() == [40, 50, 60, 70, 0, 10, 20]
+    assert PadLayout.build(seq, width=4).key_mask.shape == (3, 4)  # the longest sequence fills its row exactly
+    with pytest.raises(ValueError, match="a sequence of 4 tokens does not fit in width 3"):
+        PadLayout.build(seq, width=3)
 
 
 def test_losses_and_accuracy_follow_their_definitions():
@@ -146,6 +162,24 @@ def test_dropout_is_active_in_train_mode_only():
     torch.testing.assert_close(no_dropout(batch).mlm_logits, no_dropout.eval()(batch).mlm_logits, rtol=0, atol=0)
 
 
+def test_embedding_dropout_follows_the_layernorm():
+    """Google's BERT: dropout(LayerNorm(word + position + segment)), so in training every output is 0 or the
+    normalised sum (float64 here, with the config's eps 1e-12) divided by 1 - p."""
+    model = tiny_model(dropout=0.5)
+    emb = model.bert.embeddings
+    batch = random_batch((20, 7), seed=5)
+    assert set(batch.segment_ids.tolist()) == {0, 1}
+    with torch.no_grad():
+        x = (emb.word_embeddings.weight[batch.input_ids] + emb.position_embeddings.weight[batch.position_ids]
+             + emb.token_type_embeddings.weight[batch.segment_ids])
+        mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+        want = (x - mean) / (var + 1e-12).sqrt() * emb.LayerNorm.weight + emb.LayerNorm.bias
+        got = emb(batch.input_ids, batch.position_ids, batch.segment_ids)
+    kept = got != 0
+    assert 0.3 < kept.double().mean().item() < 0.7
+    torch.testing.assert_close(got[kept], want[kept] / 0.5, rtol=0, atol=1e-12)
+
+
 def test_bf16_autocast_is_close_to_fp32():
     model = tiny_model().float()
     batch = random_batch((3, 1, 77, 130), seed=8)
@@ -175,6 +209,7 @@ def test_config_from_google_json_pads_the_vocabulary(tmp_path):
         BertConfig(real_vocab_size=30529)
     with pytest.raises(ValueError, match="huge"):
         BertConfig.load("huge")
-    path.write_text(json.dumps({**google, "hidden_act": "relu"}))
-    with pytest.raises(ValueError, match="relu"):
-        BertConfig.load(path)
+    for act in ("relu", "gelu_new", "gelu_pytorch_tanh"):  # HF's tanh approximations are not exact GELU
+        path.write_text(json.dumps({**google, "hidden_act": act}))
+        with pytest.raises(ValueError, match=f"hidden_act '{act}' is not supported"):
+            BertConfig.load(path)

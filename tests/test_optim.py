@@ -88,6 +88,25 @@ def test_optimizer_matches_float64_reference(optimizer, regime):
         assert (max(trust_ratios) > 20) == (regime == "edges"), max(trust_ratios)
 
 
+def test_schedule_decays_to_the_end_lr_at_lr_max_steps_then_holds():
+    """LR_MAX_STEPS < MAX_STEPS (Samsung's schedule): linear decay from 2e-3 reaches END_LR at update 4 and
+    stays there, by hand; without LR_MAX_STEPS the decay runs to MAX_STEPS."""
+    def lrs(**kw) -> list[float]:
+        cfg = config("adam", warmup_steps=0, start_warmup_step=0, **kw)
+        opt = build_optimizer(Tiny(), cfg)
+        schedule = build_schedule(opt, cfg)
+        out = []
+        for _ in range(6):
+            out.append(opt.param_groups[0]["lr"].item())
+            schedule.step()
+        return out
+
+    end = 1e-4
+    want = [2e-3, end + 1.9e-3 * 0.75, end + 1.9e-3 * 0.5, end + 1.9e-3 * 0.25, end, end]
+    assert lrs(lr_max_steps=4, end_learning_rate=end) == pytest.approx(want, rel=1e-6)
+    assert lrs() == pytest.approx([2e-3 * (1 - k / 10) for k in range(6)], rel=1e-6)
+
+
 def test_lamb_trust_ratio_is_per_tensor():
     """Scaling one tensor's weights by 10 scales its LAMB step by 10 and leaves the other tensor's step alone."""
     cfg = config("lamb", warmup_steps=0, start_warmup_step=0, weight_decay_rate=0.0)
