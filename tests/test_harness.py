@@ -170,12 +170,27 @@ def test_driver_failure_is_the_exit_status(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"DGXNNODES": "2"}, "more than one node needs Slurm"),
+    ({"DGXNGPU": "0"}, "$DGXNGPU='0' must be a positive integer"),  # torchrun would start no worker
     # inside a Slurm step with one task per process, each task would draw its own $RANDOM seed
     ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, "$SEED must be set"),
-], ids=["two-nodes-without-slurm", "slurm-step-without-seed"])
+], ids=["two-nodes-without-slurm", "no-gpus", "slurm-step-without-seed"])
 def test_launch_mode_preconditions(overrides, message, tmp_path):
     env = config_env("config_CPU_1x2.sh", **overrides)
     env.pop("SEED", None)
     out = subprocess.run([str(ROOT / "run_and_time.sh")], env=env, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "STARTING TIMING RUN" not in out.stdout
+
+
+@pytest.mark.parametrize("slurm_tasks, launcher", [("", "torchrun"), ("1", "torchrun"), ("2", "slurm")])
+def test_slurm_starts_the_workers_only_with_one_task_per_process(slurm_tasks, launcher, tmp_path):
+    """config_CPU_1x2.sh has 2 processes: a Slurm step of 2 tasks runs the driver directly in each, a step of 1
+    task (an interactive srun) still needs torchrun. A stand-in python records how the driver is started."""
+    fake, call = tmp_path / "python", tmp_path / "driver"
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *run_pretraining.py*) echo "$*" > "{call}" ;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    step = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": slurm_tasks, "SLURM_PROCID": "0"} if slurm_tasks else {}
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], capture_output=True, text=True, cwd=ROOT,
+                         env={**config_env("config_CPU_1x2.sh", SEED="5", **step), "PYTHON": str(fake)})
+    assert out.returncode == 0, out.stderr
+    assert ("bert.dist.launch" in call.read_text()) == (launcher == "torchrun")

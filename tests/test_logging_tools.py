@@ -87,6 +87,17 @@ def test_clean_log_passes_official_checker_and_verifier(tmp_path):
     assert out.stdout.startswith("PASS")
 
 
+def test_rank_prefixes_and_other_lines_are_read_past(tmp_path):
+    """`srun -l` puts "0: " before every line of a tee'd log, and a job log holds lines that are not MLLOG records;
+    as the official parser does, the verifier reads the records after the token."""
+    log = write_log(tmp_path / "result_0.txt")
+    prefixed = tmp_path / "srun.log"
+    prefixed.write_text("run.sub: page cache not dropped\n" + "".join(f"0: {line}" for line in
+                                                                        log.read_text().splitlines(keepends=True)))
+    out = verify(prefixed)
+    assert out.returncode == 0 and out.stdout.startswith("PASS"), out.stdout
+
+
 def test_open_division_allows_a_long_init(tmp_path):
     assert verify(write_log(tmp_path / "r.txt", division="open", init_minutes=100)).returncode == 0
 
@@ -202,6 +213,21 @@ def test_submission_refuses_an_existing_folder(tmp_path):
     (tmp_path / "sub" / "TestOrg").mkdir(parents=True)
     out = make_submission(logs, tmp_path / "sub")
     assert out.returncode != 0 and "exists" in out.stderr
+
+
+@pytest.mark.parametrize("division", ["mixed", "missing"])
+def test_submission_refuses_logs_without_one_division(division, tmp_path):
+    """The system description takes its division from the logs: they must all name the same one."""
+    logs = ten_logs(tmp_path, evals=3)
+    if division == "mixed":
+        logs[3].write_text(logs[3].read_text().replace('"value": "closed"', '"value": "open"'))
+    else:
+        for log in logs:
+            log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
+                                   if '"submission_division"' not in line))
+    out = make_submission(logs, tmp_path / "sub")
+    assert out.returncode != 0 and "the logs disagree on or lack submission_division" in out.stderr, out.stderr
+    assert not (tmp_path / "sub").exists()
 
 
 def test_plot_shows_the_logged_evals_and_the_metrics(tmp_path):

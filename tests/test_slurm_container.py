@@ -62,3 +62,21 @@ def test_container_flags_and_paths(tmp_path):
     # the host folders exist and the result files were claimed on the host side
     assert sorted(p.name for p in (tmp_path / "logs" / "DGXA100_1x8x56x1" / "bert").glob("result_*.txt")) == \
         ["result_0.txt", "result_1.txt"]
+
+
+def test_parameter_servers_are_extra_tasks_on_every_node(tmp_path):
+    """GRAD_REDUCE=ps: every node runs DGXNGPU + PS_SERVERS tasks (bert/dist/ps.py): 2 nodes x (8 + 2) here, on the
+    host's Python (no CONT)."""
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl"), "NEXP": "1",
+           "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "78", "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
+           "GRAD_REDUCE": "ps", "PS_SERVERS": "2"}
+    script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && DGXNNODES=2 exec bash "{ROOT}/run.sub"'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = [json.loads(line)["argv"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    [run] = [argv for argv in calls if argv[-1] == f"{ROOT}/run_and_time.sh"]
+    assert "--ntasks=20" in run and "--ntasks-per-node=10" in run
