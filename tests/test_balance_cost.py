@@ -40,3 +40,11 @@ def test_samsung_exchange_stays_in_the_node() -> None:
 def test_strategies_without_exchange(name: str) -> None:
     ex = model_paper_exchange(name, world=1024, ranks_per_node=8, local_batch=16)
     assert (ex.collectives, ex.bytes_in, ex.seconds) == (0, 0, 0.0)
+
+
+def test_a_world_smaller_than_a_node_gathers_over_its_own_ranks() -> None:
+    # 4 GPUs in one 8-GPU node: Samsung's node all-gather spans the 4, on NVLink only: lg(4) hops + 3/4 of the data.
+    total = 4 * 16 * 4098
+    ex = model_paper_exchange("samsung", world=4, ranks_per_node=8, local_batch=16, intra=UNIT, inter=UNIT)
+    assert (ex.group, ex.ranks, ex.bytes_in) == ("node", 4, total * 3 // 4)
+    assert ex.seconds == pytest.approx(2 + total * 3 / 4)

@@ -137,3 +137,28 @@ def test_the_product_never_loads_the_lab() -> None:
     assert {"bert.data.pipeline", "bert.train.loop", "bert.balance.stratify"} <= set(loaded)
     assert (root / "bert" / "balance" / "lab" / "__init__.py").exists()
     assert [n for n in loaded if n == "bert.balance.lab" or n.startswith("bert.balance.lab.")] == []
+
+
+def test_counts_round_by_largest_remainder() -> None:
+    # 10 x (0.17, 0.38, 0.45) = 1.7, 3.8, 4.5: floors 1, 3, 4 leave 2, for the .8 and then the .7
+    pmf = LengthPMF(np.array([0.17, 0.38, 0.45]))
+    assert pmf.counts(10).tolist() == [2, 4, 4]
+
+
+def test_spread_statistics_by_hand() -> None:
+    from bert.balance.lab.simulate import Spread, _spread
+
+    # 4 trials x 2 GPUs: the least loaded always holds 1 (std 0), the most loaded 5, 9, 7, 3 (std sqrt 5).
+    spread = _spread("x", np.array([[1, 5], [9, 1], [1, 7], [3, 1]]))
+    assert (spread.gpus, spread.trials, spread.avg_min, spread.avg_max, spread.mean) == (2, 4, 1.0, 6.0, 3.5)
+    assert spread.stderr == pytest.approx(np.sqrt(5) / 2)  # the larger of the two, over sqrt(trials)
+    # Samsung's Table 5 snake row, 3900 to 4246 around a mean of 16 x 254.6 tokens: 8.5 % of the mean.
+    table5 = Spread("samsung", 1024, 1, 3900.0, 4246.0, 4073.6, 0.0)
+    assert table5.range_over_mean == pytest.approx(346 / 4073.6)
+
+
+def test_node_ideal_splits_each_nodes_tokens_over_its_gpus() -> None:
+    # Every sequence 100 tokens: 16 per GPU is 1600 tokens on every GPU, however the nodes are cut.
+    flat = LengthPMF(np.where(np.arange(1, 513) == 100, 1.0, 0.0))
+    ideal = simulate_node_ideal(flat, gpus=16, gpus_per_node=8, local_batch=16, trials=3, rng=np.random.default_rng(5))
+    assert (ideal.avg_min, ideal.avg_max, ideal.mean) == (1600, 1600, 1600)

@@ -33,6 +33,9 @@ def test_bert_large_ddp_buckets_against_balanced_ones():
     assert ddp["spread"] > 3 and sum(ddp["bytes"]) == report["params"] * 4  # 125 MB vs the smallest of ~25-33 MB
     assert balanced["max_bytes"] - balanced["min_bytes"] <= 4 and balanced["max_bytes"] <= 25 * 2**20
     assert balanced["buckets"] == -(-report["params"] * 4 // (25 * 2**20))
+    # The balanced buffers hold every gradient byte (4 per fp32 parameter), in near-equal parts.
+    count = balanced["buckets"]
+    assert balanced["min_bytes"] * count <= report["params"] * 4 <= balanced["max_bytes"] * count
 
 
 @pytest.mark.slow
@@ -103,3 +106,21 @@ def test_pooled_ratios_are_the_median_of_every_round_of_every_run():
     assert wall["median_of_runs"] == 1.25
     low, high = wall["pooled_median_95"]
     assert 0.9 <= low <= 1.05 <= high <= 1.5
+
+
+def test_ratios_to_flat_pair_each_run_with_flat_on_the_same_buckets_and_dtype():
+    """Per round: the mean of the round's `steps` steps over flat's; overall: median over median (by hand)."""
+    def run(reduce: str, wall: list[float]) -> dict:
+        return {"reduce": reduce, "step_s": wall, "step_cpu_s": [2 * w for w in wall]}
+
+    runs = {"flat/ddp": run("flat", [1.0, 1.0, 2.0, 2.0]),
+            "hierarchical/ddp": run("hierarchical", [2.0, 2.0, 3.0, 3.0]),
+            "flat+bf16/ddp": run("flat+bf16", [1.0, 3.0]),
+            "hierarchical+bf16/ddp": run("hierarchical+bf16", [1.0, 1.0]),
+            "ps/balanced": run("ps", [5.0, 5.0])}  # no flat run on balanced buckets: left out
+    ratios = load("comm").ratios_to_flat(runs, steps=2)
+    assert set(ratios) == {"hierarchical/ddp", "hierarchical+bf16/ddp"}
+    hier = ratios["hierarchical/ddp"]
+    assert hier["vs"] == "flat/ddp" and ratios["hierarchical+bf16/ddp"]["vs"] == "flat+bf16/ddp"
+    assert hier["per_round"] == [2.0, 1.5] and hier["cpu_per_round"] == [2.0, 1.5]  # 2/1, 3/2
+    assert hier["median"] == pytest.approx(2.5 / 1.5) and ratios["hierarchical+bf16/ddp"]["per_round"] == [0.5]

@@ -88,3 +88,49 @@ def test_hierarchical_moves_node_size_fewer_network_bytes_at_1024_gpus(cluster: 
     # In one node there is no network, and every strategy is the same ring over NVLink.
     one_node = {predict(s, 336_000_000, 8, c) for s in STRATEGIES}
     assert len(one_node) == 1 and next(iter(one_node)).inter_bytes_per_gpu == 0.0
+
+
+# α = 1 s, β = 1 s/byte and γ = 0.5 s/byte: every term of Herring [003] §IV shows in the total.
+UNIT = Link("unit", alpha=1.0, bandwidth=1.0)
+
+
+def test_each_term_of_herrings_formulas_by_hand():
+    from bert.balance.lab.comm_model import reduce_scatter_seconds
+
+    n, p, gamma = 8.0, 4, 0.5  # n/p = 2 bytes per rank and step
+    # reduce-scatter: lg(4)·α + 3·2·β + 3·2·γ = 2 + 6 + 3
+    assert reduce_scatter_seconds(n, p, UNIT, gamma) == pytest.approx(11.0)
+    # Rabenseifner: 2·lg(4)·α + 2·3·2·β + 3·2·γ = 4 + 12 + 3
+    assert rabenseifner_allreduce_seconds(n, p, UNIT, gamma) == pytest.approx(19.0)
+    # ring: the same β and γ terms, 2(p−1) = 6 neighbour steps of α
+    assert ring_allreduce_seconds(n, p, UNIT, gamma) == pytest.approx(6 + 12 + 3)
+    # naive PS: 2α + 2(n−1)·β + n·p·γ = 2 + 14 + 16
+    assert naive_ps_seconds(n, p, UNIT, gamma) == pytest.approx(32.0)
+    # Herring: p·α + γ (one 2-byte segment from each of 4 workers summed) + n·β = 4 + 4 + 8
+    assert herring_ps_seconds(n, p, UNIT, gamma, segment=2) == pytest.approx(16.0)
+
+
+def test_herring_server_load_with_fewer_servers_than_workers():
+    # §IV-B: each server sends and receives (1/N_s)·N_w of the 86684 KB buffer: 64 workers on 16 servers, 4 buffers.
+    assert herring_server_bytes(86684, workers=64, servers=16) == pytest.approx(4 * 86684)
+
+
+def test_hierarchical_over_two_dgx_a100_by_hand():
+    n = 4 * 10**8  # 10^8 fp32 gradients
+    # DGX A100 as the module's docstring gives it: NVLink3 2 us, 300 GB/s; HDR 6 us, 25 GB/s; γ = 3 / 2 TB/s.
+    a_nv, b_nv, a_ib, b_ib, gamma = 2e-6, 300e9, 6e-6, 25e9, 3 / 2.0e12
+    reduce_scatter = 3 * a_nv + 7 / 8 * n * (1 / b_nv + gamma)  # 8 GPUs on NVLink
+    all_gather = 3 * a_nv + 7 / 8 * n / b_nv
+    shard = n / 8  # each GPU's eighth, ring-allreduced with its one peer in the other node
+    across = 2 * a_ib + 2 * (shard / 2) / b_ib + (shard / 2) * gamma
+    got = predict("hierarchical", 10**8, 16, A100)
+    assert got.seconds == pytest.approx(reduce_scatter + all_gather + across, rel=1e-12)
+    assert got.inter_bytes_per_gpu == pytest.approx(shard)  # 2(2−1)/2 of the shard
+    assert got.bytes_per_gpu == pytest.approx(2 * 7 / 8 * n + shard)  # plus 7/8 of n each way inside the node
+
+
+def test_a_partial_second_node_still_crosses_the_network():
+    # 12 GPUs at 8 per node are two nodes: every strategy sends over InfiniBand.
+    n = 4 * 10**8
+    assert predict("flat", 10**8, 12, A100).inter_bytes_per_gpu == pytest.approx(2 * 11 / 12 * n)
+    assert predict("hierarchical", 10**8, 12, A100).inter_bytes_per_gpu == pytest.approx(n / 8)

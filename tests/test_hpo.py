@@ -90,3 +90,16 @@ def test_job_array_tasks_share_one_storage(tmp_path):
     # Both array tasks ran trials into the one study, and drew different points (a seed of their own).
     assert {t.user_attrs["worker"] for t in trials} == {"0", "1"}
     assert len({t.params["LR"] for t in trials}) == len(trials)
+
+
+def test_an_array_task_runs_its_share_of_the_trials(tmp_path, monkeypatch):
+    """5 trials over 2 array tasks: the first task to start runs ceil(5 / 2) = 3, so that the two cover all 5."""
+    import argparse
+
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    storage = f"sqlite:///{tmp_path}/hpo.db"
+    args = argparse.Namespace(worker=True, trials=5, tasks=2, study="share", storage=storage, optimizer="adam",
+                              clip="bucket", seed=1, sampler_seed=0, objective="fake")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    hpo.run_worker(args, tmp_path)
+    assert len(optuna.load_study(study_name="share", storage=storage).trials) == 3

@@ -183,3 +183,62 @@ def test_report_covers_every_config_and_states_its_error(ttt, tmp_path: Path) ->
     assert {r["gpus"] for r in report["curve"]} == {8, 1024}
     assert len(report["curve"]) == 2 * 2 * 4  # systems x GPU counts x (reduce x optimizer) for one balance
     assert all(math.isfinite(r["minutes"]) and r["minutes"] > 0 for r in report["curve"])
+
+
+def test_imbalance_is_the_most_loaded_gpu_over_the_mean_as_in_table5(ttt) -> None:
+    """Samsung [000] Table 5 (1024 GPUs, 8 per node, 16 per GPU): most loaded 6459 tokens without balancing, 4246
+    with stratification + local presort + snake, against a mean of 16 x 254.6 = 4074 tokens on the Wikipedia
+    phase-2 mix (37.3 / 19.7 / 11.7 / 31.4 %, 23 % at 512, the rest uniform in each stratum, shares / 1.001)."""
+    mean = 16 * (0.373 * 64.5 + 0.197 * 192.5 + 0.117 * 320.5 + 0.084 * 448 + 0.23 * 512) / 1.001
+    assert ttt.imbalance("samsung", 1024, 8, 16) == pytest.approx(4246 / mean, abs=0.01)
+    assert ttt.imbalance("none", 1024, 8, 16) == pytest.approx(6459 / mean, abs=0.03)
+
+
+def test_packing_draws_as_many_sequences_per_gpu_as_the_local_batch(ttt, monkeypatch) -> None:
+    """NVIDIA's packed data holds 2 sequences per pack ([NVIDIA] --average_packing_rate 2; 1.999 measured): a local
+    batch of 48 sequences is 24 packs."""
+    import numpy as np
+
+    from bert.balance.lab import simulate as lab
+    from bert.balance.lab.length_pmf import LengthPMF
+
+    full = lab.PackedData(LengthPMF(np.eye(512)[511]), ratio=2.0)  # every pack 512 tokens
+    seen = []
+    real = lab.simulate_packing
+
+    def spy(packed, gpus, packs_per_gpu, trials, rng):
+        seen.append(packs_per_gpu)
+        return real(packed, gpus, packs_per_gpu, trials, rng)
+
+    monkeypatch.setattr(lab, "pack", lambda pmf: full)
+    monkeypatch.setattr(lab, "simulate_packing", spy)
+    assert ttt.imbalance.__wrapped__("packing", 16, 8, 48) == 1.0  # full packs: no spread
+    assert seen == [24]
+
+
+def test_a_smaller_models_json_is_scaled_to_bert_large_by_flops(ttt, tmp_path: Path) -> None:
+    """The fastest unpadded row (not a padded one, not a slower unpadded one), its rate times its model's FLOPs over
+    BERT-large's: a model with a quarter of BERT-large's FLOPs at 2000 samples/s is BERT-large at 500."""
+    from bert.model.config import NAMED
+    from bert.model.flops import StepShape, train_flops
+
+    lengths, masked = [512, 300, 128, 77], 80
+    quarter = train_flops(NAMED["large"], StepShape.unpadded(lengths, masked, False)) / 4
+    rows = [{"variant": "padded/sdpa", "samples_per_s": 9000.0, "flops_per_step": quarter},
+            {"variant": "unpadded/loop", "samples_per_s": 1000.0, "flops_per_step": quarter},
+            {"variant": "unpadded/varlen", "samples_per_s": 2000.0, "flops_per_step": quarter}]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"results": rows, "batch_lengths": lengths, "masked_tokens": masked, "device": "x"}))
+    rate, batch, note = ttt.rate_from_model_json(path)
+    assert rate == pytest.approx(500.0) and batch == 4
+    assert "unpadded/varlen 2000 samples/s" in note and "x 0.25" in note
+
+
+def test_a_configs_local_batch_counts_its_gradient_steps(ttt, tmp_path: Path) -> None:
+    # 2 DGX A100 x 8 GPUs, 24 sequences per micro-batch, 2 accumulation steps: 48 per GPU per step, GBS 768.
+    config = tmp_path / "config_DGXA100_2x8x24x2.sh"
+    config.write_text("export DGXSYSTEM=DGXA100_2x8x24x2\nexport DGXNNODES=2\nexport DGXNGPU=8\n"
+                      "export BATCHSIZE=24\nexport GRADIENT_STEPS=2\n")
+    (row,) = ttt.config_rows([config], {"A100": 0.003}, ttt.load_rcps(), {})
+    assert (row["gpus"], row["local_batch"], row["gbs"]) == (16, 48, 768)
+    assert row["eval_interval"] == 150_000  # FLOOR(0.05 x (230.23 x 768 + 3e6), 25000)
