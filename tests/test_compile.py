@@ -52,6 +52,13 @@ def test_compile_that_cannot_run_here_is_one_line_naming_the_setting(monkeypatch
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(ValueError, match=r"^COMPILE=max-autotune on CUDA needs Triton"):
         check_compile("max-autotune", torch.device("cuda"))
+    # with a C++ compiler the CPU runs every inductor mode but the one that only records CUDA graphs (max-autotune
+    # records them on CUDA alone: on the CPU it is inductor's autotuning)
+    monkeypatch.setattr("bert.model.compile._cxx_compiler", lambda: "/usr/bin/g++")
+    for name in ("default", "max-autotune"):
+        check_compile(name, CPU)
+    with pytest.raises(ValueError, match=r"^COMPILE=reduce-overhead captures CUDA graphs"):
+        check_compile("reduce-overhead", CPU)
 
 
 def test_warm_up_leaves_training_bit_identical():
@@ -76,6 +83,15 @@ def test_warm_up_leaves_training_bit_identical():
     assert torch.equal(cold_rng, warm_rng)
     for name in cold:
         assert torch.equal(cold[name], warm[name]), name
+
+
+def test_warm_up_batch_has_two_sequences_at_least_of_two_tokens_or_more():
+    """Sizes 0 and 1 are specialised on by a dynamic graph: a warm-up on them would leave the graph the training
+    steps need uncompiled (TRAIN_BATCHSIZE=1 included)."""
+    for sequences in (1, 2, 5):
+        b = warmup_batch(sequences, 8, CPU, vocab_size=1998, seed=sequences)
+        assert b.num_sequences == max(sequences, 2)
+        assert all(2 <= n <= 8 for n in b.seq.lengths), b.seq.lengths
 
 
 def compiled_equals_eager(name: str, atol: float, scope: str = "model", layers: int = 1) -> None:
@@ -271,13 +287,15 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
     """With STATIC_TOKENS the eval batches are padded like the training batches, and under a CUDA-graph COMPILE mode
     the eval warm-up's synthetic batches take exactly their shapes (tokens, masked rows, sequences, max_seqlen),
     known from the length index before a sample is read: the first evaluation records no graph. Other modes: one
-    batch per eval batch size, with the padding sequence the eval batches have."""
+    batch per eval batch size, with the padding sequence the eval batches have. The eval's bucket is its own
+    (STATIC_TOKENS capped at one sequence, as the driver builds the eval set), not the training batches'."""
     from types import SimpleNamespace
 
     from script_modules import load_script
 
     from bert.config import from_flat
     from bert.data.eval_set import EvalSet
+    from bert.static_shapes import eval_token_bucket
 
     data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=60)
     module = SimpleNamespace(config=BertConfig.load(str(data / "bert_config.json")))
@@ -285,10 +303,10 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
     def shape(b) -> tuple[int, int, int, int]:
         return b.num_tokens, b.masked_labels.numel(), b.num_sequences, b.seq.max_seqlen
 
-    def warm(compile_mode: str) -> tuple[list, EvalSet]:
+    def warm(compile_mode: str, static: int = 256) -> tuple[list, EvalSet]:
         cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
-                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=256)
-        evals = EvalSet(data / "eval_varlength", 8, 1, 0, 60, static_tokens=256)
+                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=static)
+        evals = EvalSet(data / "eval_varlength", 8, 1, 0, 60, static_tokens=eval_token_bucket(static))
         run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), eval_set=evals)
         return eval_warmup_batches(run, CPU), evals
 
@@ -299,6 +317,13 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
     assert sorted(shape(b) for b in graphs) == sorted(set(real))
     dynamic, evals = warm("default")
     assert sorted(b.num_sequences for b in dynamic) == sorted({s for _, _, s, _ in real}) == [5, 9]  # 7 x 8 + 4
+    # STATIC_TOKENS=1024: training batches in 1024-token buckets, the eval's in 512-token ones
+    graphs, evals = warm("reduce-overhead", 1024)
+    real = [shape(b) for b in evals]
+    assert all(t % 512 == 0 for t, *_ in real) and any(t % 1024 for t, *_ in real)
+    assert sorted(shape(b) for b in graphs) == sorted(set(real))
+    dynamic, _ = warm("default", 1024)
+    assert all(b.num_tokens == -(-(sum(b.seq.lengths[:-1]) + 1) // 512) * 512 for b in dynamic)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +193,69 @@ def test_sections_are_dataclasses_with_defaults():
     for name, cls in SECTIONS.items():
         assert dataclasses.is_dataclass(cls) and isinstance(getattr(cfg, name), cls)
     assert cfg.global_batch_size_per_rank == cfg.data.train_batch_size * cfg.optim.gradient_accumulation_steps
+
+
+def test_bounds_are_inclusive_unless_open():
+    """Each bound as the field states it: a value on an inclusive bound parses, on an open one it is refused (an
+    epsilon, a clip threshold or a bucket of 0 would divide by zero or clip everything; a target of 0 is met at
+    once)."""
+    on_the_bound = {"OPT_LAMB_BETA_1": "1", "OPT_LAMB_BETA_2": "0", "WEIGHT_DECAY_RATE": "10", "LR": "1e6",
+                    "BATCHSIZE": "65536", "SEED": "0", "WARMUP_STEPS": "0", "EPSILON": "1", "END_LR": "10"}
+    cfg = parse(**on_the_bound)
+    assert (cfg.optim.opt_lamb_beta_1, cfg.optim.weight_decay_rate, cfg.optim.learning_rate) == (1.0, 10.0, 1e6)
+    assert (cfg.data.train_batch_size, cfg.run.seed) == (65536, 0)
+    assert parse(SEED=str(2**63 - 1)).run.seed == 2**63 - 1
+    for env, value, problem in (("EPSILON", "0", "must be > 0"), ("MAX_GRAD_NORM", "0", "must be > 0"),
+                                ("BUCKET_CAP_MB", "0", "must be > 0"), ("TARGET_MLM_ACCURACY", "0", "must be > 0"),
+                                ("BATCHSIZE", "65537", "must be <= 65536"), ("SEED", str(2**63), "must be <=")):
+        with pytest.raises(ConfigError, match=re.escape(f"${env} = ") + ".*" + re.escape(problem)):
+            parse(**{env: value})
+
+
+@pytest.mark.parametrize("missing", ["DATADIR_PHASE2", "EVALDIR", "BERT_CONFIG", "BATCHSIZE", "LR", "MAX_STEPS"])
+def test_a_required_setting_left_out_is_named(missing):
+    env = {k: v for k, v in BASE.items() if k != missing}
+    with pytest.raises(ConfigError, match=re.escape(f"${missing} = ") + ".*is required"):
+        from_env_and_args([], env)
+    with pytest.raises(ConfigError, match=re.escape(f"${missing} = ''")):  # set but empty, as a shell config may
+        from_env_and_args([], {**env, missing: ""})
+
+
+def test_booleans_in_any_case():
+    for raw, want in (("1", True), ("True", True), ("YES", True), ("On", True), ("0", False), ("False", False),
+                      ("NO", False), ("off", False), ("", False)):
+        assert parse(SKIP_CHECKPOINT=raw).run.skip_checkpoint is want, raw
+    with pytest.raises(ConfigError, match=r"\$SKIP_CHECKPOINT = '2' from \$SKIP_CHECKPOINT is not a valid bool"):
+        parse(SKIP_CHECKPOINT="2")
+
+
+def test_an_explicit_node_size_must_divide_the_world_whatever_the_reduction():
+    """GRAD_REDUCE_NODE_SIZE set by hand is checked against the launcher's world under any GRAD_REDUCE (it states
+    a layout); left at 0 it is checked only for hierarchical, the one reduction that uses nodes."""
+    with pytest.raises(ConfigError, match=r"\$GRAD_REDUCE_NODE_SIZE = 3 does not divide the world size 4 "
+                                          r"\(\$WORLD_SIZE\) into equal nodes for GRAD_REDUCE=flat"):
+        parse(GRAD_REDUCE_NODE_SIZE="3", WORLD_SIZE="4")
+    assert parse(GRAD_REDUCE_NODE_SIZE="2", WORLD_SIZE="4").dist.grad_reduce_node_size == 2
+    assert parse(WORLD_SIZE="6", LOCAL_WORLD_SIZE="4").dist.grad_reduce == "flat"  # flat has no nodes
+
+
+def test_check_env_checks_the_device_only_when_asked_and_prints_the_config_otherwise(monkeypatch, capsys):
+    """run_and_time.sh passes --check-device; --check-env alone validates the settings (a login node without the
+    job's GPU can check a CUDA-only ATTENTION); without --check-env the resolved config is printed, flags over
+    variables."""
+    import torch
+
+    from bert.train.config import main
+
+    for name, value in {**BASE, "ATTENTION": "varlen", "LR": "0.25"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--check-env"]) == 0 and capsys.readouterr().out == "config OK\n"
+    if not torch.cuda.is_available():
+        assert main(["--check-env", "--check-device"]) == 2
+        assert "ATTENTION=varlen needs a CUDA device" in capsys.readouterr().err
+    assert main(["--learning_rate", "0.5", "--seed", "7"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed) == list(SECTIONS)
+    assert (printed["optim"]["learning_rate"], printed["run"]["seed"], printed["model"]["attention"]) == (
+        0.5, 7, "varlen")
+    assert printed["data"]["train_batch_size"] == 8

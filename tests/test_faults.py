@@ -98,6 +98,25 @@ def test_non_finite_loss_ends_an_unscaled_run_and_not_a_scaled_one(loss):
     check_finite(3.5, 7, scaled=False)
 
 
+def test_stop_agreement_answers_a_step_late_for_a_wish_and_for_sigterm():
+    """Each poll starts this step's reduction and answers the previous step's (its latency hidden behind a step): a
+    wish, or SIGTERM received at any time, stops the run at the next poll, and stays a stop. No process group here:
+    the reduction over one rank is the wish itself."""
+    from bert.train.faults import StopAgreement
+
+    stop = StopAgreement()
+    assert [stop.poll(), stop.poll(True), stop.poll(), stop.poll()] == [False, False, True, False]
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs in the main thread at the next bytecode
+        assert stop.signalled and [stop.poll(), stop.poll(), stop.poll()] == [False, True, True]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stop.drain()
+
+
 def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):
     proc = driver(data, tmp_path, learning_rate=1e6, precision="fp32")  # the largest LR the config accepts
     output, _ = proc.communicate(timeout=120)

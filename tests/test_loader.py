@@ -108,8 +108,24 @@ def test_resume_continues_with_the_identical_batches(wiki_dir):
     other = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="snake", seed=3, shuffle_buffer=10)
     with pytest.raises(ValueError, match="strategy"):
         other.load_state_dict(state)
-    for x in (ld, fresh, other):
+    reseeded = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=4, shuffle_buffer=10)
+    with pytest.raises(ValueError, match=r"'seed': \(3, 4\)"):  # another order of the same samples: not a resume
+        reseeded.load_state_dict(state)
+    for x in (ld, fresh, other, reseeded):
         x.close()
+
+
+def test_resume_refuses_another_data_set(wiki_dir, tmp_path):
+    """A checkpoint continued on a data set of another size would count its epochs over other samples."""
+    ld = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    take(ld, 2)
+    state = ld.state_dict()
+    ld.close()
+    write_id_shards(tmp_path / "other", [[5, 6, 7] * 20])
+    other = TrainLoader(tmp_path / "other", 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    with pytest.raises(ValueError, match=r"'num_samples': \(205, 60\)"):
+        other.load_state_dict(state)
+    other.close()
 
 
 def test_resume_at_another_world_size_carries_the_sample_count(wiki_dir, capsys):
@@ -142,6 +158,8 @@ def test_eval_slices_partition_the_eval_set(wiki_dir):
     assert sorted(g for part in ids for g in part) == list(range(100))
     assert [len(part) for part in ids] == [34, 33, 33]
     assert all(b.num_sequences <= 6 for batches in slices for b in batches)
+    whole = [eval_batches(wiki_dir, 64, 2, rank, 205) for rank in range(2)]  # every sample the set holds
+    assert sorted(g for batches in whole for b in batches for g in batch_ids(b)) == list(range(205))
     with pytest.raises(ValueError, match=f"{wiki_dir}.*holds 205"):
         eval_batches(wiki_dir, 6, 3, 0, 206)
 

@@ -105,3 +105,13 @@ def test_eval_accuracy_epoch_num_is_an_int_sample_count_and_other_ranks_write_no
     other = tmp_path / "rank1.txt"
     MLPerfLog(str(other), enabled=False).run_stop(1, 1, success=True)
     assert not other.exists()
+
+
+def test_run_stop_logs_both_sample_counts_and_an_aborted_status(tmp_path):
+    """The closing events as the rules' checker reads them: block_stop, train_samples (samples trained), eval_samples
+    (the eval set's size), run_stop with success or aborted."""
+    path = tmp_path / "result_0.txt"
+    MLPerfLog(str(path), enabled=True).run_stop(samples=1_536_000, eval_samples=10_000, success=False)
+    events = [(e["key"], e["value"], e["metadata"].get("status")) for e in lines(path)]
+    assert events == [("block_stop", None, None), ("train_samples", 1_536_000, None), ("eval_samples", 10_000, None),
+                      ("run_stop", None, "aborted")]

@@ -7,14 +7,25 @@ import contextlib
 import gzip
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from script_modules import load_script
+from torch.autograd import DeviceType
 
 from bert.train.loop import train
-from bert.train.profile import COMMUNICATION, StepProfiler, Timed, kind_of, short_name, summarize
+from bert.train.profile import (
+    COMMUNICATION,
+    WINDOW,
+    StepProfiler,
+    Timed,
+    device_records,
+    kind_of,
+    short_name,
+    summarize,
+)
 
 hs = load_script("bench/host_syncs.py")
 
@@ -106,6 +117,23 @@ def test_a_window_of_matmuls_and_a_layer_norm_is_measured_as_that_work(tmp_path,
     assert 0 < s["busy_ms_per_step"] <= s["wall_ms_per_step"]
     with gzip.open(tmp_path / "profile" / "rank0.trace.json.gz") as f:
         assert json.load(f)["traceEvents"]
+
+
+def test_device_records_are_the_training_threads_operators_or_the_devices_kernels():
+    """What `device_records` keeps of a profile's events, on hand-made events: on the CPU the training thread's
+    synchronous operators by self time (the step marker, other threads and async spans left out: a prefetch thread's
+    collation would count a second core as busy); on a GPU the device's kernels by duration, and no host operator."""
+    def event(name, device, thread=1, is_async=False, self_us=0.0, us=0.0):
+        return SimpleNamespace(name=name, device_type=device, thread=thread, is_async=is_async,
+                               self_cpu_time_total=self_us, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event(WINDOW, DeviceType.CPU, self_us=5), event("aten::mm", DeviceType.CPU, self_us=40),
+              event("aten::cat", DeviceType.CPU, thread=2, self_us=30), event("aten::mm", DeviceType.CPU, self_us=2),
+              event("gloo:all_reduce", DeviceType.CPU, is_async=True, self_us=9),
+              event("nvjet_x", DeviceType.CUDA, thread=0, us=7.5), event("Memset (Device)", DeviceType.CUDA, us=0.5)]
+    assert list(device_records(events, torch.device("cpu"), thread=1)) == [Timed("aten::mm", 40), Timed("aten::mm", 2)]
+    assert list(device_records(events, torch.device("cuda"), thread=1)) == [Timed("nvjet_x", 7.5),
+                                                                            Timed("Memset (Device)", 0.5)]
 
 
 @pytest.fixture(scope="module")

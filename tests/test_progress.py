@@ -91,3 +91,20 @@ def test_peak_table_by_device_name_and_precision():
     assert peak_flops("Tesla T4", "fp16") is None
     assert device_peak_flops(torch.device("cpu"), "fp32") is None
     assert device_peak_flops(torch.device("cpu"), "bf16", override_tflops=100) == 100e12
+
+
+def test_a_resumed_run_appends_to_the_metrics_and_a_fresh_one_starts_them(tmp_path):
+    """RESUME=1 continues metrics.jsonl (the first job's intervals stay); a fresh run in the same folder replaces it."""
+    def run(resume: bool, step: int) -> None:
+        progress = Progress(tmp_path, enabled=True, resume=resume)
+        progress.log(step=step, samples=8 * step, loss=1.0)
+        progress.close()
+
+    def steps() -> list[int]:
+        return [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    run(False, 1)
+    run(True, 2)
+    assert steps() == [1, 2]
+    run(False, 3)
+    assert steps() == [3]

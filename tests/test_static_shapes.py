@@ -44,6 +44,9 @@ def test_padded_batch_has_bucketed_shapes_and_one_ignored_sequence():
     assert exact.num_tokens == 256 and exact.num_sequences == 3
     with pytest.raises(ValueError, match="token_bucket=0"):
         pad_to_buckets(batch, 0, 8)
+    # a padding sequence longer than the bound raises max_seqlen to its length: an upper bound of every sequence
+    wide = pad_to_buckets(random_batch((100, 20), seed=2), token_bucket=1024, masked_bucket=8)
+    assert wide.seq.lengths == (100, 20, 904) and wide.seq.max_seqlen == 904
 
 
 @pytest.mark.parametrize("attention", ("loop", "grouped"))
@@ -116,6 +119,17 @@ def test_likely_buckets_cover_the_runs_batches_and_warm_up_batches_match_their_s
         assert warm.masked_labels.numel() == real.get(bucket, warm.masked_labels.numel())
     with pytest.raises(ValueError, match="pads to 512"):
         bucket_batch(512, 300, 512, vocab_size=30522)  # 300 sequences of 2 tokens or more do not fit in 511
+
+
+def test_likely_buckets_by_hand():
+    """Lengths 100 and 300 (mean 200, sd 100), batches of 4: the token count T of a batch lies in 800 +- 4.5 x 2 x 100,
+    cut to what 4 sequences of 2..512 tokens can hold, [8, 1700]; padded (T + 1 at least) to 512-token buckets that
+    is 512, 1024, 1536 and 2048, the last one included. One length (sd 0): the one bucket of 4 x 100 + 1 tokens."""
+    lengths = np.array([100, 300] * 50)
+    assert likely_token_buckets(lengths, 4, 512) == [512, 1024, 1536, 2048]
+    assert likely_token_buckets(lengths, 4, 512, sigmas=1.0) == [1024]  # T in [600, 1000]
+    assert likely_token_buckets(np.full(7, 100), 4, 128) == [512]
+    assert likely_token_buckets(np.full(7, 127), 1, 128) == [128]  # 127 + 1: the last bucket still in the range
 
 
 def test_shape_count_bench_table_and_json(tmp_path, capsys):
