@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from script_modules import load_script
 
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.checkpoint import export_state, load_pretrained, load_state, load_weights, save_weights
+from bert.model.checkpoint import export_state, load_pretrained, load_state, load_weights, save_weights, to_our_name
 from bert.synthetic import random_batch
 
 convert_tf = load_script("data/convert_tf_checkpoint.py")
@@ -38,10 +38,12 @@ def test_save_and_load_roundtrip(tmp_path):
 
 
 def test_nvidia_style_pt_with_module_prefix_loads(tmp_path):
-    """NVIDIA's checkpoints: HF names with separate query/key/value under `module.`, wrapped in {"model": ...}."""
+    """NVIDIA's checkpoints: HF names with separate query/key/value under `module.`, wrapped in {"model": ...},
+    the decoder stored too (a state_dict lists a tied tensor under both names)."""
     src, dst = tiny(0), tiny(1)
     state = export_state(src, real_vocab=False)
     assert "bert.encoder.layer.0.attention.self.value.weight" in state
+    state["cls.predictions.decoder.weight"] = state[WORDS]
     torch.save({"model": {"module." + k: v for k, v in state.items()}}, tmp_path / "ckpt.pt")
     load_pretrained(dst, tmp_path / "ckpt.pt")
     assert_same_weights(src, dst)
@@ -211,5 +213,23 @@ def test_tf_names_map_like_nvidia_and_unknown_names_fail():
     assert convert_tf.torch_name("cls/predictions/output_bias") == "cls.predictions.bias"
     assert convert_tf.torch_name("bert/encoder/layer_0/output/dense/kernel/LAMB") is None
     assert convert_tf.torch_name("bert/pooler/dense/bias/adam_v") is None
+    # the rest of a TF LAMB run's optimizer state (NVIDIA's converter skips the same names)
+    for slot in ("bert/encoder/layer_0/output/dense/kernel/LAMB_1", "cls/predictions/output_bias/LAMB_1",
+                 "beta1_power", "beta2_power", "global_step", "good_steps", "loss_scale"):
+        assert convert_tf.torch_name(slot) is None, slot
     with pytest.raises(ValueError, match="bert/pooler/dense/frobnicator"):
         convert_tf.torch_name("bert/pooler/dense/frobnicator")
+
+
+def test_names_of_other_checkpoints_map_to_ours():
+    """By hand: DDP's `module.` prefix, a bare `BertModel`'s names, and older HF files' LayerNorm gamma/beta
+    (the scale is our weight, the shift our bias)."""
+    assert to_our_name("module.cls.predictions.bias") == "cls.predictions.bias"
+    assert to_our_name("encoder.layer.3.output.dense.weight") == "bert.encoder.layer.3.output.dense.weight"
+    assert to_our_name("pooler.dense.bias") == "bert.pooler.dense.bias"
+    assert to_our_name("bert.encoder.layer.0.attention.output.LayerNorm.gamma") == \
+        "bert.encoder.layer.0.attention.output.LayerNorm.weight"
+    assert to_our_name("embeddings.LayerNorm.beta") == "bert.embeddings.LayerNorm.bias"
+    assert to_our_name("module.cls.predictions.transform.LayerNorm.gamma") == \
+        "cls.predictions.transform.LayerNorm.weight"
+    assert to_our_name(WORDS) == WORDS

@@ -119,6 +119,24 @@ def test_config_mismatch_from_config_json_beside_the_file(tmp_path):
     assert "hidden_size 64 vs 32" in one_line(err, path)
 
 
+@pytest.mark.parametrize("layout", ["nvidia-pt-beside-bert_config", "hf-directory"])
+def test_config_mismatch_in_googles_and_hfs_layouts(tmp_path, layout):
+    """Same shapes, different head count, stated where those layouts keep it: `bert_config.json` beside NVIDIA's
+    converted phase-1 `.pt` (Google's name), `config.json` inside a Hugging Face model directory given as the path."""
+    state = {k: v.contiguous() for k, v in small().state_dict().items()}
+    if layout == "hf-directory":
+        (tmp_path / "config.json").write_text(json.dumps({**SMALL, "num_attention_heads": 4}))
+        save_file(state, str(tmp_path / "model.safetensors"))
+        path = tmp_path
+    else:
+        (tmp_path / "bert_config.json").write_text(json.dumps({**SMALL, "num_attention_heads": 4}))
+        path = tmp_path / "model.ckpt-28252.pt"
+        torch.save({"model": state}, path)
+    with pytest.raises(CheckpointError) as err:
+        load_init_checkpoint(small(), str(path))
+    assert "num_attention_heads 4 vs 2" in one_line(err, path)
+
+
 def test_wrong_shapes_without_a_stated_config(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({k: v.contiguous() for k, v in small(intermediate_size=48).state_dict().items()}, str(path))

@@ -89,3 +89,28 @@ def test_written_checkpoint_loads_with_its_heads(model, tmp_path):
     for name, t in fresh.state_dict().items():
         same = torch.equal(t, model.state_dict()[name])
         assert same != name.startswith(phase1_heads.HEADS), name  # the encoder's weights, new heads
+
+
+def test_split_holds_out_the_last_fraction_of_each_kind_of_row():
+    """20 masked rows and 10 pooled rows, 10 % held out: fit on the first 18 and 9, hold out the last 2 and 1
+    (by hand); every row lands on exactly one side."""
+    f = phase1_heads.Features(torch.arange(20.0).unsqueeze(1), torch.arange(20), torch.arange(10.0).unsqueeze(1),
+                              torch.arange(10))
+    fit, held = f.split(0.1)
+    assert fit.masked_labels.tolist() == list(range(18)) and held.masked_labels.tolist() == [18, 19]
+    assert fit.masked[:, 0].tolist() == list(range(18)) and held.masked[:, 0].tolist() == [18.0, 19.0]
+    assert fit.nsp_labels.tolist() == list(range(9)) and held.nsp_labels.tolist() == [9]
+    assert fit.pooled[:, 0].tolist() == list(range(9)) and held.pooled[:, 0].tolist() == [9.0]
+
+
+def test_first_samples_takes_the_first_of_each_shard_rounding_up(tmp_path):
+    """5 samples from 2 shards: ceil(5 / 2) = 3 from each, the first 5 of those kept (3 + 2); 4 from 3 shards: 2
+    from each, the first 4 kept (2 + 2)."""
+    shards = [samples(6, seed=i) for i in range(3)]
+    for i, shard in enumerate(shards):
+        write_varlength_shard(tmp_path / f"part_{i:05d}_of_00003.hdf5", shard)
+    ids = lambda got: [s.input_ids.tolist() for s in got]  # noqa: E731
+    want = [shards[0][0], shards[0][1], shards[0][2], shards[1][0], shards[1][1]]
+    assert ids(phase1_heads.first_samples(tmp_path, 5, 2)) == ids(want)
+    want = [shards[0][0], shards[0][1], shards[1][0], shards[1][1]]
+    assert ids(phase1_heads.first_samples(tmp_path, 4, 3)) == ids(want)
