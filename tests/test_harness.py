@@ -182,15 +182,22 @@ def test_launch_mode_preconditions(overrides, message, tmp_path):
     assert "STARTING TIMING RUN" not in out.stdout
 
 
+def recorded_start(tmp_path: Path, env: dict[str, str]) -> str:
+    """run_and_time.sh with a stand-in python that succeeds at everything and starts nothing: the command line it
+    was given to start the driver (through torchrun's `bert.dist.launch`, or `run_pretraining.py` directly)."""
+    fake, call = tmp_path / "python", tmp_path / "driver_call"
+    fake.write_text(f'#!/bin/sh\ncase " $* " in *run_pretraining.py*) echo "$*" > "{call}" ;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], capture_output=True, text=True, cwd=ROOT,
+                         env={**env, "PYTHON": str(fake)})
+    assert out.returncode == 0, out.stderr
+    return call.read_text()
+
+
 @pytest.mark.parametrize("slurm_tasks, launcher", [("", "torchrun"), ("1", "torchrun"), ("2", "slurm")])
 def test_slurm_starts_the_workers_only_with_one_task_per_process(slurm_tasks, launcher, tmp_path):
     """config_CPU_1x2.sh has 2 processes: a Slurm step of 2 tasks runs the driver directly in each, a step of 1
-    task (an interactive srun) still needs torchrun. A stand-in python records how the driver is started."""
-    fake, call = tmp_path / "python", tmp_path / "driver"
-    fake.write_text(f'#!/bin/sh\ncase " $* " in *run_pretraining.py*) echo "$*" > "{call}" ;; esac\nexit 0\n')
-    fake.chmod(0o755)
+    task (an interactive srun) still needs torchrun."""
     step = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": slurm_tasks, "SLURM_PROCID": "0"} if slurm_tasks else {}
-    out = subprocess.run([str(ROOT / "run_and_time.sh")], capture_output=True, text=True, cwd=ROOT,
-                         env={**config_env("config_CPU_1x2.sh", SEED="5", **step), "PYTHON": str(fake)})
-    assert out.returncode == 0, out.stderr
-    assert ("bert.dist.launch" in call.read_text()) == (launcher == "torchrun")
+    started = recorded_start(tmp_path, config_env("config_CPU_1x2.sh", SEED="5", **step))
+    assert ("bert.dist.launch" in started) == (launcher == "torchrun")

@@ -1,7 +1,7 @@
 """The training loop and the run it is built with, in one process: the real `build_run` on the synthetic data set
 (tiny BERT, a world of one). Where `train` stops, when it checkpoints, what a resumed job counts, that every step
 clips what the optimizer is handed, and what `build_run` decides from the precision. The driver-level tests
-(tests/test_train.py, test_resume.py) cover the same code at seconds per run; these pin the edges by hand."""
+(tests/test_train.py, test_resume.py) run the same code at tens of seconds a run; these pin the edges by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from bert.config import from_flat
 from bert.data.format import ShardError
 from bert.dist.env import DistEnv
+from bert.synthetic import random_batch
 from bert.train.build import build_run
 from bert.train.loop import ABORTED, PREEMPTED, Run, train, train_step
 from bert.train.mlperf_log import MLPerfLog
@@ -68,9 +69,8 @@ def test_the_optimizer_is_handed_the_clipped_accumulated_gradient(world_of_one, 
     run = make_run(synthetic_data, tmp_path, grad_clip=clip, max_grad_norm=c, gradient_accumulation_steps=2,
                    grad_buckets="balanced" if clip == "bucket" else "ddp")
     seen = []
-    run.optimizer.register_step_pre_hook(
-        lambda opt, *_: seen.append(torch.nn.utils.get_total_norm([p.grad for p in opt.param_groups[0]["params"]
-                                                                  + opt.param_groups[1]["params"]]).item()))
+    run.optimizer.register_step_pre_hook(lambda opt, *_: seen.append(
+        torch.nn.utils.get_total_norm([p.grad for group in opt.param_groups for p in group["params"]]).item()))
     batches = iter(run.loader)
     try:
         train_step(run, batches)
@@ -82,26 +82,28 @@ def test_the_optimizer_is_handed_the_clipped_accumulated_gradient(world_of_one, 
     assert alone > 100 * c
 
 
-def test_the_precision_decides_the_loss_scaler_and_autocast(world_of_one, synthetic_data, tmp_path):
-    def resolved(**fields) -> tuple[bool, bool, torch.dtype]:
-        run = make_run(synthetic_data, tmp_path / str(len(list(tmp_path.iterdir()))), **fields)
-        run.loader.close()
-        with run.autocast():
-            return run.scaler.is_enabled(), torch.is_autocast_enabled("cpu"), next(run.ddp.module.parameters()).dtype
-
-    assert resolved(precision="fp32") == (False, False, torch.float32)
-    assert resolved(precision="bf16") == (False, True, torch.float32)  # autocast over fp32 weights
-    assert resolved(precision="bf16", master_weights=True) == (False, False, torch.bfloat16)  # no casts: bf16 weights
-    assert resolved(precision="fp16", master_weights=True) == (True, False, torch.float16)
+@pytest.mark.parametrize("fields, scaled, autocast, weights", [
+    ({"precision": "fp32"}, False, False, torch.float32),
+    ({"precision": "bf16"}, False, True, torch.float32),  # autocast over fp32 weights
+    ({"precision": "bf16", "master_weights": True}, False, False, torch.bfloat16),  # no casts: bf16 weights
+    ({"precision": "fp16", "master_weights": True}, True, False, torch.float16),
+], ids=["fp32", "bf16", "bf16-master", "fp16-master"])
+def test_the_precision_decides_the_loss_scaler_and_autocast(world_of_one, synthetic_data, tmp_path, fields, scaled,
+                                                            autocast, weights):
+    run = make_run(synthetic_data, tmp_path, **fields)
+    run.loader.close()
+    with run.autocast():
+        assert torch.is_autocast_enabled("cpu") == autocast
+    assert run.scaler.is_enabled() == scaled and next(run.ddp.module.parameters()).dtype == weights
 
 
 def test_ranks_start_from_the_same_weights_and_draw_their_own_dropout(world_of_one, synthetic_data, tmp_path):
     """The same seed on every rank gives the same initial weights; the dropout masks are drawn per rank, as they
     are per sequence across the global batch (a world of one stands in: the two runs differ only in their rank)."""
+    batch = random_batch((30, 17, 9), seed=1)  # the same batch on both
     outputs, weights = [], []
     for rank in (0, 1):
         run = make_run(synthetic_data, tmp_path / f"rank{rank}", env=DistEnv(rank, 2, rank, 2, "localhost", 0))
-        batch = next(iter(run.loader)) if rank == 0 else batch  # noqa: F821  (the same batch on both)
         run.loader.close()
         model = run.ddp.module.train()
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))

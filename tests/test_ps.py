@@ -275,16 +275,11 @@ def test_launcher_refuses_a_server_count_it_cannot_honour(overrides, message):
     ({}, 2), ({"GRAD_REDUCE": "ps"}, 3), ({"GRAD_REDUCE": "ps", "PS_SERVERS": "2"}, 4),
 ], ids=["flat", "one-server", "two-servers"])
 def test_torchrun_is_asked_for_the_workers_and_the_servers(overrides, processes, tmp_path):
-    """config_CPU_1x2.sh's 2 workers plus PS_SERVERS servers on the node: a stand-in python records the launch."""
-    from test_harness import config_env
+    """config_CPU_1x2.sh's 2 workers plus PS_SERVERS servers on the node."""
+    from test_harness import config_env, recorded_start
 
-    fake, call = tmp_path / "python", tmp_path / "launch"
-    fake.write_text(f'#!/bin/sh\ncase " $* " in *" bert.dist.launch "*) echo "$*" > "{call}" ;; esac\nexit 0\n')
-    fake.chmod(0o755)
-    out = subprocess.run([str(ROOT / "run_and_time.sh")], capture_output=True, text=True, cwd=ROOT,
-                         env={**config_env("config_CPU_1x2.sh", **overrides), "PYTHON": str(fake)})
-    assert out.returncode == 0, out.stderr
-    assert f"--nproc_per_node={processes} " in call.read_text()
+    started = recorded_start(tmp_path, config_env("config_CPU_1x2.sh", **overrides))
+    assert f"bert.dist.launch --standalone --nnodes=1 --nproc_per_node={processes} " in started
 
 
 class _Headers:

@@ -22,21 +22,29 @@ with open(os.environ["SRUN_RECORD"], "a") as f:
 """
 
 
-def test_container_flags_and_paths(tmp_path):
+def recording_srun(tmp_path: Path) -> dict[str, str]:
+    """The variables that put FAKE_SRUN first on run.sub's PATH and tell it where to record."""
     (tmp_path / "bin").mkdir()
     srun = tmp_path / "bin" / "srun"
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
+    return {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl")}
+
+
+def recorded_calls(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+def test_container_flags_and_paths(tmp_path):
     host = {"DATADIR_PHASE2": "/lustre/bert/train", "EVALDIR": "/lustre/bert/eval",
             "CHECKPOINTDIR_PHASE1": "/lustre/bert/phase1"}
-    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl"),
-           "CONT": "registry/mlperf-bert:1", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "77",
-           "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
+    env = {**recording_srun(tmp_path), "CONT": "registry/mlperf-bert:1", "NEXP": "2", "LOGDIR": str(tmp_path / "logs"),
+           "SLURM_JOB_ID": "77", "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
            "INIT_CHECKPOINT": "/lustre/bert/phase1/model.ckpt-28252.safetensors", **host}
     script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && exec bash "{ROOT}/run.sub"'
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    calls = recorded_calls(tmp_path)
 
     create = calls[0]["argv"]
     assert "--container-image=registry/mlperf-bert:1" in create and "--ntasks=1" in create  # one per node
@@ -67,16 +75,10 @@ def test_container_flags_and_paths(tmp_path):
 def test_parameter_servers_are_extra_tasks_on_every_node(tmp_path):
     """GRAD_REDUCE=ps: every node runs DGXNGPU + PS_SERVERS tasks (bert/dist/ps.py): 2 nodes x (8 + 2) here, on the
     host's Python (no CONT)."""
-    (tmp_path / "bin").mkdir()
-    srun = tmp_path / "bin" / "srun"
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(0o755)
-    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SRUN_RECORD": str(tmp_path / "calls.jsonl"), "NEXP": "1",
-           "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "78", "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
-           "GRAD_REDUCE": "ps", "PS_SERVERS": "2"}
+    env = {**recording_srun(tmp_path), "NEXP": "1", "LOGDIR": str(tmp_path / "logs"), "SLURM_JOB_ID": "78",
+           "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0", "GRAD_REDUCE": "ps", "PS_SERVERS": "2"}
     script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && DGXNNODES=2 exec bash "{ROOT}/run.sub"'
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    calls = [json.loads(line)["argv"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    [run] = [argv for argv in calls if argv[-1] == f"{ROOT}/run_and_time.sh"]
+    [run] = [c["argv"] for c in recorded_calls(tmp_path) if c["argv"][-1] == f"{ROOT}/run_and_time.sh"]
     assert "--ntasks=20" in run and "--ntasks-per-node=10" in run
