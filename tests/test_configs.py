@@ -11,6 +11,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from bert.model.attention import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in ROOT.glob("config_*.sh") if not p.name.endswith("_common.sh") and not p.is_symlink())
-CLEAN_ENV = {"PATH": f"{ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
+CLEAN_ENV = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
 
 # Published values, transcribed from the reference (file it came from in the comment).
 PUBLISHED = {

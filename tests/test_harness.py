@@ -54,7 +54,7 @@ def data_env(data: Path) -> dict[str, str]:
 def config_env(config: str, **overrides: str) -> dict[str, str]:
     """os.environ after `source config`, then (for the CPU default) TINY_FROM_SCRATCH, then the overrides."""
     out = subprocess.run(["bash", "-c", f'source "{ROOT / config}" && env -0'], capture_output=True, text=True,
-                         check=True, env={**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"})
+                         check=True, env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     env = dict(item.split("=", 1) for item in out.stdout.split("\0") if "=" in item)
     fast = TINY_FROM_SCRATCH if Path(config).name == "config_CPU_1x2.sh" else {}
     return {**env, **fast, **overrides}

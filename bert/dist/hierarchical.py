@@ -54,6 +54,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
+
 
 def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(intra-node rank lists, inter-node rank lists): nodes are consecutive blocks of `node_size` ranks;
@@ -159,7 +161,7 @@ class HierarchicalSum:
     def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.scatter_group
         if self.exchange == "collective":
-            return _Pending([dist.reduce_scatter_single(shard, padded, group=group, async_op=True)])
+            return _Pending([reduce_scatter_single(shard, padded, group=group, async_op=True)])
         received = [self._buffer(shard) for _ in self.peers]  # p2p: `shard` is chunks[self.local]
         works = []
         for buf, (j, peer) in zip(received, self.peers):
@@ -176,7 +178,7 @@ class HierarchicalSum:
     def _all_gather(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.gather_group
         if self.exchange == "collective":
-            return _Pending([dist.all_gather_single(padded, shard, group=group, async_op=True)])
+            return _Pending([all_gather_single(padded, shard, group=group, async_op=True)])
         works = []  # p2p: our shard is already in its place; the peers' land in theirs
         for j, peer in self.peers:
             works.append(group.recv([chunks[j]], peer, 0))

@@ -121,6 +121,9 @@ class MasterWeights(torch.optim.Optimizer):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         # as GradScaler.unscale_: 1 / scale in float64, then fp32 (a power of two: exact either way)
         inv_scale = self.grad_scale.double().reciprocal().float() if scaled else None
+        # torch's fused AdamW and our Lamb read it (None: a step as usual). Set here, not in `update_masters`:
+        # torch 2.11's dynamo cannot trace a setattr on the inner optimizer (COMPILE_OPTIMIZER=1)
+        self.inner.found_inf = found_inf
         self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale, found_inf)
 
     def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None,
@@ -128,7 +131,7 @@ class MasterWeights(torch.optim.Optimizer):
         """Steps 1-5 over the parameters that have a gradient: no host sync and no host value that changes
         between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
         whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
-        change nothing (step 2 on the device)."""
+        change nothing (step 2 on the device); `step` has told the inner optimizer the same flag."""
         if inv_scale is None:  # bf16: a gradient per master, nothing to unscale or zero
             grads = [torch.empty_like(m) for m in masters]
             torch._foreach_copy_(grads, [p.grad for p in params])
@@ -144,8 +147,7 @@ class MasterWeights(torch.optim.Optimizer):
             m.grad = g
         if self.clip_after is not None:
             clip_after_allreduce(masters, self.clip_after)
-        self.inner.found_inf = found_inf  # torch's fused AdamW and our Lamb read it (None: a step as usual)
-        self.inner.step()
+        self.inner.step()  # reads `found_inf`, set by `step`
         for m in masters:
             m.grad = None
         torch._foreach_copy_(params, masters)

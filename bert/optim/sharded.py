@@ -32,7 +32,7 @@ the shard is scaled exactly as `clip_grad_norm_` would (max_norm / (norm + 1e-6)
 `bert.optim.hook_clip_mode` tells the builder which mode the hook runs.
 
 fp16: the GradScaler unscales and checks the *local* gradients before `step`; a rank's inf would
-then skip the step on that rank alone. `torch.distributed.fsdp.ShardedGradScaler` allreduces the
+then skip the step on that rank alone. `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` allreduces the
 inf flag, so every rank skips together (bert.train.build uses it under sharding).
 
 What travels per step, S fp32 gradients/weights, N ranks, ring collectives, bytes per rank:
@@ -57,12 +57,10 @@ from torch import Tensor
 from torch.futures import Future
 
 from bert.config import OptimConfig
+from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.optim.lamb import Lamb
 
 Groups = list[dict]
-# torch 2.13 renamed the flat collectives; the old names still work on older releases
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 InnerBuilder = Callable[[Groups, "ShardedOptimizer"], torch.optim.Optimizer]
 
 
@@ -135,7 +133,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("sharded update: a parameter has no gradient (every rank must send every one)")
         torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:self.total])
         flat.div_(self.world)  # as DDP's allreduce: divide, then sum
-        _REDUCE_SCATTER(self.shard, flat, group=self.process_group)
+        reduce_scatter_single(self.shard, flat, group=self.process_group)
 
     def _clip_after(self, max_norm: float) -> None:
         """clip_grad_norm_ on the averaged gradient, computed from the shards."""
@@ -148,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         own = [piece for piece in self.pieces if piece.numel()]
         if own:
             torch.cat(own, out=self.shard[:self.owned])
-        _ALL_GATHER(flat, self.shard, group=self.process_group)
+        all_gather_single(flat, self.shard, group=self.process_group)
         whole = [t.view_as(p) for t, p in zip(flat[:self.total].split(self.sizes), self.params)]
         torch._foreach_copy_(self.params, whole)
 
@@ -183,7 +181,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine = torch.zeros_like(self.shard)
             if own:
                 torch.cat(own, out=mine[:self.owned])
-            _ALL_GATHER(flat, mine, group=self.process_group)
+            all_gather_single(flat, mine, group=self.process_group)
             for i, (t, p) in enumerate(zip(flat[:self.total].split(self.sizes), self.params)):
                 if i in state:
                     state[i][key] = t.view_as(p).clone()

