@@ -2,14 +2,17 @@
 # The test suite under another torch release, in a venv of its own: above all the GPU machines' 2.11.0, whose
 # API differs from the CPU wheel's 2.13.0 (a collective renamed in 2.13, what 2.11's dynamo can trace). PyPI's
 # torch is a CUDA build (about 3 GB with its nvidia-* wheels); it runs on the CPU, so the CPU suite runs as here.
-#   bash scripts/test_torch.sh 2.11.0 [pytest args]     TORCHAO= skips torchao (default 0.18.0, for torch >= 2.11)
+#   bash scripts/test_torch.sh 2.11.0 [pytest args]
+# TORCHAO= skips torchao (default 0.18.0, for torch >= 2.11); PYTHON=python3.12 (the GPU machines' Python) makes
+# the venv with another interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${1:?usage: bash scripts/test_torch.sh TORCH_VERSION [pytest args]}
 shift
-VENV=${VENV:-.venv-torch$VERSION}
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv-torch$VERSION-$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])')}
 TORCHAO=${TORCHAO-0.18.0}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==$VERSION"
 # requirements.txt pins the CPU wheel's torch: everything else, held to this release

@@ -259,3 +259,24 @@ def test_check_env_checks_the_device_only_when_asked_and_prints_the_config_other
     assert (printed["optim"]["learning_rate"], printed["run"]["seed"], printed["model"]["attention"]) == (
         0.5, 7, "varlen")
     assert printed["data"]["train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("version, ok", [("2.6.0a0+ecf3bae", False), ("2.9.1", False), ("1.13.1", False),
+                                         ("2.10.0a0+b4e4ee81d3", True), ("2.11.0+cu130", True), ("2.13.0+cpu", True),
+                                         ("3.0.0", True)])
+def test_a_torch_older_than_the_oldest_tested_is_one_line_before_anything_else(version, ok, monkeypatch, capsys):
+    """2.6 (NGC 25.01) fails 8 tests of the model, compile, optimizer and reduction modules; 2.10 passes the suite
+    (scripts/test_torch.sh; bert.train.config.MIN_TORCH). --check-env refuses an older one before reading any
+    setting, from the package's metadata."""
+    from bert.train import config
+
+    monkeypatch.setattr(config.importlib.metadata, "version", lambda name: {"torch": version}[name])
+    for name, value in BASE.items():
+        monkeypatch.setenv(name, value)
+    assert config.main(["--check-env"]) == (0 if ok else 2)
+    out = capsys.readouterr()
+    if ok:
+        assert out.out == "config OK\n"
+    else:
+        assert out.err == f"error: torch {version} is older than 2.10, the oldest release this harness is tested " \
+                          "on: use a newer image (the Dockerfile's BASE_IMAGE) or torch\n"

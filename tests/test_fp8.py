@@ -18,7 +18,15 @@ from torch import nn
 
 from bert.config import FP8_TOKEN_ALIGN, ConfigError, from_flat
 from bert.model import BertConfig, BertForPreTraining
-from bert.model.fp8 import ALIGN, FP8_LINEAR_SETS, FP8_RECIPES, check_fp8, fp8_pattern, is_fp8_linear
+from bert.model.fp8 import (
+    ALIGN,
+    FP8_LINEAR_SETS,
+    FP8_RECIPES,
+    check_fp8,
+    fp8_pattern,
+    is_fp8_linear,
+    torchao_release,
+)
 from bert.synthetic import random_batch
 
 CPU = torch.device("cpu")
@@ -60,6 +68,16 @@ def test_fp8_without_torchao_is_one_line_naming_the_package(monkeypatch):
     with pytest.raises(ValueError, match=r"^PRECISION=fp8 needs torchao.*: pip install torchao==") as e:
         check_fp8("fp8", torch.device("cuda"))
     assert "\n" not in str(e.value)
+    monkeypatch.setattr(torch, "__version__", "2.10.0a0+b4e4ee81d3")  # NGC 25.12's torch
+    with pytest.raises(ValueError, match=r"pip install torchao==0\.16\.0$"):
+        check_fp8("fp8", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("version, release", [("2.10.0", "0.16.0"), ("2.10.0a0+b4e4ee81d3", "0.16.0"),
+                                              ("2.11.0+cu130", "0.18.0"), ("2.13.0+cpu", "0.18.0")])
+def test_the_torchao_release_named_is_the_one_each_torch_was_tested_with(version, release):
+    # scripts/test_torch.sh ran the float8 tests with these pairs; 0.17 and 0.18 skip their C++ parts on 2.10
+    assert torchao_release(version) == release
 
 
 def test_fp8_config_needs_token_counts_the_float8_gemms_accept():

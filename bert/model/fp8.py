@@ -47,8 +47,9 @@ The rowwise recipes' scales are per row, which we read as blocks of one row (the
 Nothing falls back silently: no CUDA device, compute capability below 8.9 (float8 tensor cores: Ada, Hopper,
 Blackwell), or torchao not installed is a one-line `ValueError` naming PRECISION=fp8, raised before any work
 (`bert.train.build.build_model`, and `python -m bert.train.config --check-env --check-device` in
-`run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it, and 0.18.0 is the
-version for torch >= 2.11 (its own minimum). TransformerEngine (in NVIDIA's PyTorch container) is the other
+`run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it: 0.18.0 for torch
+>= 2.11, 0.16.0 for 2.10 (0.17 and 0.18 skip their C++ extensions below 2.11), each run under the CPU suite
+(`scripts/test_torch.sh`). TransformerEngine (in NVIDIA's PyTorch container) is the other
 float8 library; this harness does not use it.
 """
 
@@ -60,7 +61,7 @@ import re
 import torch
 from torch import nn
 
-TORCHAO = "torchao==0.18.0"  # float8 training needs torch >= 2.11 at this version
+TORCHAO = {(2, 10): "0.16.0", (2, 11): "0.18.0"}  # torch (major, minor) -> the torchao release built for it
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 ALIGN = 16  # torch._scaled_mm: inner dimension and both weight dimensions
 FP8_RECIPES: dict[str, str | None] = {  # FP8_RECIPE -> torchao's recipe name (None: ours, tensorwise hybrid)
@@ -99,7 +100,13 @@ def check_fp8(precision: str, device: torch.device) -> None:
         import torchao.float8  # noqa: F401
     except ImportError as e:
         raise ValueError(f"PRECISION=fp8 needs torchao's float8 training, which is not installed ({e}): "
-                         f"pip install {TORCHAO}") from None
+                         f"pip install torchao=={torchao_release(torch.__version__)}") from None
+
+
+def torchao_release(torch_version: str) -> str:
+    """The torchao release for `torch_version` (as torch writes it): TORCHAO's entry, the newest for a newer torch."""
+    release = tuple(int(x) for x in torch_version.split(".")[:2])
+    return TORCHAO[max([k for k in TORCHAO if k <= release] or [min(TORCHAO)])]
 
 
 def is_fp8_linear(module: nn.Module, name: str, linears: str = "all") -> bool:
