@@ -22,4 +22,7 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 # the checkout on the path (no editable install: a bare venv lacks the wheel package it needs)
 "$VENV/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/bert_checkout.pth", "w").write(sys.argv[1])' "$PWD"
 "$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'
+# PYTHON named the interpreter for the venv; run_and_time.sh reads the same name for the driver's, so it must not
+# reach the tests (the base python3.12 has no torch: every run_and_time.sh test failed on its metadata)
+unset PYTHON
 PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -280,3 +280,15 @@ def test_a_torch_older_than_the_oldest_tested_is_one_line_before_anything_else(v
     else:
         assert out.err == f"error: torch {version} is older than 2.10, the oldest release this harness is tested " \
                           "on: use a newer image (the Dockerfile's BASE_IMAGE) or torch\n"
+
+
+def test_a_python_without_torch_is_one_line_naming_it(tmp_path):
+    """run_and_time.sh's $PYTHON on an interpreter without torch (scripts/test_torch.sh once leaked its own
+    PYTHON, a bare python3.12, into the tests): its check says so in one line, not a metadata traceback. `-S`
+    leaves site-packages, and so torch, off the path; the check itself needs only the checkout."""
+    env = {**BASE, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-S", "-m", "bert.train.config", "--check-env"], env=env,
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == f"error: torch is not installed for {sys.executable}: install it (README) or point " \
+                         "$PYTHON at the interpreter that has it\n"

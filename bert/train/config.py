@@ -29,8 +29,13 @@ MIN_TORCH = (2, 10)
 
 
 def check_torch(version: str | None = None) -> None:
-    """A ValueError naming the installed torch (or `version`, as pip writes it) if it is older than MIN_TORCH."""
-    version = version or importlib.metadata.version("torch")
+    """A ValueError naming the installed torch (or `version`, as pip writes it) if it is older than MIN_TORCH, or
+    naming the interpreter if it has no torch (run_and_time.sh's $PYTHON pointing at a bare one)."""
+    try:
+        version = version or importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"torch is not installed for {sys.executable}: install it (README) or point $PYTHON at the "
+                         "interpreter that has it") from None
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None or tuple(int(x) for x in found.groups()) < MIN_TORCH:
         raise ValueError(f"torch {version} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, the oldest release this "
