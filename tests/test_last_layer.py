@@ -90,3 +90,29 @@ def test_last_layer_subset_is_chosen_in_the_config():
     assert model_cfg().last_layer_subset is True  # exact, so on by default
     assert build_model(model_cfg(last_layer_subset=False), torch.device("cpu")).last_layer_subset is False
     assert build_model(model_cfg(), torch.device("cpu")).last_layer_subset is True
+
+
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_a_compiled_model_does_not_recompile_when_the_filler_is_empty_or_one_row(scope):
+    """The filler after the [CLS] and masked rows is 0 to 15 rows; a dynamic graph specialises on sizes 0 and 1,
+    so a filler tensor of its own recompiled the encoder twice inside the timed run (seen on the CPU under
+    COMPILE=default, 2026-11-25). Batches of 4 sequences whose masked counts leave fillers of 6, 0, 1 and 11 rows
+    run on the graphs of the first (COMPILE=debug: dynamo + AOT autograd, run eagerly)."""
+    import dataclasses
+
+    from bert.model.compile import compile_model
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(CFG, attention="loop", last_layer_subset=True).train()
+    compile_model(model, "debug", torch.device("cpu"), scope)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    base = random_batch((100, 80, 60, 120), seed=3, vocab_size=CFG.real_vocab_size)
+    graphs, fillers = [], []
+    for m in (6, 12, 11, 33):  # odd positions: no masked row is a [CLS] row, none repeats
+        batch = dataclasses.replace(base, masked_positions=torch.arange(1, 2 * m, 2),
+                                    masked_labels=torch.randint(0, CFG.real_vocab_size, (m,)))
+        model(batch).loss.backward()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        fillers.append(kept_row_count(4, m) - 4 - m)
+    assert fillers == [6, 0, 1, 11] and graphs == graphs[:1] * 4

@@ -41,8 +41,11 @@ def kept_rows(batch: Batch) -> Tensor:
     """Token indices of the kept rows, in `masked_positions`' dtype: the [CLS] rows, the masked rows, then row 0."""
     b, m = batch.num_sequences, batch.masked_positions.numel()
     cls_rows = batch.seq.cu_seqlens[:-1].to(batch.masked_positions.dtype)
-    filler = batch.masked_positions.new_zeros(kept_row_count(b, m) - b - m)
-    return torch.cat([cls_rows, batch.masked_positions, filler])
+    # Written into zeros rather than concatenated with a filler tensor: the filler's length is 0 or 1 for some
+    # batches, sizes a dynamic graph specialises on, so under COMPILE each would recompile inside the timed run
+    rows = batch.masked_positions.new_zeros(kept_row_count(b, m))
+    rows[:b + m] = torch.cat([cls_rows, batch.masked_positions])
+    return rows
 
 
 def split_kept(x: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
