@@ -26,9 +26,19 @@
 #
 # DRY_RUN=1 prints each step's command instead of running it: tests/test_cuda_session.py checks on a CPU that
 # every flag, variant name and driver setting below is accepted, before device time is spent on a typo.
+#
+# REHEARSE=1 runs the driver steps here, on the CPU, at REHEARSE_FLAGS (BERT tiny, 8 sequences, the CPU's
+# attention) on small shards, under the first python3 on PATH: with the GPU machines' torch (the venv of
+# `bash scripts/test_torch.sh 2.11.0`), a driver that fails to compile, or compiles again after run_start (the
+# table's "compile after run_start"), shows up before device time is spent on it. The other steps, and the
+# float8 and cuDNN drivers, need the GPU: they are skipped. About 5 minutes a driver on the 2-core VM.
+#   PATH=$PWD/.venv-torch2.11.0-py3.12/bin:$PATH REHEARSE=1 bash bench/cuda_session.sh shards driver-compiled-opt
 set -u
-OUT=${OUT:?the device tool sets OUT}
+REHEARSE=${REHEARSE:-0}
 WORK=${WORK:-/tmp/cuda_session}
+if [[ $REHEARSE == 1 ]]; then OUT=${OUT:-${WORK}_out} && mkdir -p "$OUT"; fi
+OUT=${OUT:?the device tool sets OUT}
+REHEARSE_FLAGS=${REHEARSE_FLAGS:---bert-config tiny --attention loop --batchsize 8}
 SHARDS=${SHARDS:-/tmp/shards}
 CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
@@ -87,7 +97,16 @@ step() {  # name limit_s command...: run it, keep its log, say how it ended
   pack
 }
 
+skip() {  # name why
+  echo "== $1: skipped ($2)"
+  if [[ ${DRY_RUN:-0} != 1 ]]; then echo "$1 skipped" >>"$WORK/steps.txt"; fi
+}
+
 for name in "$@"; do
+  if [[ $REHEARSE == 1 && $name != shards && $name != driver-* ]]; then
+    skip "$name" "REHEARSE=1 runs the shards and driver steps only"
+    continue
+  fi
   case $name in
     setup)
       # shellcheck disable=SC2016  # the inner bash expands them
@@ -99,7 +118,11 @@ for name in "$@"; do
         PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"'
       export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     shards)
-      step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 200000 --shards 16 ;;
+      if [[ $REHEARSE == 1 ]]; then
+        step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 4000 --shards 4 --eval-samples 500
+      else
+        step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 200000 --shards 16
+      fi ;;
     tests)
       # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
@@ -135,9 +158,17 @@ for name in "$@"; do
     driver-*)
       key=${name#driver-}
       [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }
+      flags=${DRIVERS[$key]} limit=${DRIVER_LIMIT:-420} device=cuda
+      if [[ $REHEARSE == 1 ]]; then
+        if [[ $flags == *"--precision fp8"* || $flags == *"--attention cudnn"* ]]; then
+          skip "$name" "float8 and cuDNN attention need the GPU"
+          continue
+        fi
+        flags+=" $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
+      fi
       # shellcheck disable=SC2086  # the flags are words
-      step "$name" "${DRIVER_LIMIT:-420}" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" ${DRIVERS[$key]} \
-        --json "$WORK/train_gpu_cuda_$key.json" --keep "$WORK/$name" ;;
+      step "$name" "$limit" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" $flags \
+        --json "$WORK/train_gpu_${device}_$key.json" --keep "$WORK/$name" ;;
     *)
       echo "cuda_session.sh: unknown step $name" >&2
       exit 2 ;;

@@ -53,7 +53,7 @@ from bert.model.precision import compute_dtype
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.compiled import compile_step, warm_up_step
 from bert.synthetic import random_batch
-from bert.train.profile import format_table
+from bert.train.profile import format_table, moved_counters
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_OF_REACH = "0.999"  # TARGET_MLM_ACCURACY: the config accepts (0, 1)
@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         "driver_vs_bench": driver_vs_bench(driver_stats, bench) if bench else None,
         "window_records": window(records, args.warmup_steps, args.log_freq, last),
         "profile": read_profile(out / "output" / "profile" / "rank0.json") if args.profile_steps else None,
+        # torch.compile's counters that moved after run_start ({}: the warm-up compiled everything; None: no compile)
+        "compiled_after_run_start": next((r["compiled_after_run_start"] for r in records
+                                          if "compiled_after_run_start" in r), None),
     }
     write_report(report, args.json)
     return 0
@@ -357,6 +360,8 @@ def print_table(report: dict) -> None:
         print(f"{'MFU vs datasheet':<20}{d['mfu_vs_datasheet']:>12.3f}")
     print(f"driver samples/s per GPU by interval: min {d['samples_per_s_per_gpu_min']:.2f}, median "
           f"{d['samples_per_s_per_gpu_median']:.2f}, max {d['samples_per_s_per_gpu_max']:.2f}")
+    if report.get("compiled_after_run_start") is not None:
+        print(f"compile after run_start: {moved_counters(report['compiled_after_run_start'])}")
     if report.get("profile"):
         print(format_table(report["profile"]))
 

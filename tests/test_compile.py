@@ -6,6 +6,7 @@ generation takes ~4 minutes for a 1-layer model on the 2-core CI machine; BERT_T
 same check with inductor.
 """
 
+import json
 import os
 import subprocess
 from dataclasses import replace
@@ -214,6 +215,8 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     keys = [e["key"] for e in mllog(out / "result_0.txt")]
     assert keys.index("init_start") < keys.index("model_compile_seconds") < keys.index("init_stop")
     assert "eval_accuracy" in keys and "run_stop" in keys
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "compiled_after_run_start" in r] == [{"compiled_after_run_start": {}}]
     cc = checker(out / "result_0.txt", tmp_path)
     assert cc.returncode == 0, cc.stdout + cc.stderr
 
@@ -356,3 +359,32 @@ def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-2)
         for g, w, r in zip(got_grads, want_grads, ref_grads):
             assert (g - r).norm() <= 2 * (w - r).norm() + 1e-3 * r.norm() + 1e-6
+
+
+def test_what_compiles_after_run_start_is_reported(tmp_path):
+    """The driver's closing record (bert.train.warmup.report_compiles_after_start): `{}` when the warm-up
+    compiled every graph, the moved counters when a graph compiled inside the timed run, nothing without
+    torch.compile in the process."""
+    from bert.train.profile import compile_counters
+    from bert.train.progress import Progress
+    from bert.train.warmup import report_compiles_after_start
+
+    def records(at_start, during=None) -> list[dict]:
+        progress = Progress(tmp_path, enabled=True)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=True)
+        f(torch.ones(3))
+        start = compile_counters() if at_start else None
+        f(torch.ones(5))  # the same graph
+        if during is not None:
+            torch.compile(during, backend="eager")(torch.ones(4))
+        report_compiles_after_start(progress, start)
+        progress.close()
+        return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    assert records(True) == [{"compiled_after_run_start": {}}]
+    moved = records(True, during=lambda x: x.sin())[0]["compiled_after_run_start"]
+    assert moved["stats"]["unique_graphs"] == 1
+    # dynamo imported first after run_start: everything it did counts
+    assert records(False)[0]["compiled_after_run_start"]["stats"]["unique_graphs"] == 1

@@ -46,8 +46,8 @@ def driver_names() -> list[str]:
     return re.findall(r"^\s*\[([\w-]+)\]=", table, flags=re.M)
 
 
-def run_dry(tmp_path, *steps: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
+def run_dry(tmp_path, *steps: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "WORK": str(tmp_path / "work"), **env_vars}
     return subprocess.run(["bash", str(SCRIPT), *steps], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -116,3 +116,30 @@ def test_bench_model_refuses_a_variant_it_would_not_build(capsys):
     assert model_bench.main(["--variants", "unpadded/loop", "unpadded/varlen"]) == 2  # varlen is CUDA's
     err = capsys.readouterr().err
     assert "no variant unpadded/varlen" in err and "unpadded/loop" in err
+
+
+def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, random_shards):
+    """REHEARSE=1: the shards and every driver but float8 and cuDNN's, on the CPU (BERT tiny, 8 sequences, the
+    CPU's attention, given last so they win); every other step is skipped, and the driver's own parser accepts
+    each rehearsal for the CPU."""
+    drivers = driver_names()
+    out = run_dry(tmp_path, *STEPS, *[f"driver-{name}" for name in drivers], REHEARSE="1")
+    assert out.returncode == 0, out.stderr
+    ran = [shlex.split(line)[1:] for line in out.stdout.splitlines() if line.startswith("DRY ")]
+    skipped = re.findall(r"^== (\S+): skipped", out.stdout, flags=re.M)
+    gpu_only = {name for name in drivers if re.search(r"--precision fp8|--attention cudnn",
+                                                       SCRIPT.read_text().split(f"[{name}]=", 1)[1].split("\n")[0])}
+    assert {"fp8", "cudnn", "graphs-opt"} & set(drivers) == {"fp8", "cudnn", "graphs-opt"}
+    assert skipped == [s for s in STEPS if s != "shards"] + [f"driver-{n}" for n in drivers if n in gpu_only]
+    assert [r[0] for r in ran] == ["shards"] + [f"driver-{n}" for n in drivers if n not in gpu_only]
+    assert ran[0][2:] == ["python3", "data/make_random_shards.py", "--out", "/tmp/shards", "--samples", "4000",
+                          "--shards", "4", "--eval-samples", "500"]
+    for name, limit, *words in ran[1:]:
+        argv = words[2:]
+        argv[argv.index("--data") + 1] = str(random_shards)
+        args = train_gpu.parse_args(argv)
+        assert (limit, args.device, args.bert_config, args.batchsize, args.attention) == ("900", "cpu", "tiny", "8",
+                                                                                           "loop"), name
+        assert args.json.name == f"train_gpu_cpu_{name.removeprefix('driver-')}.json"
+        cfg = from_env_and_args([], environ=train_gpu.driver_env(args, tmp_path / name))
+        assert resolve_backend(cfg.model.attention, "cpu") == "loop", name

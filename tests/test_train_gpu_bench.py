@@ -148,12 +148,14 @@ def test_table_and_json(tmp_path, capsys):
               "load_average_1min": {"before": 1.0, "after": 2.0}, "driver": stats, "bench": step,
               "driver_vs_bench": bench.driver_vs_bench(stats, step),
               "profile": {**summarize([Timed("nvjet_tst_x", 2000.0)], steps=2, wall_s=0.004), "first": 21, "last": 22,
-                          "device": "cpu"}}
+                          "device": "cpu"},
+              "compiled_after_run_start": {"stats": {"unique_graphs": 1}}}
     bench.write_report(report, tmp_path / "out" / "train_gpu_cpu.json")
     assert json.loads((tmp_path / "out" / "train_gpu_cpu.json").read_text()) == report
     table = capsys.readouterr().out
     assert "window: steps 6-20 (3 records" in table
     assert "profile: steps 21-22 on cpu: 2.0 ms per step, device busy 1.0 ms (50%)" in table
+    assert "compile after run_start: stats unique_graphs +1\n" in table
     row = next(line for line in table.splitlines() if line.startswith("samples/s per GPU"))
     assert row.split()[-3:] == [f"{stats['samples_per_s_per_gpu']:.2f}", "3.00",
                                 f"{stats['samples_per_s_per_gpu'] / 3.0:.3f}"]

@@ -141,10 +141,14 @@ def format_table(summary: dict) -> str:
     if compiled and (compiled["unique_graphs"] or compiled["graph_breaks"] or compiled["in_window"]):
         lines.append(f"  compile: {compiled['unique_graphs']} graphs, {compiled['graph_breaks']} graph breaks"
                      + "".join(f"; {n} x {reason}" for reason, n in list(compiled["graph_break_reasons"].items())[:3]))
-        moved = compiled["in_window"]
-        lines.append("  compile in the window: " + ("nothing" if not moved else "; ".join(
-            f"{group} " + ", ".join(f"{k} +{v}" for k, v in counts.items()) for group, counts in moved.items())))
+        lines.append("  compile in the window: " + moved_counters(compiled["in_window"]))
     return "\n".join(lines)
+
+
+def moved_counters(moved: dict[str, dict[str, int]]) -> str:
+    """`compile_report`'s counters that moved, as one line ("nothing" when none did)."""
+    return "nothing" if not moved else "; ".join(
+        f"{group} " + ", ".join(f"{k} +{v}" for k, v in counts.items()) for group, counts in moved.items())
 
 
 class StepProfiler:

@@ -17,6 +17,10 @@ one per distinct eval batch size (a dynamic graph still specialises on sizes 0 a
 backend on the number of sequences). With STATIC_TOKENS the eval batches are padded to token buckets too, and
 under a CUDA-graph mode the warm-up runs one batch per padded shape the eval will take, known from the length
 index, so every graph the eval replays is recorded before run_start.
+
+Whether the warm-up covered every graph the run needed shows at its end: `report_compiles_after_start` writes
+what torch.compile did after run_start (`compiled_after_run_start` in metrics.jsonl, `{}` when nothing). A
+recompile there is compile time inside the timed run, and in a throughput window it is a slow interval.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
+from bert.train.profile import compile_counters, compile_report
+from bert.train.progress import Progress
 
 
 def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0) -> Batch:
@@ -143,3 +149,11 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
                   "(before run_start)", flush=True)
         seconds += step_seconds
     return seconds
+
+
+def report_compiles_after_start(progress: Progress, at_start: dict | None) -> None:
+    """A progress record of torch.compile's counters that moved since `at_start` (`compile_counters()` taken
+    at run_start); none when nothing was compiled in this process."""
+    report = compile_report(at_start, compile_counters())
+    if report is not None:
+        progress.log(compiled_after_run_start=report["in_window"])
