@@ -30,8 +30,9 @@
 # REHEARSE=1 runs the driver steps here, on the CPU, at REHEARSE_FLAGS (BERT tiny, 8 sequences, the CPU's
 # attention) on small shards, under the first python3 on PATH: with the GPU machines' torch (the venv of
 # `bash scripts/test_torch.sh 2.11.0`), a driver that fails to compile, or compiles again after run_start (the
-# table's "compile after run_start"), shows up before device time is spent on it. The other steps, and the
-# float8 and cuDNN drivers, need the GPU: they are skipped. About 5 minutes a driver on the 2-core VM.
+# table's "compile after run_start"), shows up before device time is spent on it. CUDA-graph drivers run with
+# COMPILE=default; the other steps, and the float8 and cuDNN drivers, need the GPU: they are skipped. About 3 to 5
+# minutes a driver on the 2-core VM.
 #   PATH=$PWD/.venv-torch2.11.0-py3.12/bin:$PATH REHEARSE=1 bash bench/cuda_session.sh shards driver-compiled-opt
 set -u
 REHEARSE=${REHEARSE:-0}
@@ -164,7 +165,8 @@ for name in "$@"; do
           skip "$name" "float8 and cuDNN attention need the GPU"
           continue
         fi
-        flags+=" $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
+        # CUDA graphs need the GPU: the rest of a graphs run (static shapes, the warm-up over buckets) compiles here
+        flags="${flags//--compile reduce-overhead/--compile default} $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
       fi
       # shellcheck disable=SC2086  # the flags are words
       step "$name" "$limit" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" $flags \

@@ -21,11 +21,12 @@ import shlex
 import subprocess
 import sys
 
+import torch
 from script_modules import ROOT, load_script
 
 from bert.config import from_env_and_args
 from bert.model.attention import resolve_backend
-from bert.model.compile import COMPILE_MODES
+from bert.model.compile import COMPILE_MODES, check_compile
 
 sys.path.insert(0, str(ROOT / "bench"))  # train_gpu.py imports bench/model.py
 sys.path.insert(0, str(ROOT / "data"))
@@ -44,6 +45,11 @@ def driver_names() -> list[str]:
     """The keys of the script's DRIVERS table."""
     table = SCRIPT.read_text().split("declare -A DRIVERS=(", 1)[1].split("\n)", 1)[0]
     return re.findall(r"^\s*\[([\w-]+)\]=", table, flags=re.M)
+
+
+def driver_flags(name: str) -> str:
+    """The DRIVERS table's line for `name`."""
+    return SCRIPT.read_text().split(f"[{name}]=", 1)[1].split("\n", 1)[0]
 
 
 def run_dry(tmp_path, *steps: str, **env_vars: str) -> subprocess.CompletedProcess:
@@ -127,8 +133,7 @@ def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, ran
     assert out.returncode == 0, out.stderr
     ran = [shlex.split(line)[1:] for line in out.stdout.splitlines() if line.startswith("DRY ")]
     skipped = re.findall(r"^== (\S+): skipped", out.stdout, flags=re.M)
-    gpu_only = {name for name in drivers if re.search(r"--precision fp8|--attention cudnn",
-                                                       SCRIPT.read_text().split(f"[{name}]=", 1)[1].split("\n")[0])}
+    gpu_only = {name for name in drivers if re.search(r"--precision fp8|--attention cudnn", driver_flags(name))}
     assert {"fp8", "cudnn", "graphs-opt"} & set(drivers) == {"fp8", "cudnn", "graphs-opt"}
     assert skipped == [s for s in STEPS if s != "shards"] + [f"driver-{n}" for n in drivers if n in gpu_only]
     assert [r[0] for r in ran] == ["shards"] + [f"driver-{n}" for n in drivers if n not in gpu_only]
@@ -143,3 +148,6 @@ def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, ran
         assert args.json.name == f"train_gpu_cpu_{name.removeprefix('driver-')}.json"
         cfg = from_env_and_args([], environ=train_gpu.driver_env(args, tmp_path / name))
         assert resolve_backend(cfg.model.attention, "cpu") == "loop", name
+        check_compile(cfg.model.compile, torch.device("cpu"))  # CUDA graphs' reduce-overhead is COMPILE=default here
+        if "--compile reduce-overhead" in driver_flags(name.removeprefix("driver-")):
+            assert cfg.model.compile == "default", name
