@@ -26,9 +26,8 @@ from bert.dist.env import DistEnv, compute_device, init_distributed, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
-from bert.train.profile import compile_counters
 from bert.train.record import record_run
-from bert.train.warmup import compile_before_run, report_compiles_after_start
+from bert.train.warmup import CompileWatch, compile_before_run
 
 
 def report(rank: int | str, e: BaseException, suffix: str = "") -> None:
@@ -83,7 +82,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit
         report(env.rank, e)
         return 2
-    compiled_at_start = compile_counters()  # whatever compiles after this is compile time inside the timed run
+    compiled = CompileWatch(cfg)  # whatever compiles after this is compile time inside the timed run
     log.end("init_stop")
     log.start("run_start")
     log.start("block_start", metadata={"first_epoch_num": 1, "epoch_count": 1})
@@ -97,7 +96,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
         os._exit(2 if isinstance(e, ShardError) else 1)  # skip process-group teardown: it can block on a dead peer
     if status != PREEMPTED:
         log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
-    report_compiles_after_start(run.progress, compiled_at_start)
+    compiled.report(run.progress)
     if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
         run.checkpoint()  # after run_stop: saving is not part of the timed run
     run.progress.close()

@@ -362,29 +362,32 @@ def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
 
 
 def test_what_compiles_after_run_start_is_reported(tmp_path):
-    """The driver's closing record (bert.train.warmup.report_compiles_after_start): `{}` when the warm-up
-    compiled every graph, the moved counters when a graph compiled inside the timed run, nothing without
-    torch.compile in the process."""
-    from bert.train.profile import compile_counters
+    """The driver's closing record (bert.train.warmup.CompileWatch): `{}` when the warm-up compiled every graph,
+    the moved counters when a graph compiled inside the timed run, everything when dynamo was first imported after
+    run_start, and no record for a run that compiles nothing (COMPILE=off, COMPILE_OPTIMIZER=0)."""
+    from bert.config import from_flat
+    from bert.train import warmup
     from bert.train.progress import Progress
-    from bert.train.warmup import report_compiles_after_start
 
-    def records(at_start, during=None) -> list[dict]:
+    def records(compile: str = "debug", dynamo_at_start: bool = True, during=None) -> list[dict]:
         progress = Progress(tmp_path, enabled=True)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=True)
         f(torch.ones(3))
-        start = compile_counters() if at_start else None
+        with pytest.MonkeyPatch.context() as mp:
+            if not dynamo_at_start:
+                mp.setattr(warmup, "compile_counters", lambda: None)
+            watch = warmup.CompileWatch(from_flat(bert_config_path="tiny", compile=compile))
         f(torch.ones(5))  # the same graph
         if during is not None:
             torch.compile(during, backend="eager")(torch.ones(4))
-        report_compiles_after_start(progress, start)
+        watch.report(progress)
         progress.close()
         return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
-    assert records(True) == [{"compiled_after_run_start": {}}]
-    moved = records(True, during=lambda x: x.sin())[0]["compiled_after_run_start"]
+    assert records() == [{"compiled_after_run_start": {}}]
+    moved = records(during=lambda x: x.sin())[0]["compiled_after_run_start"]
     assert moved["stats"]["unique_graphs"] == 1
-    # dynamo imported first after run_start: everything it did counts
-    assert records(False)[0]["compiled_after_run_start"]["stats"]["unique_graphs"] == 1
+    assert records(dynamo_at_start=False)[0]["compiled_after_run_start"]["stats"]["unique_graphs"] == 1
+    assert records(compile="off", during=lambda x: x.cos()) == []

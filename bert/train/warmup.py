@@ -18,7 +18,7 @@ backend on the number of sequences). With STATIC_TOKENS the eval batches are pad
 under a CUDA-graph mode the warm-up runs one batch per padded shape the eval will take, known from the length
 index, so every graph the eval replays is recorded before run_start.
 
-Whether the warm-up covered every graph the run needed shows at its end: `report_compiles_after_start` writes
+Whether the warm-up covered every graph the run needed shows at its end: `CompileWatch.report` writes
 what torch.compile did after run_start (`compiled_after_run_start` in metrics.jsonl, `{}` when nothing). A
 recompile there is compile time inside the timed run, and in a throughput window it is a slow interval.
 """
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from bert.batch import Batch
+from bert.config import TrainConfig
 from bert.model.compile import CUDA_GRAPH_MODES
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
@@ -151,9 +152,16 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
     return seconds
 
 
-def report_compiles_after_start(progress: Progress, at_start: dict | None) -> None:
-    """A progress record of torch.compile's counters that moved since `at_start` (`compile_counters()` taken
-    at run_start); none when nothing was compiled in this process."""
-    report = compile_report(at_start, compile_counters())
-    if report is not None:
-        progress.log(compiled_after_run_start=report["in_window"])
+
+class CompileWatch:
+    """torch.compile's counters at run_start, for a run that compiles (COMPILE or COMPILE_OPTIMIZER); `report`
+    writes the ones that moved since as a progress record, `{}` when none did."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.enabled = cfg.model.compile != "off" or cfg.optim.compile_optimizer
+        self.at_start = compile_counters() if self.enabled else None
+
+    def report(self, progress: Progress) -> None:
+        report = compile_report(self.at_start, compile_counters()) if self.enabled else None
+        if report is not None:
+            progress.log(compiled_after_run_start=report["in_window"])
