@@ -391,3 +391,36 @@ def test_what_compiles_after_run_start_is_reported(tmp_path):
     assert moved["stats"]["unique_graphs"] == 1
     assert records(dynamo_at_start=False)[0]["compiled_after_run_start"]["stats"]["unique_graphs"] == 1
     assert records(compile="off", during=lambda x: x.cos()) == []
+
+
+def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant():
+    """A warm-up batch with as many masked rows as the hidden size made the heads' graph static in the masked count:
+    the first training step after run_start compiled it again (seen on the CPU, COMPILE=default, SEED=20504). The
+    warm-up draws again when a size coincides with the model's dimensions (`model_sizes`) or another size."""
+    from test_last_layer import CFG
+
+    from bert.train.warmup import coincides, model_sizes
+
+    avoid = model_sizes(CFG)
+    assert {CFG.hidden_size, CFG.intermediate_size, CFG.vocab_size, 8} <= avoid  # 8: the head size
+    seed = 21  # its first draw: 4 sequences, 32 masked rows, CFG's hidden size
+    plain = warmup_batch(4, 100, CPU, CFG.real_vocab_size, seed=seed)
+    assert plain.masked_positions.numel() == CFG.hidden_size and coincides(plain, avoid)
+    chosen = warmup_batch(4, 100, CPU, CFG.real_vocab_size, seed=seed, avoid=avoid)
+    assert not coincides(chosen, avoid) and chosen.num_sequences == 4
+    later = random_batch((30, 70, 55, 90), seed=5, vocab_size=CFG.real_vocab_size)
+    assert not coincides(later, avoid)
+
+    def graphs_after_a_training_step(warm) -> int:
+        torch.manual_seed(0)
+        model = BertForPreTraining(CFG, attention="loop")
+        compile_model(model, "debug", CPU)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model(later).loss.backward()
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+    assert graphs_after_a_training_step(plain) == 1  # the heads' graph, again, as in the timed run
+    assert graphs_after_a_training_step(chosen) == 0

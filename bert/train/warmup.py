@@ -26,7 +26,7 @@ recompile there is compile time inside the timed run, and in a throughput window
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 
 import numpy as np
@@ -35,7 +35,9 @@ from torch import nn
 
 from bert.batch import Batch
 from bert.config import TrainConfig
+from bert.model import BertConfig
 from bert.model.compile import CUDA_GRAPH_MODES
+from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
@@ -45,10 +47,41 @@ from bert.train.profile import compile_counters, compile_report
 from bert.train.progress import Progress
 
 
-def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0) -> Batch:
-    """`sequences` random lengths in [2, max_len] (no 0/1 sizes, which compile would specialise on)."""
-    lengths = np.random.default_rng(seed).integers(2, max_len + 1, size=max(sequences, 2))
-    return random_batch(lengths, seed=seed, vocab_size=vocab_size).to(device)
+def model_sizes(config: BertConfig) -> frozenset[int]:
+    """The model's own dimensions. A dynamic size that equals one of them when a graph is first traced is taken for
+    that constant: a warm-up batch with as many masked rows as the hidden size made the heads' graph static in the
+    masked count, and the first training step recompiled it inside the timed run (CPU, COMPILE=default, SEED=20504)."""
+    c = config
+    return frozenset({c.hidden_size, c.intermediate_size, c.num_attention_heads, c.hidden_size // c.num_attention_heads,
+                      c.vocab_size, c.max_position_embeddings, c.type_vocab_size})
+
+
+def coincides(batch: Batch, avoid: Collection[int] = ()) -> bool:
+    """Whether a dynamic size of `batch` (tokens, masked rows, the last layer's kept rows) equals another of them,
+    the number of sequences (or one more: `cu_seqlens`), or one of `avoid`: sizes a first trace would tie together."""
+    b, m = batch.num_sequences, batch.masked_positions.numel()
+    sizes = {batch.num_tokens, m, kept_row_count(b, m)}
+    return len(sizes) < 3 or bool(sizes & {b, b + 1, *avoid})
+
+
+def generic_batch(make: Callable[[int], Batch], seed: int, avoid: Collection[int] = ()) -> Batch:
+    """`make(seed)`, or `make` of the next seeds until a batch none of whose sizes `coincides`."""
+    for attempt in range(64):
+        batch = make(seed + attempt * 7919)
+        if not coincides(batch, avoid):
+            break
+    return batch  # 64 draws of random sizes all coinciding: not met in practice; the warm-up then does what it can
+
+
+def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0,
+                 avoid: Collection[int] = (), static_tokens: int = 0) -> Batch:
+    """`sequences` random lengths in [2, max_len] (no 0/1 sizes, which compile would specialise on), padded to
+    STATIC_TOKENS's buckets when given, with no size that `coincides` (`avoid`: the model's, `model_sizes`)."""
+    def make(s: int) -> Batch:
+        lengths = np.random.default_rng(s).integers(2, max_len + 1, size=max(sequences, 2))
+        return pad_static(random_batch(lengths, seed=s, vocab_size=vocab_size), static_tokens)
+
+    return generic_batch(make, seed, avoid).to(device)
 
 
 def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractContextManager]) -> float:
@@ -96,11 +129,9 @@ def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     if bucket and run.cfg.model.compile in CUDA_GRAPH_MODES:
         batches = [bucket_batch(tokens, n, bucket, vocab, seed, max_len)
                    for n, tokens in sorted(set(run.eval_set.shapes))]
-    else:
-        rng = np.random.default_rng(seed)
-        batches = [random_batch(rng.integers(2, max_len + 1, size=n), seed=seed, vocab_size=vocab)
-                   for n in sorted(set(run.eval_set.batch_sizes))]
-    return [pad_static(b, bucket).to(device) for b in batches]
+        return [pad_static(b, bucket).to(device) for b in batches]
+    avoid = model_sizes(run.ddp.module.config)
+    return [warmup_batch(n, max_len, device, vocab, seed, avoid, bucket) for n in sorted(set(run.eval_set.batch_sizes))]
 
 
 def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
@@ -112,14 +143,11 @@ def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     vocab, seed = model.config.real_vocab_size, run.cfg.run.seed
     max_len = min(data.max_seq_length, model.config.max_position_embeddings)
     bucket, sequences = model_cfg.static_tokens, data.train_batch_size
-    if not bucket:
-        return [warmup_batch(sequences, max_len, device, vocab, seed=seed)]
-    if model_cfg.compile in CUDA_GRAPH_MODES:
-        batches = [bucket_batch(b, sequences, bucket, vocab, seed, max_len)
-                   for b in likely_token_buckets(run.loader.sample_lengths, sequences, bucket, max_len)]
-    else:  # one dynamic graph serves every bucket
-        batches = [warmup_batch(sequences, max_len, torch.device("cpu"), vocab, seed=seed)]
-    return [pad_static(b, bucket).to(device) for b in batches]
+    if bucket and model_cfg.compile in CUDA_GRAPH_MODES:
+        return [pad_static(bucket_batch(b, sequences, bucket, vocab, seed, max_len), bucket).to(device)
+                for b in likely_token_buckets(run.loader.sample_lengths, sequences, bucket, max_len)]
+    # one dynamic graph serves every token count (and with STATIC_TOKENS every bucket)
+    return [warmup_batch(sequences, max_len, device, vocab, seed, model_sizes(model.config), bucket)]
 
 
 def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
