@@ -51,9 +51,9 @@ def model_sizes(config: BertConfig) -> frozenset[int]:
     """The model's own dimensions. A dynamic size that equals one of them when a graph is first traced is taken for
     that constant: a warm-up batch with as many masked rows as the hidden size made the heads' graph static in the
     masked count, and the first training step recompiled it inside the timed run (CPU, COMPILE=default, SEED=20504)."""
-    c = config
-    return frozenset({c.hidden_size, c.intermediate_size, c.num_attention_heads, c.hidden_size // c.num_attention_heads,
-                      c.vocab_size, c.max_position_embeddings, c.type_vocab_size})
+    return frozenset({config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                      config.hidden_size // config.num_attention_heads, config.vocab_size,
+                      config.max_position_embeddings, config.type_vocab_size})
 
 
 def coincides(batch: Batch, avoid: Collection[int] = ()) -> bool:
@@ -64,24 +64,18 @@ def coincides(batch: Batch, avoid: Collection[int] = ()) -> bool:
     return len(sizes) < 3 or bool(sizes & {b, b + 1, *avoid})
 
 
-def generic_batch(make: Callable[[int], Batch], seed: int, avoid: Collection[int] = ()) -> Batch:
-    """`make(seed)`, or `make` of the next seeds until a batch none of whose sizes `coincides`."""
-    for attempt in range(64):
-        batch = make(seed + attempt * 7919)
-        if not coincides(batch, avoid):
-            break
-    return batch  # 64 draws of random sizes all coinciding: not met in practice; the warm-up then does what it can
-
-
 def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0,
                  avoid: Collection[int] = (), static_tokens: int = 0) -> Batch:
     """`sequences` random lengths in [2, max_len] (no 0/1 sizes, which compile would specialise on), padded to
-    STATIC_TOKENS's buckets when given, with no size that `coincides` (`avoid`: the model's, `model_sizes`)."""
-    def make(s: int) -> Batch:
+    STATIC_TOKENS's buckets when given; drawn again from the next seeds while a size `coincides` (`avoid`: the
+    model's, `model_sizes`)."""
+    for attempt in range(64):  # 64 draws of random sizes all coinciding: not met; the warm-up then does what it can
+        s = seed + attempt * 7919
         lengths = np.random.default_rng(s).integers(2, max_len + 1, size=max(sequences, 2))
-        return pad_static(random_batch(lengths, seed=s, vocab_size=vocab_size), static_tokens)
-
-    return generic_batch(make, seed, avoid).to(device)
+        batch = pad_static(random_batch(lengths, seed=s, vocab_size=vocab_size), static_tokens)
+        if not coincides(batch, avoid):
+            break
+    return batch.to(device)
 
 
 def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractContextManager]) -> float:
