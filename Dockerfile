@@ -15,12 +15,11 @@ RUN grep -v '^torch==' requirements.txt >/tmp/requirements-image.txt \
  && pip install --no-cache-dir -r /tmp/requirements-image.txt \
  && rm /tmp/requirements-image.txt
 
-# PRECISION=fp8 (bert/model/fp8.py): torchao's float8 training, the release built for the image's torch: 0.16.0
-# for 2.10; with a base image of torch >= 2.11 pass --build-arg TORCHAO=0.18.0 (bert.model.fp8.TORCHAO). Not in
-# requirements.txt: the CPU install has no float8 hardware.
-ARG TORCHAO=0.16.0
-RUN pip install --no-cache-dir --no-deps "torchao==${TORCHAO}"
-
 COPY . .
+# PRECISION=fp8 (bert/model/fp8.py): torchao's float8 training, in the release built for the image's torch, as
+# bert.model.fp8.torchao_release() names it (its TORCHAO: 0.16.0 for 2.10, 0.18.0 for 2.11 and newer);
+# --build-arg TORCHAO=x.y.z overrides it. Not in requirements.txt: the CPU install has no float8 hardware.
+ARG TORCHAO=
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e . \
- && python -c "from bert.train.config import check_torch; check_torch()"
+ && python -c "from bert.train.config import check_torch; check_torch()" \
+ && pip install --no-cache-dir --no-deps "torchao==${TORCHAO:-$(python -c 'from bert.model.fp8 import torchao_release; print(torchao_release())')}"

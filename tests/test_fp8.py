@@ -8,9 +8,12 @@ end runs the real float8 GEMMs.
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,8 @@ from bert.model.fp8 import (
     torchao_release,
 )
 from bert.synthetic import random_batch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CPU = torch.device("cpu")
 ENCODER_LINEARS = ("attention.self.qkv", "attention.output.dense", "intermediate.dense", "output.dense")
@@ -78,6 +83,18 @@ def test_fp8_without_torchao_is_one_line_naming_the_package(monkeypatch):
 def test_the_torchao_release_named_is_the_one_each_torch_was_tested_with(version, release):
     # scripts/test_torch.sh ran the float8 tests with these pairs; 0.17 and 0.18 skip their C++ parts on 2.10
     assert torchao_release(version) == release
+
+
+@pytest.mark.parametrize("path", ["Dockerfile", "scripts/test_torch.sh"])
+def test_the_image_and_the_torch_venvs_install_the_torchao_release_named_for_their_torch(path):
+    """The Dockerfile and scripts/test_torch.sh ask torchao_release() which torchao to install (TORCHAO written once,
+    in bert.model.fp8): their command, run here, names the release for this torch, and neither pins one itself."""
+    text = (ROOT / path).read_text()
+    (command,) = re.findall(r"\$\([^)]*?python\S* -c '([^']+)'\)", text)
+    out = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    assert out.stdout == torchao_release(torch.__version__) + "\n"
+    assert not re.search(r"TORCHAO=\S*\d", text)  # no default release of its own beside TORCHAO's
 
 
 def test_fp8_config_needs_token_counts_the_float8_gemms_accept():

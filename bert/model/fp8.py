@@ -49,8 +49,9 @@ Blackwell), or torchao not installed is a one-line `ValueError` naming PRECISION
 (`bert.train.build.build_model`, and `python -m bert.train.config --check-env --check-device` in
 `run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it: 0.18.0 for torch
 >= 2.11, 0.16.0 for 2.10 (0.17 and 0.18 skip their C++ extensions below 2.11), each run under the CPU suite
-(`scripts/test_torch.sh`). TransformerEngine (in NVIDIA's PyTorch container) is the other
-float8 library; this harness does not use it.
+(`scripts/test_torch.sh`). `TORCHAO` below is the one place that pairing is written: the Dockerfile and
+`scripts/test_torch.sh` install what `torchao_release()` names for the torch they run. TransformerEngine (in
+NVIDIA's PyTorch container) is the other float8 library; this harness does not use it.
 """
 
 from __future__ import annotations
@@ -100,12 +101,13 @@ def check_fp8(precision: str, device: torch.device) -> None:
         import torchao.float8  # noqa: F401
     except ImportError as e:
         raise ValueError(f"PRECISION=fp8 needs torchao's float8 training, which is not installed ({e}): "
-                         f"pip install torchao=={torchao_release(torch.__version__)}") from None
+                         f"pip install torchao=={torchao_release()}") from None
 
 
-def torchao_release(torch_version: str) -> str:
-    """The torchao release for `torch_version` (as torch writes it): TORCHAO's entry, the newest for a newer torch."""
-    release = tuple(int(x) for x in torch_version.split(".")[:2])
+def torchao_release(torch_version: str | None = None) -> str:
+    """The torchao release for `torch_version` (as torch writes it; default: the running torch's): TORCHAO's entry,
+    the newest for a newer torch."""
+    release = tuple(int(x) for x in (torch_version or torch.__version__).split(".")[:2])
     return TORCHAO[max([k for k in TORCHAO if k <= release] or [min(TORCHAO)])]
 
 
@@ -160,3 +162,4 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_
     if precision == "fp8":
         convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
     return model
+
