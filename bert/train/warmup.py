@@ -174,7 +174,6 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
     return seconds
 
 
-
 class CompileWatch:
     """torch.compile's counters at run_start, for a run that compiles (COMPILE or COMPILE_OPTIMIZER); `report`
     writes the ones that moved since as a progress record, `{}` when none did."""
