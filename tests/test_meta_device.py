@@ -15,12 +15,15 @@ checks the ranks' parameters by value), torch's fused AdamW with a tensor LR (no
 attention kernels. torch refuses foreach kernels on meta; the fixture lets it (they have meta versions).
 """
 
+import importlib.util
+
 import pytest
 import torch
 import torch.utils._foreach_utils as foreach_utils
 
 from bert.config import from_flat
 from bert.model import BertConfig, BertForPreTraining
+from bert.model.fp8 import FP8_RECIPES, convert_to_fp8
 from bert.optim import build_optimizer, build_schedule
 from bert.static_shapes import pad_static
 from bert.synthetic import random_batch
@@ -76,21 +79,20 @@ def test_the_warm_up_batch_is_made_on_the_device():
     check_grads(model)
 
 
-@pytest.mark.parametrize("master_weights, precision", [(True, "bf16"), (True, "fp16"), (False, "fp32")])
-def test_the_lamb_step_stays_on_the_device(master_weights, precision):
-    """Two steps with the driver's LAMB (decay groups, the schedule's device LR, the `after` clip; with
-    master weights the fp32 masters, and under fp16 the scale and overflow flag GradScaler hands the step, so the
-    update skips an overflow on the device): masters, state and weights stay on the device in their dtypes."""
+def lamb_steps(model: BertForPreTraining, precision: str, master_weights: bool, static_tokens: int = 0) -> None:
+    """Two steps with the driver's LAMB (decay groups, the schedule's device LR, the `after` clip; with master
+    weights the fp32 masters, and under fp16 the scale and overflow flag GradScaler hands the step, so the update
+    skips an overflow on the device); then masters, state and weights are on the device in their dtypes."""
     cfg = from_flat(optimizer="lamb", learning_rate=1e-3, warmup_steps=1, max_steps=10, grad_clip="after",
-                    master_weights=master_weights, precision=precision, max_grad_norm=1.0).optim
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    model = meta_model()
+                    master_weights=master_weights, precision=precision, max_grad_norm=1.0,
+                    static_tokens=static_tokens).optim
+    compute = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     opt = build_optimizer(model, cfg, compute)
     schedule = build_schedule(opt, cfg)
     if precision == "fp16":
         opt.grad_scale = torch.full((), 2.0**16, device=META)
         opt.found_inf = torch.zeros((), device=META)
-    batch = random_batch(LENGTHS, vocab_size=model.config.real_vocab_size).to(META)
+    batch = pad_static(random_batch(LENGTHS, vocab_size=model.config.real_vocab_size), static_tokens).to(META)
     for _ in range(2):
         model(batch).loss.backward()
         if not master_weights:  # MasterWeights clips inside its step; otherwise the loop's Clipper does
@@ -104,3 +106,20 @@ def test_the_lamb_step_stays_on_the_device(master_weights, precision):
     assert state and {t.device for t in state} == {META}
     if master_weights:
         assert {(m.device, m.dtype) for m in opt.masters} == {(META, torch.float32)}
+
+
+@pytest.mark.parametrize("master_weights, precision", [(True, "bf16"), (True, "fp16"), (False, "fp32")])
+def test_the_lamb_step_stays_on_the_device(master_weights, precision):
+    lamb_steps(meta_model(), precision, master_weights)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (not in the CPU "
+                    "install; scripts/test_torch.sh adds it)")
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_the_float8_step_on_master_weights_stays_on_the_device(recipe):
+    """PRECISION=fp8 with MASTER_WEIGHTS=1, the next GPU session's `driver-fp8`, not yet run on a GPU: torchao's
+    float8 linears (their float8 casts and `torch._scaled_mm`, not the emulation) on bf16 weights, LAMB on the fp32
+    masters, the batch padded to STATIC_TOKENS as float8 needs."""
+    model = BertForPreTraining(BertConfig.load("tiny"), attention="loop", device=META)
+    assert convert_to_fp8(model, recipe=recipe)
+    lamb_steps(model.to(META), "fp8", master_weights=True, static_tokens=128)
