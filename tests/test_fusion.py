@@ -231,3 +231,32 @@ def test_ddp_gradients_are_views_into_its_buckets(tmp_path):
             assert any(lo <= start and start + p.grad.numel() * p.grad.element_size() <= hi for lo, hi in spans)
     finally:
         dist.destroy_process_group()
+
+
+def nccl_worker(rank: int, out_path: str) -> None:
+    """Two steps of the balanced buffers in a process group made as the driver makes it on a GPU (NCCL alone, no
+    gloo for host tensors, unlike the tests' world_of_one): step 2's forward broadcasts rank 0's ready order."""
+    from bert.dist.env import DistEnv, init_distributed
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_distributed(DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="localhost",
+                             master_port=0), device, timeout_s=60)
+    try:
+        model = FixedGrad(reverse=False).to(device)
+        engine = FusedDataParallel(model, CAP_MB)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            engine([g.to(device) for g in fixed_grads(0, step)]).backward()
+        torch.save({"order": list(engine.order), "local": engine.local_ready_order}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_balanced_buffers_fix_their_order_over_nccl(tmp_path):
+    """NCCL takes no host tensor: the order broadcast of step 2 went over it as a CPU tensor (GRAD_BUCKETS=balanced
+    on a GPU would have stopped at its second step; the tests' gloo groups carried it)."""
+    mp.spawn(nccl_worker, args=(str(tmp_path / "out"),), nprocs=1)
+    out = torch.load(tmp_path / "out")
+    assert out["order"] == out["local"]

@@ -132,7 +132,9 @@ class FusedDataParallel(nn.Module):
 
     def _fix_order(self) -> None:
         """Herring's order without negotiation: rank 0's first ready order, broadcast to every rank."""
-        order = torch.tensor(self.local_ready_order, dtype=torch.int64)
+        # on the gradients' device: NCCL takes no host tensor (the driver's group on a GPU is NCCL alone). The
+        # `tolist` below waits for it, once per run.
+        order = torch.tensor(self.local_ready_order, dtype=torch.int64, device=self.flat.device)
         dist.broadcast(order, 0, group=self.group)
         self._order_fixed = True
         self._set_layout(order.tolist())
