@@ -12,8 +12,9 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
-#   model-attention  bench/model.py at batch 96: flash varlen against cuDNN's ragged attention (ATTENTION=cudnn),
-#                    and against the last layer on every token (LAST_LAYER_SUBSET=0: the subset's gain)
+#   model-attention  bench/model.py at batch 96: flash varlen against the last layer on every token
+#                    (LAST_LAYER_SUBSET=0: the subset's gain), with each variant's kernels timed by kind; cuDNN's
+#                    ragged attention needs torch >= 2.14 (bert.model.cudnn_varlen.MIN_TORCH), the machines have 2.11
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
@@ -70,7 +71,8 @@ declare -A DRIVERS=(
   [fp8-rowwise-gw-hp]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=rowwise-gw-hp --bench-repeats 0"
   [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
   [global-off]="--balance none"
-  # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager
+  # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager;
+  # refused (exit 2, seconds) on torch < 2.14, whose ragged backward is broken (bert.model.cudnn_varlen.MIN_TORCH)
   [cudnn]="--attention cudnn --static-tokens 512 --compile default --bench-repeats 0"
   [cudnn-eager]="--attention cudnn --static-tokens 512 --bench-repeats 0"
   # the whole bf16 stack, now that cuDNN attention compiles into the graphs (a custom op): graphs, compiled LAMB
@@ -143,9 +145,8 @@ for name in "$@"; do
         --precision fp8 --compile default --variants compiled/varlen compiled-static512/varlen compiled-fp8/varlen \
         compiled-master-fp8/varlen unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
     model-attention)
-      # its own step: a cuDNN failure (not run on a GPU yet) costs this step, not the model table
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
-        --variants unpadded/varlen unpadded/cudnn full-last/varlen --profile --json "$WORK/model_cuda_attention.json" ;;
+        --variants unpadded/varlen full-last/varlen --profile --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

@@ -16,9 +16,10 @@ instead (one thread, so no OpenMP thread waits on a descheduled sibling), which 
 between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
-    unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen and
-                      cuDNN's ragged attention, `cudnn`, side by side); every unpadded row runs the last layer on
-                      the [CLS] and masked rows only after its attention (LAST_LAYER_SUBSET=1, the default)
+    unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen and,
+                      on torch >= 2.14, cuDNN's ragged attention, `cudnn`, side by side); every unpadded row runs the
+                      last layer on the [CLS] and masked rows only after its attention (LAST_LAYER_SUBSET=1, the
+                      default)
     full-last/<name>  unpadded/<name> with the last layer on every token (LAST_LAYER_SUBSET=0): the subset's gain
     static<N>/<name>  unpadded/<name> on the batch padded to a multiple of N tokens (`--static-tokens N`,
                       bert.static_shapes), charged for the padding it computes
@@ -52,7 +53,7 @@ without bf16 matrix units that is slower than fp32: the row is there to check th
     python bench/model.py --device cuda --compile default --static-tokens 512 --precision fp8   # and fp8 rows
     python bench/model.py --device cuda --variants unpadded/varlen master-bf16/varlen   # autocast vs master weights
     python bench/model.py --device cuda --batch-size 96 --variants unpadded/varlen unpadded/cudnn --profile
-                                                         # flash vs cuDNN, with each step's attention kernels timed
+                                           # flash vs cuDNN (torch >= 2.14), with each step's attention kernels timed
     python bench/model.py --device cuda --compile default --variants master-bf16/varlen master-bf16-lamb/varlen \
         master-bf16-lamb-copt/varlen    # fused AdamW vs eager LAMB vs compiled LAMB, all on fp32 masters
 """
@@ -81,6 +82,7 @@ from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
+from bert.model.cudnn_varlen import backward_is_fixed as cudnn_backward_is_fixed
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.last_layer import kept_row_count
@@ -172,8 +174,10 @@ def hf_step_inputs(batch: Batch) -> dict:
 
 
 def attention_backends(device: str) -> list[str]:
-    """The unpadded/<name> rows: every backend the device runs (varlen and cudnn need CUDA)."""
-    return ["loop", "grouped", "padded"] + (["varlen", "cudnn"] if device == "cuda" else [])
+    """The unpadded/<name> rows: every backend the device runs (varlen and cudnn need CUDA; cudnn a torch whose
+    ragged backward works, `bert.model.cudnn_varlen.MIN_TORCH`)."""
+    cuda = ["varlen"] + (["cudnn"] if cudnn_backward_is_fixed() else [])
+    return ["loop", "grouped", "padded"] + (cuda if device == "cuda" else [])
 
 
 def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8: bool = False) -> list[str]:

@@ -3,12 +3,15 @@ does it. On the CPU a float64 reference stands in for the two aten calls (which 
 contract says cuDNN returns: the op's fake implementation, autograd registration and shape checks are what is under
 test. On a GPU the real kernels run, compiled against eager."""
 
+import re
+
 import pytest
 import torch
 from test_attention import grads, reference_attention
 
 from bert.batch import SeqLayout
 from bert.model import cudnn_varlen
+from bert.model.attention import check_attention
 from bert.model.cudnn_varlen import cudnn_varlen_op
 
 LENGTHS = (5, 1, 130, 64, 12)
@@ -141,6 +144,8 @@ def test_a_layout_off_the_contract_fails_naming_the_setting(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not cudnn_varlen.backward_is_fixed(), reason="cuDNN ragged backward of torch < 2.14 "
+                    "(pytorch#186142): it would poison the process's CUDA context")
 def test_cuda_compiled_equals_eager_without_graph_breaks():
     """The real kernels under inductor: one graph, forward and gradients as eager's (dropout 0, bf16)."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -159,3 +164,21 @@ def test_cuda_compiled_equals_eager_without_graph_breaks():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
     (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
     torch.testing.assert_close(g, w, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("version, fixed", [("2.11.0+cu130", False), ("2.13.0+cpu", False), ("2.10.0a0+b4e4ee8", False),
+                                            ("2.14.0", True), ("2.14.0a0+git5d2f", True), ("3.0.1", True)])
+def test_a_torch_whose_cudnn_backward_is_broken_is_refused_in_one_line(monkeypatch, version, fixed):
+    """torch 2.11 (the GPU machines') sized the ragged backward's dq accumulator by the head dimension
+    (pytorch#186142): ATTENTION=cudnn is refused where the driver checks its device, before anything runs, and by
+    `check_torch`, which the planner (the bench calls it directly) runs first."""
+    monkeypatch.setattr(torch, "__version__", version)
+    assert cudnn_varlen.backward_is_fixed() == fixed
+    if fixed:
+        check_attention("cudnn", torch.device("cuda"))
+        return
+    for check in (lambda: check_attention("cudnn", torch.device("cuda")), cudnn_varlen.check_torch):
+        with pytest.raises(ValueError, match=rf"^ATTENTION=cudnn needs torch >= 2\.14: torch {re.escape(version)}'s "
+                                             r"cuDNN ragged backward .*pytorch/pytorch#186142.*use ATTENTION=varlen$"):
+            check()
+    check_attention("varlen", torch.device("cuda"))  # flash is not concerned

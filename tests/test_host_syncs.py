@@ -33,16 +33,18 @@ SNIPPETS = {  # name: (what it runs on x, host syncs on a GPU)
     "bool of a comparison": (lambda x: bool((x > 0).any()), 1),
     "float": (lambda x: float(x.max()), 1),
     "boolean-mask index": (lambda x: x[x > 0], 1),
-    "boolean-mask assignment": (lambda x: x.clone().__setitem__(x > 0, 0.0), 1),
+    # a device value: a Python number would go to masked_fill on CUDA, no sync (the CPU detector counts its item())
+    "boolean-mask assignment": (lambda x: x.clone().__setitem__(x > 0, torch.zeros((), device=x.device)), 1),
     "nonzero": (lambda x: x.nonzero(), 1),
     "unique": (lambda x: torch.unique(x), 1),
     "equal": (lambda x: torch.equal(x, x), 1),
     "repeat_interleave by a tensor": (lambda x: torch.repeat_interleave(x.long().abs()), 1),
     "repeat_interleave by an int": (lambda x: x.repeat_interleave(2), 0),
-    "repeat_interleave with output_size": (lambda x: torch.repeat_interleave(torch.tensor([1, 2], device=x.device),
+    # indices made on the device: torch.tensor([...], device="cuda") copies from pageable host memory and syncs
+    "repeat_interleave with output_size": (lambda x: torch.repeat_interleave(torch.arange(1, 3, device=x.device),
                                                                              output_size=3), 0),
-    "integer index": (lambda x: x[torch.tensor([0, 2], device=x.device)], 0),
-    "index_select": (lambda x: x.index_select(0, torch.tensor([1], device=x.device)), 0),
+    "integer index": (lambda x: x[torch.arange(0, 3, 2, device=x.device)], 0),
+    "index_select": (lambda x: x.index_select(0, torch.ones(1, dtype=torch.long, device=x.device)), 0),
     "where": (lambda x: torch.where(x > 0, x, 0.0), 0),
     "masked_fill": (lambda x: x.masked_fill(x > 0, 0.0), 0),
     "reductions and a clamp by a tensor": (lambda x: x.clamp(max=x.norm()).sum() / x.abs().max(), 0),
@@ -84,7 +86,8 @@ def data(world_of_one, one_thread, tmp_path_factory):
 
 def measure(data, tmp_path, name: str, device: str = "cpu") -> dict:
     case = next(c for c in hs.cases() if c.name == name)
-    return hs.measure(case, data, tmp_path / "run", warmup=1, steps=2, device=torch.device(device))
+    # two warm-up steps: DDP rebuilds its buckets in the second forward, with copies to the host (CUDA sees them)
+    return hs.measure(case, data, tmp_path / "run", warmup=2, steps=2, device=torch.device(device))
 
 
 # every bf16 case, and fp32 at one clip mode (the other fp32 cases run the same code as bf16 without the casts)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from bert.batch import SeqLayout
 from bert.model.cuda_varlen import flash_varlen
+from bert.model.cudnn_varlen import check_torch as check_cudnn_torch
 from bert.model.cudnn_varlen import cudnn_varlen
 from bert.model.padding import PadLayout, pad, unpad
 
@@ -130,6 +131,8 @@ def check_attention(name: str, device: torch.device) -> None:
     not at the first forward, which may be inside the timed run)."""
     if name in CUDA_ONLY and device.type != "cuda":
         raise ValueError(f"ATTENTION={name} needs a CUDA device (this run's is {device.type}): use ATTENTION=auto")
+    if name == "cudnn":
+        check_cudnn_torch()
 
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:

@@ -22,10 +22,19 @@ kernels check their outputs against the contract on every call (host-side metada
 with one line naming `ATTENTION=cudnn` if a torch build differs, instead of letting a compiled graph run on
 wrong shapes. The CPU tests run the ops, fake and autograd included, with a float64 reference put in place of
 the aten calls; the CUDA tests run the real ones.
+
+Which torch: the ragged backward is broken before the fixes of June 2026, so this backend refuses an older torch
+(`MIN_TORCH`) in one line, before anything runs. Until then `_cudnn_attention_backward` took the longest sequence
+from q's third dimension, on the ragged (T, H, D) layout the head dimension: cuDNN sized its dq accumulator for 64
+tokens and wrote past it for every longer sequence, an illegal address (pytorch/pytorch#186142). And it wrote dq,
+dk and dv with q, k and v's strides into contiguous buffers: the fused QKV's views are 3 x hidden apart
+(pytorch/pytorch#172108, merged on 16 June 2026, after 2.13's branch cut). 2.14 is the first release cut after
+both; the GPU machines' 2.11 is not, so the CUDA tests of this backend skip there.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -34,10 +43,26 @@ from torch import Tensor
 from bert.batch import SeqLayout
 from bert.model.cuda_varlen import require_cuda_batch, require_half
 
+MIN_TORCH = (2, 14)  # the first release with pytorch#186142 and #172108 (see the docstring)
 CONTRACT = (
     "out (T, H, Dv) in q's dtype, logsumexp (T, H, 1) float32, with dropout a philox seed and offset of one int64 "
     "each, all on q's device and contiguous; gradients contiguous, shaped as q, k, v"
 )
+
+
+def backward_is_fixed(version: str | None = None) -> bool:
+    """Whether torch `version` (default: the running one) has the ragged backward's fixes (`MIN_TORCH`)."""
+    found = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return found is not None and tuple(int(x) for x in found.groups()) >= MIN_TORCH
+
+
+def check_torch(version: str | None = None) -> None:
+    """A one-line ValueError naming ATTENTION=cudnn on a torch whose cuDNN ragged backward is broken."""
+    if not backward_is_fixed(version):
+        raise ValueError(f"ATTENTION=cudnn needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}: torch "
+                         f"{version or torch.__version__}'s cuDNN ragged backward writes past its buffers for "
+                         "sequences longer than the head dimension (pytorch/pytorch#186142, #172108): use "
+                         "ATTENTION=varlen")
 
 
 def _aten_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, dropout_p: float):
@@ -128,6 +153,7 @@ cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
     require_cuda_batch(seq, "cudnn")
+    check_torch()
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
