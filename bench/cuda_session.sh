@@ -79,8 +79,26 @@ declare -A DRIVERS=(
   [cudnn-graphs-opt]="--attention cudnn --compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
 )
 
-# the profiler timelines (tens of MB) stay behind: a file over 16 MiB would not come back; their summaries travel
-pack() { tar -czf "$OUT/cuda_session.tgz" --exclude="*.trace.json.gz" -C "$WORK" .; }
+# the profiler timelines (tens of MB) and any checkpoint (a driver stopped at its limit ends "pre-empted" and saves
+# one: 4 GB of masters and LAMB state) stay behind: a file over 16 MiB would not come back. Written aside, then
+# moved: a call cut off while packing keeps the previous archive whole.
+pack() {
+  tar -czf "$OUT/.cuda_session.tgz" --exclude="*.trace.json.gz" --exclude=checkpoints -C "$WORK" . &&
+    mv "$OUT/.cuda_session.tgz" "$OUT/cuda_session.tgz"
+}
+
+# torchrun starts its workers in sessions of their own, so a step's timeout ends the launcher and not them: they
+# would hold the GPU through the next steps. The machine runs nothing else of ours: whatever computes there goes.
+reap() {
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')
+  if [[ -n ${pids// /} ]]; then
+    echo "== reaping what still runs on the GPU: $pids"
+    # shellcheck disable=SC2086  # pids are words
+    kill -9 $pids 2>/dev/null
+    sleep 3
+  fi
+}
 
 step() {  # name limit_s command...: run it, keep its log, say how it ended
   local name=$1 limit=$2 start=$SECONDS rc
@@ -97,7 +115,9 @@ step() {  # name limit_s command...: run it, keep its log, say how it ended
   echo "== $name: exit $rc after $((SECONDS - start)) s"
   tail -n "${TAIL:-25}" "$WORK/$name.log"
   echo "$name exit=$rc seconds=$((SECONDS - start))" >>"$WORK/steps.txt"
+  if [[ $rc == 124 || $rc == 137 ]] && [[ $REHEARSE != 1 ]]; then reap; fi
   pack
+  return "$rc"
 }
 
 skip() {  # name why
@@ -118,7 +138,9 @@ for name in "$@"; do
         fi
         nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
         python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
-        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"'
+        PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"' ||
+        { echo "cuda_session.sh: setup failed (the .whl/ wheels carried?): the steps after it would fail or fall back" >&2
+          exit 2; }
       export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     shards)
       if [[ $REHEARSE == 1 ]]; then

@@ -14,6 +14,7 @@ each eager and, with `--compile MODE`, compiled (inductor fuses the casts into n
 CUDA the three bare GEMMs of a forward + backward (forward, input gradient, weight gradient) in bf16 and in
 float8 (`torch._scaled_mm` on operands already cast, unit scales): what float8 could save if the casts cost
 nothing. A float8 layer slower than bf16 while its bare GEMMs are faster means the casts eat the gain.
+A variant whose first call fails (a kernel or compiler error) becomes a row with its error; the others are timed.
 
     python bench/fp8_linear.py --device cuda      # writes results/bench/fp8_linear_cuda.json
     .venv/bin/python bench/fp8_linear.py --tokens 512 --compile debug   # CPU: bf16 rows; float8 rows emulated
@@ -59,7 +60,9 @@ def layer_step(kind: str, fin: int, fout: int, tokens: int, device: str, compile
         layer = float8_layer(layer, kind.removeprefix("fp8-"), emulate)
     if compile != "off":
         backend, mode = COMPILE_MODES[compile]
-        layer = torch.compile(layer, backend=backend, mode=mode)
+        # static shapes, as in the driver (K and N never change there): the layers share one forward, and after two
+        # shapes dynamo would compile the next ones with a dynamic K
+        layer = torch.compile(layer, backend=backend, mode=mode, dynamic=False)
     x = torch.randn(tokens, fin, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, fout, device=device, dtype=torch.bfloat16)
 
@@ -70,6 +73,19 @@ def layer_step(kind: str, fin: int, fout: int, tokens: int, device: str, compile
             p.grad = None
 
     return step
+
+
+def first_calls(steps: dict) -> dict:
+    """Call each step once (the compiled ones compile here); a step that raises leaves `steps` and comes back in
+    the returned {key: error line}, so one variant's failure costs its row, not the table."""
+    failed = {}
+    for key, step in list(steps.items()):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - whatever a kernel or the compiler raises
+            failed[key] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
+            del steps[key]
+    return failed
 
 
 def gemms_step(fin: int, fout: int, tokens: int, device: str, float8: bool):
@@ -146,19 +162,25 @@ def main(argv: list[str] | None = None) -> int:
             steps[(name, "gemms bf16")] = gemms_step(fin, fout, args.tokens, args.device, float8=False)
             steps[(name, "gemms fp8")] = gemms_step(fin, fout, args.tokens, args.device, float8=True)
     start = time.perf_counter()
+    failed = first_calls(steps)
     times = time_steps(steps, args.repeats, args.device, quiet=True)
     rows = []
     for (name, label), t in times.items():
         fin, fout = SHAPES[name]
         med = statistics.median(t)
         baseline = "gemms bf16" if label.startswith("gemms") else "bf16 compiled" if "compiled" in label else "bf16"
-        base = statistics.median(times[(name, baseline)])
+        base = statistics.median(times[(name, baseline)]) if (name, baseline) in times else float("nan")
         rows.append({"layer": name, "in": fin, "out": fout, "variant": label, "median_ms": med * 1e3,
                      "tflops": 6 * args.tokens * fin * fout / med / 1e12, "speedup_vs_bf16": base / med})
+    rows += [{"layer": name, "in": SHAPES[name][0], "out": SHAPES[name][1], "variant": label, "error": error}
+             for (name, label), error in failed.items()]
     print(f"{args.tokens} tokens, forward + backward, median of {args.repeats}, {args.device}"
           f"{' (float8 emulated: not a speed)' if emulate and len(kinds) > 1 else ''}")
     print(f"{'layer':>17} {'in x out':>11} {'variant':>25} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['layer']:>17} {r['in']:>5}x{r['out']:<5} {r['variant']:>25} failed: {r['error']}")
+            continue
         print(f"{r['layer']:>17} {r['in']:>5}x{r['out']:<5} {r['variant']:>25} {r['median_ms']:>8.3f} "
               f"{r['tflops']:>8.1f} {r['speedup_vs_bf16']:>7.2f}x")
     out = args.json or Path(f"results/bench/fp8_linear_{args.device}.json")

@@ -243,7 +243,8 @@ def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(worl
     read = SampleReader.read
     monkeypatch.setattr(SampleReader, "read", lambda self, ids: reads.append(len(ids)) or read(self, ids))
     torch._dynamo.reset()
-    run = hs.build(hs.config(data, tmp_path / "out", dict(compile="debug", num_eval_examples=10), max_steps=4))
+    settings = dict(compile="debug", num_eval_examples=10, eval_iter_start_samples=16)  # an eval within 4 steps
+    run = hs.build(hs.config(data, tmp_path / "out", settings, max_steps=4))
     assert run.eval_set.batch_sizes == [4, 4, 2] and run.eval_samples == 10
     compile_before_run(run, MLPerfLog("", enabled=False), CPU)
     assert reads == [] and not run.eval_set.loaded
@@ -300,6 +301,7 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
     from bert.config import from_flat
     from bert.data.eval_set import EvalSet
     from bert.static_shapes import eval_token_bucket
+    from bert.train.loop import TrainState
 
     data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=60)
     module = SimpleNamespace(config=BertConfig.load(str(data / "bert_config.json")))
@@ -309,9 +311,11 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
 
     def warm(compile_mode: str, static: int = 256) -> tuple[list, EvalSet]:
         cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
-                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=static)
+                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=static,
+                        eval_iter_samples=40)
         evals = EvalSet(data / "eval_varlength", 8, 1, 0, 60, static_tokens=eval_token_bucket(static))
-        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), eval_set=evals)
+        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), eval_set=evals, state=TrainState(),
+                              global_batch_size=8)
         return eval_warmup_batches(run, CPU), evals
 
     graphs, evals = warm("reduce-overhead")
@@ -328,6 +332,31 @@ def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
     assert sorted(shape(b) for b in graphs) == sorted(set(real))
     dynamic, _ = warm("default", 1024)
     assert all(b.num_tokens == -(-(sum(b.seq.lengths[:-1]) + 1) // 512) * 512 for b in dynamic)
+
+
+@pytest.mark.parametrize("start, limit, evaluates", [(80, 10**9, True), (88, 10**9, False), (80, 72, False),
+                                                     (0, 10**9, False)])
+def test_a_run_that_cannot_reach_an_evaluation_compiles_no_eval_graph(tmp_path, start, limit, evaluates):
+    """bench/train_gpu.py sets the first evaluation out of reach: its compiled drivers skip the eval warm-up (a whole
+    inference compile). 10 steps of 8 sequences: an evaluation at sample 80 is reached (the loop evaluates before it
+    checks its limits), at 88 not, nor at 80 when MAX_SAMPLES_TERMINATION=72 stops the run at step 9; 0 is the
+    rules' interval for a batch of 8 (over 150,000 samples)."""
+    from types import SimpleNamespace
+
+    from script_modules import load_script
+
+    from bert.config import from_flat
+    from bert.data.eval_set import EvalSet
+    from bert.train.loop import TrainState
+
+    data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=20)
+    cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
+                    max_steps=10, learning_rate=1e-3, compile="default", eval_iter_start_samples=start,
+                    max_samples_termination=limit)
+    run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=SimpleNamespace(config=BertConfig.load(
+        str(data / "bert_config.json")))), eval_set=EvalSet(data / "eval_varlength", 8, 1, 0, 20),
+        state=TrainState(), global_batch_size=8)
+    assert bool(eval_warmup_batches(run, CPU)) == evaluates
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -151,3 +151,16 @@ def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, ran
         check_compile(cfg.model.compile, torch.device("cpu"))  # CUDA graphs' reduce-overhead is COMPILE=default here
         if "--compile reduce-overhead" in driver_flags(name.removeprefix("driver-")):
             assert cfg.model.compile == "default", name
+
+
+def test_a_failing_fp8_linear_variant_costs_its_row_not_the_table():
+    """bench/fp8_linear.py's float8 variants never ran on a GPU: one raising at its first call (a compiler or kernel
+    error) is taken out of the timing with its error line, and the others run."""
+    calls = []
+
+    def fails():
+        raise RuntimeError("Triton compilation failed\nlong traceback")
+
+    steps = {("qkv", "bf16"): lambda: calls.append("bf16"), ("qkv", "fp8-rowwise compiled"): fails}
+    assert fp8_linear.first_calls(steps) == {("qkv", "fp8-rowwise compiled"): "RuntimeError: Triton compilation failed"}
+    assert list(steps) == [("qkv", "bf16")] and calls == ["bf16"]

@@ -237,3 +237,18 @@ def test_bench_model_profiles_each_variant(tmp_path, one_thread, capsys, monkeyp
         kinds = {k["kind"] for k in row["profile"]["kinds"]}
         assert {"gemm", "optimizer / foreach"} <= kinds and row["profile"]["busy_ms_per_step"] > 0
     assert "unpadded/loop: " in capsys.readouterr().out
+
+
+def test_graphs_left_out_of_cuda_graphs_are_reported():
+    """Under reduce-overhead inductor may run a graph without CUDA graphs (a CPU tensor in it, a mutated input) and
+    says so only in a log that is off by default: the report counts those skips, so a "graphs" run that never
+    replayed one does not pass for a slow graphs run."""
+    from bert.train.profile import compile_report, format_table
+
+    after = {"stats": {"unique_graphs": 3}, "inductor": {"cudagraph_skips": 2}}
+    report = compile_report(after, after)
+    assert report["cudagraph_skips"] == 2 and report["in_window"] == {}
+    summary = {"first": 1, "last": 2, "device": "cuda", "wall_ms_per_step": 1.0, "busy_ms_per_step": 1.0,
+               "busy_share": 1.0, "kinds": [], "top": [], "compile": report}
+    assert "3 graphs, 0 graph breaks, 2 left out of CUDA graphs" in format_table(summary)
+    assert compile_report(None, {"stats": {"unique_graphs": 1}})["cudagraph_skips"] == 0

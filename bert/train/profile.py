@@ -114,7 +114,9 @@ def compile_counters() -> dict[str, dict[str, int]] | None:
 
 
 def compile_report(before: dict | None, after: dict | None) -> dict | None:
-    """Graphs and graph breaks so far (reasons by their first line), and the counters that moved in the window."""
+    """Graphs and graph breaks so far (reasons by their first line), the graphs inductor left out of CUDA graphs (under
+    reduce-overhead: a skip in the warm-up would make a "graphs" run eager, and say nothing else; its reason is in
+    TORCH_LOGS=cudagraphs), and the counters that moved in the window."""
     if after is None:
         return None
     def named(counts: dict[str, int]) -> dict[str, int]:  # graph-break reasons are paragraphs: their first line
@@ -124,7 +126,9 @@ def compile_report(before: dict | None, after: dict | None) -> dict | None:
     moved = {group: named({k: v - (before or {}).get(group, {}).get(k, 0) for k, v in counts.items()})
              for group, counts in after.items()}
     return {"unique_graphs": after.get("stats", {}).get("unique_graphs", 0), "graph_breaks": sum(breaks.values()),
-            "graph_break_reasons": named(breaks), "in_window": {g: c for g, c in moved.items() if c}}
+            "graph_break_reasons": named(breaks),
+            "cudagraph_skips": after.get("inductor", {}).get("cudagraph_skips", 0),
+            "in_window": {g: c for g, c in moved.items() if c}}
 
 
 def format_table(summary: dict) -> str:
@@ -139,7 +143,9 @@ def format_table(summary: dict) -> str:
               for t in summary["top"]]
     compiled = summary.get("compile")
     if compiled and (compiled["unique_graphs"] or compiled["graph_breaks"] or compiled["in_window"]):
+        skips = compiled.get("cudagraph_skips", 0)
         lines.append(f"  compile: {compiled['unique_graphs']} graphs, {compiled['graph_breaks']} graph breaks"
+                     + (f", {skips} left out of CUDA graphs (TORCH_LOGS=cudagraphs says why)" if skips else "")
                      + "".join(f"; {n} x {reason}" for reason, n in list(compiled["graph_break_reasons"].items())[:3]))
         lines.append("  compile in the window: " + moved_counters(compiled["in_window"]))
     return "\n".join(lines)

@@ -16,7 +16,9 @@ synthetic batches, since the eval set itself may not be read before the clock st
 one per distinct eval batch size (a dynamic graph still specialises on sizes 0 and 1, and the CPU's `loop`
 backend on the number of sequences). With STATIC_TOKENS the eval batches are padded to token buckets too, and
 under a CUDA-graph mode the warm-up runs one batch per padded shape the eval will take, known from the length
-index, so every graph the eval replays is recorded before run_start.
+index, so every graph the eval replays is recorded before run_start. A run whose limits (MAX_STEPS,
+MAX_SAMPLES_TERMINATION) stop it before its first evaluation compiles none (`evaluation_possible`): a throughput
+benchmark (bench/train_gpu.py) would otherwise pay a whole inference compile it never uses.
 
 Whether the warm-up covered every graph the run needed shows at its end: `CompileWatch.report` writes
 what torch.compile did after run_start (`compiled_after_run_start` in metrics.jsonl, `{}` when nothing). A
@@ -41,6 +43,7 @@ from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
+from bert.train.evaluate import EvalSchedule
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.profile import compile_counters, compile_report
@@ -113,10 +116,21 @@ def warm_up_eval(model: nn.Module, batch: Batch, autocast: Callable[[], Abstract
     return time.perf_counter() - start
 
 
+def evaluation_possible(run: Run) -> bool:
+    """Whether the run reaches its next evaluation before MAX_STEPS or MAX_SAMPLES_TERMINATION stops it."""
+    cfg, gbs = run.cfg.run, run.global_batch_size
+    evals = run.state.evals or EvalSchedule.from_config(gbs, cfg.eval_iter_start_samples, cfg.eval_iter_samples)
+    last_samples = min(run.cfg.optim.max_steps, -(-cfg.max_samples_termination // gbs)) * gbs
+    return evals.next_at <= last_samples
+
+
 def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     """Synthetic batches (never the eval set's samples): one per distinct size of this rank's eval batches, or
     with STATIC_TOKENS under a CUDA-graph COMPILE mode one per padded shape the eval will take (`EvalSet.shapes`,
-    from the length index), so that no graph is recorded at the first evaluation."""
+    from the length index), so that no graph is recorded at the first evaluation. None when the run cannot reach an
+    evaluation."""
+    if not evaluation_possible(run):
+        return []
     vocab, seed = run.ddp.module.config.real_vocab_size, run.cfg.run.seed
     max_len = min(run.cfg.data.max_seq_length, run.ddp.module.config.max_position_embeddings)
     bucket = run.eval_set.static_tokens  # the eval's own bucket (bert.static_shapes.eval_token_bucket)
@@ -161,8 +175,10 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
               metadata={"compile": model_cfg.compile, "shapes": len(batches), "eval_shapes": len(eval_batches)})
     if run.env.is_main:
         shapes = f" on {len(batches)} token buckets" if len(batches) > 1 else ""
-        print(f"compile: COMPILE={model_cfg.compile}: first forward+backward{shapes} took {seconds:.1f} s, the "
-              f"eval forward on {len(eval_batches)} shapes {eval_seconds:.1f} s (before run_start)", flush=True)
+        evals = (f"the eval forward on {len(eval_batches)} shapes {eval_seconds:.1f} s" if eval_batches else
+                 "no eval forward (the run stops before its first evaluation)")
+        print(f"compile: COMPILE={model_cfg.compile}: first forward+backward{shapes} took {seconds:.1f} s, {evals} "
+              "(before run_start)", flush=True)
     seconds += eval_seconds
     if run.cfg.optim.compile_optimizer:
         step_seconds = warm_up_step(run.optimizer)
