@@ -152,7 +152,8 @@ for name in "$@"; do
       # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
         tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py \
-        tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py ;;
+        tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
+        tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device ;;
     host-syncs)
       # the bf16 cases (the H100 configs' family); fp16: the check before plain LAMB, the skip over masters
       step host-syncs 240 python3 bench/host_syncs.py --device cuda --only " bf16 " "fp16 clip=after" \

@@ -8,7 +8,7 @@ against the program that would receive it:
   bench/train_gpu.py  its argument parser, then the driver environment it would hand run_and_time.sh, parsed
                       by the driver's own config parser (a bad value raises ConfigError), and the bench/model.py
                       variant its comparison step would time;
-  pytest              every named test file exists;
+  pytest              every named test file (and test function) exists;
   the shard maker     its argument parser;
   bench/host_syncs.py and bench/fp8_linear.py  their argument parsers.
 """
@@ -101,7 +101,10 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
                                                         cfg.model.precision == "fp8"), name
         elif words[:3] == ["python3", "-m", "pytest"]:
             files = [w for w in words if w.startswith("tests/")]
-            assert files and all((ROOT / f).is_file() for f in files), name
+            assert files and all((ROOT / f.split("::")[0]).is_file() for f in files), name
+            for f in files:  # a node id: the test function is in its file
+                path, _, test = f.partition("::")
+                assert not test or f"def {test}(" in (ROOT / path).read_text(), f
         elif words[:2] == ["python3", "data/make_random_shards.py"]:
             shards.parse_args(words[2:])
         elif words[:2] == ["python3", "bench/host_syncs.py"]:

@@ -222,14 +222,18 @@ def test_divided_hands_the_sum_each_buffer_over_the_world():
 
 
 def test_build_reduce_takes_the_configured_node_size_else_the_launchers(monkeypatch):
-    """GRAD_REDUCE_NODE_SIZE overrides the launcher's local world size (a stand-in HierarchicalSum: no groups)."""
+    """GRAD_REDUCE_NODE_SIZE overrides the launcher's local world size (a stand-in HierarchicalSum: no groups); its
+    groups time out after DIST_TIMEOUT, as the default group does (not torch's 10 minutes for a NCCL subgroup)."""
+    from datetime import timedelta
+
     import bert.dist.reduce as reduce_module
 
-    monkeypatch.setattr(reduce_module, "HierarchicalSum", lambda node_size: ("hierarchical", node_size))
+    monkeypatch.setattr(reduce_module, "HierarchicalSum", lambda node_size, timeout: ("hierarchical", node_size,
+                                                                                      timeout))
     env = DistEnv(0, 8, 0, 4, "localhost", 0)
-    assert build_reduce(from_flat(grad_reduce="hierarchical").dist, env) == ("hierarchical", 4)
-    assert build_reduce(from_flat(grad_reduce="hierarchical", grad_reduce_node_size=2).dist, env) == (
-        "hierarchical", 2)
+    assert build_reduce(from_flat(grad_reduce="hierarchical").dist, env) == ("hierarchical", 4, timedelta(seconds=300))
+    assert build_reduce(from_flat(grad_reduce="hierarchical", grad_reduce_node_size=2, dist_timeout_s=60).dist,
+                        env) == ("hierarchical", 2, timedelta(seconds=60))
     assert build_reduce(from_flat(grad_reduce="flat").dist, env) is None  # DDP's own allreduce, no hook
 
 
@@ -280,6 +284,21 @@ def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_pat
         flat = torch.arange(5.0)
         assert torch.equal(HierarchicalSum(1)(flat).wait(), torch.arange(5.0))  # a world of one: the identity
     finally:
+        dist.destroy_process_group()
+
+
+def test_the_p2p_exchange_is_refused_on_nccl(tmp_path, monkeypatch):
+    """Every rank posts a receive, then a send, to the same peer: gloo serves them as they come, NCCL would hold
+    each receive on the GPU until the peer's send, queued behind the peer's own receive. NCCL gets the collective
+    exchange by default; asking it for p2p is an error, not a hang."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        assert HierarchicalSum(1).exchange == "collective"
+        with pytest.raises(ValueError, match="p2p exchange is for gloo"):
+            HierarchicalSum(1, exchange="p2p")
+    finally:
+        monkeypatch.undo()
         dist.destroy_process_group()
 
 

@@ -73,3 +73,20 @@ def test_n_plus_n_steps_equal_2n_steps(tmp_path):
     # The comparison is not vacuous: training moved the weights.
     first = load_file(split / "checkpoints" / f"step_{N:08d}" / "model.safetensors")
     assert any(not torch.equal(first[n], a[n]) for n in a)
+
+
+def test_the_shared_state_is_loaded_onto_this_ranks_device(tmp_path):
+    """train_state.pt is rank 0's (written from its GPU): every rank maps its CUDA tensors onto its own device, not
+    onto cuda:0 (eight ranks would each make a context there and keep a copy of the optimizer state), and onto the
+    host on a CPU; host tensors (RNG states) stay on the host. Here the map function itself, as torch.load calls it
+    (a storage read on the host and where it was written); on a GPU a real file too."""
+    from bert.train.checkpoint import on_device
+
+    storage = torch.arange(3.0).untyped_storage()
+    place = on_device(torch.device("cpu"))
+    assert place(storage, "cuda:0").device.type == "cpu" and place(storage, "cpu") is storage
+    if torch.cuda.is_available():
+        last = torch.device("cuda", torch.cuda.device_count() - 1)
+        torch.save({"m": torch.ones(2, device="cuda:0"), "rng": torch.get_rng_state()}, tmp_path / "state.pt")
+        loaded = torch.load(tmp_path / "state.pt", map_location=on_device(last), weights_only=False)
+        assert loaded["m"].device == last and loaded["rng"].device.type == "cpu"

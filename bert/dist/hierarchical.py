@@ -48,6 +48,7 @@ import collections
 import queue
 import threading
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -115,14 +116,15 @@ class HierarchicalSum:
     37 buckets make 185 of them per rank and step).
     """
 
-    def __init__(self, node_size: int, exchange: str | None = None):
+    def __init__(self, node_size: int, exchange: str | None = None, timeout: timedelta | None = None):
+        """`timeout`: the groups' (DIST_TIMEOUT); None leaves torch's default (10 min for NCCL, 30 for gloo)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         intra, inter = node_groups(world, node_size)
         self.world, self.node_size = world, node_size
         # Three enumerations, every rank in the same order: each returns this rank's group.
-        self.scatter_group, _ = dist.new_subgroups_by_enumeration(intra)
-        self.inter_group, _ = dist.new_subgroups_by_enumeration(inter)
-        self.gather_group, _ = dist.new_subgroups_by_enumeration(intra)
+        self.scatter_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=timeout)
+        self.inter_group, _ = dist.new_subgroups_by_enumeration(inter, timeout=timeout)
+        self.gather_group, _ = dist.new_subgroups_by_enumeration(intra, timeout=timeout)
         self.local = rank % node_size
         # (chunk index, the peer's rank in the intra-node groups) for every other rank of the node
         self.peers = [(j, dist.get_group_rank(self.scatter_group, r))
@@ -130,6 +132,10 @@ class HierarchicalSum:
         self.exchange = exchange or ("p2p" if dist.get_backend() == "gloo" else "collective")
         if self.exchange not in ("p2p", "collective"):
             raise ValueError(f"exchange must be p2p or collective, got {self.exchange!r}")
+        if self.exchange == "p2p" and dist.get_backend() == "nccl":
+            # every rank posts a receive, then a send, to the same peer: on NCCL each receive holds the GPU until
+            # the peer's send, queued behind the peer's own receive (a deadlock); gloo posts them as they come
+            raise ValueError("the p2p exchange is for gloo; NCCL takes the collective one")
         self._sum = dist.AllreduceOptions()
         self._sum.asyncOp = True
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

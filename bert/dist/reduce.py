@@ -28,6 +28,7 @@ section and the rank layout); `build_reduce` returns None for DDP's own flat all
 
 # No `from __future__ import annotations`: DDP checks a comm hook's annotations as real objects.
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor
@@ -84,7 +85,8 @@ def _flat(cfg: DistConfig, env: DistEnv) -> Reduce | None:
 
 
 def _hierarchical(cfg: DistConfig, env: DistEnv) -> Reduce | None:
-    return HierarchicalSum(cfg.grad_reduce_node_size or env.local_world_size)
+    return HierarchicalSum(cfg.grad_reduce_node_size or env.local_world_size,
+                           timeout=timedelta(seconds=cfg.dist_timeout_s))
 
 
 def _ps(cfg: DistConfig, env: DistEnv) -> Reduce | None:

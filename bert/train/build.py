@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -95,7 +96,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
     eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
                        static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
-    stop = StopAgreement()
+    stop = StopAgreement(timedelta(seconds=cfg.dist.dist_timeout_s))
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
                autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log,

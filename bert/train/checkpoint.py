@@ -13,6 +13,7 @@ checkpoint as the one to resume from.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,16 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
 
 
+def on_device(device: torch.device) -> Callable[[Any, str], Any]:
+    """torch.load's map_location for a file another rank wrote: its CUDA tensors onto `device` (on a CPU, the host),
+    its host tensors (RNG states) left on the host."""
+    def place(storage: Any, location: str) -> Any:
+        if not location.startswith("cuda"):
+            return storage
+        return storage.cuda(device.index) if device.type == "cuda" else storage.cpu()
+    return place
+
+
 def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: int,
                     rank_parts: dict[str, Any]) -> dict[str, Any]:
     """Restore every stateful part in place; returns the plain (non-stateful) shared values."""
@@ -81,7 +92,10 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
         raise FileNotFoundError(f"{mine} is missing: was the checkpoint written by a job with fewer ranks?")
     with fp32_weights(parts.get("optimizer")):
         load_weights(model, where / "model.safetensors")
-    shared = torch.load(where / "train_state.pt", weights_only=False)
+    # rank 0 wrote it from its own GPU: onto this rank's device, not every rank onto cuda:0 (a context and a copy of
+    # the optimizer state each, held there for the rest of the run)
+    shared = torch.load(where / "train_state.pt", weights_only=False,
+                        map_location=on_device(next(model.parameters()).device))
     values = {}
     for key, state in shared.items():
         if hasattr(parts.get(key), "load_state_dict"):

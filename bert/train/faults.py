@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import signal
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,10 @@ class NonFiniteLoss(RuntimeError):
 class StopAgreement:
     """`poll(wish)` starts the reduction of this step's wish and returns the previous step's verdict."""
 
-    def __init__(self):
+    def __init__(self, timeout: timedelta | None = None):
+        """`timeout`: its gloo group's (DIST_TIMEOUT); None leaves torch's 30 minutes."""
         self.signalled = False
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
 
     def install_signal_handlers(self) -> None:
