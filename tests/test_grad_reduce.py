@@ -418,3 +418,32 @@ def test_hierarchical_sum_adds_every_peers_chunk_for_any_node_size(tmp_path):
         for (node_size, exchange, n), got in torch.load(f"{out}.{rank}").items():
             want = sum(torch.arange(n, dtype=torch.float64) * (r + 1) + r / 3 for r in range(WORLD))
             torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-12, msg=f"{node_size} {exchange} {n} {rank}")
+
+
+def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
+    """A burst of buffers through the hierarchical sum in a group made as the driver makes it on a GPU (NCCL alone),
+    a world of one: each must come back as it went (the sum over one rank), its future ready on the caller's
+    stream, from the worker's own stream (`HierarchicalSum._place`)."""
+    from bert.dist.env import init_distributed
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_distributed(DistEnv(0, 1, 0, 1, "localhost", 0), device, timeout_s=60)
+    try:
+        reduce = HierarchicalSum(1)
+        assert reduce.exchange == "collective"
+        gen = torch.Generator(device=device).manual_seed(0)
+        flats = [torch.randn(n, generator=gen, device=device) for n in SIZES]
+        want = [f.clone() for f in flats]
+        futures = [reduce(f) for f in flats]
+        got = [fut.wait() for fut in futures]
+        torch.save({"exact": all(torch.equal(g, w) for g, w in zip(got, want)), "sides": len(reduce._side)}, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_hierarchical_sum_runs_its_steps_on_the_workers_stream_over_nccl(tmp_path):
+    mp.spawn(nccl_hierarchical_worker, args=(str(tmp_path / "out"),), nprocs=1)
+    out = torch.load(tmp_path / "out")
+    assert out == {"exact": True, "sides": 1}

@@ -25,7 +25,9 @@ differently on different ranks. The worker posts step 2 for every bucket that ha
 for any of them, then waits for the oldest and posts its step 3, and finishes the step 3s (completing the
 futures DDP waits on) once no step 2 is in flight; so steps 2 and 3 of different buckets overlap each other,
 the backward pass and the next buckets' step 1, and a burst of buckets costs the worker one wake-up per
-step rather than three per bucket. (It used to take one bucket at a time and waited for step 1,
+step rather than three per bucket. On a GPU the worker waits and posts on a CUDA stream of its own (`_place`):
+NCCL's `wait()` holds back the current stream, not the host, and on the default stream it would hold back the
+backward and the hook's step 1 behind steps 2 and 3. (It used to take one bucket at a time and waited for step 1,
 then step 2, then the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's burst of 37
 buckets; earlier still it was two threads, one per step: a thread hand-off per bucket more.)
 
@@ -47,7 +49,8 @@ a time it was 1.01-1.13x wall (median 1.09 over nine runs) and 1.10-1.13x CPU.
 import collections
 import queue
 import threading
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -75,17 +78,21 @@ class _Job:
         self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
         self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
 
-    def finish(self) -> None:
-        """Wait for the all-gather in flight and hand the buffer back to DDP."""
-        try:
-            with _on_device(self.flat):
+    def finish(self, place: AbstractContextManager) -> None:
+        """Wait for the all-gather in flight and hand the buffer back to DDP, in `place` (the worker's device and
+        stream: the future records its event there, and DDP's stream waits for it)."""
+        with place:
+            try:
                 self.work.wait()
                 if self.padded is not self.flat:
                     self.flat.copy_(self.padded[:self.flat.numel()])
-        except Exception as e:  # DDP's wait on the future raises it in the training thread
-            self.result.set_exception(e)
-            return
-        self.result.set_result(self.flat)
+            except Exception as e:  # DDP's wait on the future raises it in the training thread
+                self.result.set_exception(e)
+                return
+            if self.flat.is_cuda:  # made on the hook's stream, last used on this one: freed after its work here
+                for t in (self.padded, self.shard):
+                    t.record_stream(torch.cuda.current_stream())
+            self.result.set_result(self.flat)
 
 
 class _Pending:
@@ -140,6 +147,7 @@ class HierarchicalSum:
         self._sum.asyncOp = True
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        self._side: dict[torch.device, torch.cuda.Stream] = {}  # the worker's stream per GPU (`_place`)
         # Receive buffers of step 1, kept for the next step's bucket of the same size: a fresh CPU buffer
         # is page-faulted in by the kernel while gloo receives into it.
         self._spare: dict[tuple, list[Tensor]] = {}
@@ -209,7 +217,7 @@ class HierarchicalSum:
                     break
                 block = False
                 try:
-                    with _on_device(job.flat):
+                    with self._place(job.flat):
                         job.work.wait()  # step 1 and the node sum
                         reducing.append((job, self.inter_group.allreduce([job.shard], self._sum)))
                 except Exception as e:  # DDP's wait on the future raises it in the training thread
@@ -217,7 +225,7 @@ class HierarchicalSum:
             if reducing:  # the oldest step 2 waited for, its step 3 posted
                 job, inter = reducing.popleft()
                 try:
-                    with _on_device(job.flat):
+                    with self._place(job.flat):
                         inter.wait()
                         job.work = self._all_gather(job.padded, job.chunks, job.shard)
                 except Exception as e:
@@ -226,13 +234,28 @@ class HierarchicalSum:
                 gathering.append(job)
                 continue
             while gathering:  # nothing left to reduce: hand the buffers back
-                gathering.popleft().finish()
+                job = gathering.popleft()
+                job.finish(self._place(job.flat))
+
+    def _place(self, t: Tensor) -> AbstractContextManager:
+        """Where the worker waits and posts for buffer `t`: on a GPU, `t`'s device and a stream of the worker's own.
+        A new thread starts on GPU 0 and on the default stream, which the backward and the hook's step 1 use too,
+        and NCCL's `wait()` makes the current stream wait (it does not block the host): on the default stream
+        every later backward kernel and step 1 would wait for this bucket's steps 2 and 3 (no overlap left), and
+        two ranks of a node that took their buckets in different interleavings could each queue the other's
+        step 1 behind its own step 3, a cycle in the GPUs' queues. Not run on a GPU yet."""
+        if not t.is_cuda:
+            return nullcontext()
+        if t.device not in self._side:
+            self._side[t.device] = torch.cuda.Stream(t.device)
+        return _on_stream(self._side[t.device])
+
+
+@contextmanager
+def _on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 def _key(t: Tensor) -> tuple:
     return t.numel(), t.dtype, t.device
-
-
-def _on_device(t: Tensor):
-    """The worker thread issues collectives on the tensor's GPU (a new thread starts on GPU 0)."""
-    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
