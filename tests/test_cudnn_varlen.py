@@ -170,8 +170,8 @@ def test_cuda_compiled_equals_eager_without_graph_breaks():
                                             ("2.14.0", True), ("2.14.0a0+git5d2f", True), ("3.0.1", True)])
 def test_a_torch_whose_cudnn_backward_is_broken_is_refused_in_one_line(monkeypatch, version, fixed):
     """torch 2.11 (the GPU machines') sized the ragged backward's dq accumulator by the head dimension
-    (pytorch#186142): ATTENTION=cudnn is refused where the driver checks its device, before anything runs, and by
-    `check_torch`, which the planner (the bench calls it directly) runs first."""
+    (pytorch#186142): ATTENTION=cudnn is refused where the driver checks its device (`check_attention`, once, not by
+    the per-batch planner), before anything runs; bench/model.py leaves the row out by `backward_is_fixed`."""
     monkeypatch.setattr(torch, "__version__", version)
     assert cudnn_varlen.backward_is_fixed() == fixed
     if fixed:

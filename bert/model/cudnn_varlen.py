@@ -24,7 +24,8 @@ wrong shapes. The CPU tests run the ops, fake and autograd included, with a floa
 the aten calls; the CUDA tests run the real ones.
 
 Which torch: the ragged backward is broken before the fixes of June 2026, so this backend refuses an older torch
-(`MIN_TORCH`) in one line, before anything runs. Until then `_cudnn_attention_backward` took the longest sequence
+(`MIN_TORCH`) in one line, before anything runs (`check_torch`, from `bert.model.attention.check_attention`; the
+per-batch planner does not repeat it). Until then `_cudnn_attention_backward` took the longest sequence
 from q's third dimension, on the ragged (T, H, D) layout the head dimension: cuDNN sized its dq accumulator for 64
 tokens and wrote past it for every longer sequence, an illegal address (pytorch/pytorch#186142). And it wrote dq,
 dk and dv with q, k and v's strides into contiguous buffers: the fused QKV's views are 3 x hidden apart
@@ -34,7 +35,6 @@ both; the GPU machines' 2.11 is not, so the CUDA tests of this backend skip ther
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -42,6 +42,7 @@ from torch import Tensor
 
 from bert.batch import SeqLayout
 from bert.model.cuda_varlen import require_cuda_batch, require_half
+from bert.release import major_minor
 
 MIN_TORCH = (2, 14)  # the first release with pytorch#186142 and #172108 (see the docstring)
 CONTRACT = (
@@ -52,8 +53,8 @@ CONTRACT = (
 
 def backward_is_fixed(version: str | None = None) -> bool:
     """Whether torch `version` (default: the running one) has the ragged backward's fixes (`MIN_TORCH`)."""
-    found = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
-    return found is not None and tuple(int(x) for x in found.groups()) >= MIN_TORCH
+    release = major_minor(version or torch.__version__)
+    return release is not None and release >= MIN_TORCH
 
 
 def check_torch(version: str | None = None) -> None:
@@ -153,7 +154,6 @@ cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
     require_cuda_batch(seq, "cudnn")
-    check_torch()
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:

@@ -62,6 +62,8 @@ import re
 import torch
 from torch import nn
 
+from bert.release import major_minor
+
 TORCHAO = {(2, 10): "0.16.0", (2, 11): "0.18.0"}  # torch (major, minor) -> the torchao release built for it
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 ALIGN = 16  # torch._scaled_mm: inner dimension and both weight dimensions
@@ -107,7 +109,7 @@ def check_fp8(precision: str, device: torch.device) -> None:
 def torchao_release(torch_version: str | None = None) -> str:
     """The torchao release for `torch_version` (as torch writes it; default: the running torch's): TORCHAO's entry,
     the newest for a newer torch."""
-    release = tuple(int(x) for x in (torch_version or torch.__version__).split(".")[:2])
+    release = major_minor(torch_version or torch.__version__) or min(TORCHAO)
     return TORCHAO[max([k for k in TORCHAO if k <= release] or [min(TORCHAO)])]
 
 
@@ -162,4 +164,3 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_
     if precision == "fp8":
         convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
     return model
-

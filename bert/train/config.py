@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import re
 import sys
 
 from bert.config import TrainConfig, from_env_and_args
+from bert.release import major_minor
 
 # The oldest torch release the suite passes on (`bash scripts/test_torch.sh 2.10.0`: all but three tests of a
 # one-line error, where 2.10's gloo adds its connection messages to stderr; 2.11.0, the GPU machines', and
@@ -36,8 +36,8 @@ def check_torch(version: str | None = None) -> None:
     except importlib.metadata.PackageNotFoundError:
         raise ValueError(f"torch is not installed for {sys.executable}: install it (README) or point $PYTHON at the "
                          "interpreter that has it") from None
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or tuple(int(x) for x in found.groups()) < MIN_TORCH:
+    release = major_minor(version)
+    if release is None or release < MIN_TORCH:
         raise ValueError(f"torch {version} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, the oldest release this "
                          "harness is tested on: use a newer image (the Dockerfile's BASE_IMAGE) or torch")
 

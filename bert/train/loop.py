@@ -76,6 +76,14 @@ class Run:
                         {"loader": self.loader})
 
 
+def eval_schedule(run: Run) -> EvalSchedule:
+    """The run's evaluation schedule: a resumed run's, else the config's (EVAL_ITER_START_SAMPLES, EVAL_ITER_SAMPLES,
+    or the rules' formula)."""
+    cfg = run.cfg.run
+    return run.state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
+                                                       cfg.eval_iter_samples)
+
+
 def train_step(run: Run, batches: Iterator[Batch]) -> Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the loss (device tensor)."""
     ddp = run.ddp
@@ -108,8 +116,7 @@ def train(run: Run) -> str:
     """Train until the eval accuracy reaches the target (success), a limit is hit (aborted), or the
     job must end (pre-empted). The caller writes the final checkpoint, after run_stop is logged."""
     cfg, state = run.cfg.run, run.state
-    state.evals = state.evals or EvalSchedule.from_config(run.global_batch_size, cfg.eval_iter_start_samples,
-                                                          cfg.eval_iter_samples)
+    state.evals = eval_schedule(run)
     # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not
     # useful work
     model = run.ddp.module  # the FLOPs of the model as built: its config and whether its last layer keeps a subset

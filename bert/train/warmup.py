@@ -43,8 +43,7 @@ from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
-from bert.train.evaluate import EvalSchedule
-from bert.train.loop import Run
+from bert.train.loop import Run, eval_schedule
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.profile import compile_counters, compile_report
 from bert.train.progress import Progress
@@ -118,10 +117,9 @@ def warm_up_eval(model: nn.Module, batch: Batch, autocast: Callable[[], Abstract
 
 def evaluation_possible(run: Run) -> bool:
     """Whether the run reaches its next evaluation before MAX_STEPS or MAX_SAMPLES_TERMINATION stops it."""
-    cfg, gbs = run.cfg.run, run.global_batch_size
-    evals = run.state.evals or EvalSchedule.from_config(gbs, cfg.eval_iter_start_samples, cfg.eval_iter_samples)
-    last_samples = min(run.cfg.optim.max_steps, -(-cfg.max_samples_termination // gbs)) * gbs
-    return evals.next_at <= last_samples
+    gbs = run.global_batch_size
+    last_samples = min(run.cfg.optim.max_steps, -(-run.cfg.run.max_samples_termination // gbs)) * gbs
+    return eval_schedule(run).next_at <= last_samples
 
 
 def eval_warmup_batches(run: Run, device: torch.device) -> list[Batch]:
