@@ -19,6 +19,8 @@ import os
 import sys
 import traceback
 
+import torch.distributed as dist
+
 from bert.config import ConfigError, TrainConfig, from_env_and_args
 from bert.data.format import ShardError
 from bert.dist import ps
@@ -54,12 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         return ps.serve(job, cfg.dist)
     status = train_worker(cfg, job)
     ps.disconnect()  # the servers stop once every worker has said so (nothing without servers)
+    if status != 2 and dist.is_initialized():  # a run that ended together: NCCL warns of a group left at exit
+        dist.destroy_process_group()
     return status
 
 
 def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     env = ps.worker_env(job, cfg.dist)  # the job itself, or its workers when it holds parameter servers
-    device = compute_device(env)
+    try:
+        device = compute_device(env)
+    except ValueError as e:  # more local ranks than GPUs
+        report(env.rank, e)
+        return 2
     try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines
         log_file = claim_log_file(cfg.log.mlperf_log, cfg.run.resume) if env.is_main else ""
     except ResultLogExists as e:
@@ -83,9 +91,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
         report(env.rank, e)
         return 2
     compiled = CompileWatch(cfg)  # whatever compiles after this is compile time inside the timed run
-    log.end("init_stop")
-    log.start("run_start")
-    log.start("block_start", metadata={"first_epoch_num": 1, "epoch_count": 1})
+    log.start_run()
     try:
         status = train(run)
     except Exception as e:

@@ -222,6 +222,26 @@ class TrainConfig:
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "
                               "the end of its backward: no communication would overlap it); set COMPILE_SCOPE=layers")
+        graphs = registry_names("bert.model.compile:CUDA_GRAPH_MODES")
+        if self.model.compile in graphs and self.optim.gradient_accumulation_steps > 1:
+            # a micro-step's .grad is the backward graph's output, in the graph pool: the next replay overwrites it,
+            # silently (pytorch/pytorch#96693, #169545)
+            raise ConfigError("gradient_accumulation_steps", "GRADIENT_STEPS", self.optim.gradient_accumulation_steps,
+                              f"cannot be combined with COMPILE={self.model.compile} (CUDA graphs overwrite the "
+                              "gradients a micro-step leaves for the next one); use COMPILE=default")
+        if self.model.compile in graphs and self.model.compile_scope == "layers":
+            # without a pending backward each layer's call starts a new graph generation, which frees the previous
+            # layer's output, this layer's input: the eval forward (no grad) fails on the first evaluation
+            raise ConfigError("compile_scope", "COMPILE_SCOPE", "layers", f"cannot be combined with COMPILE="
+                              f"{self.model.compile} (CUDA graphs per layer overwrite each other's outputs in the "
+                              "eval forward); set COMPILE_SCOPE=model")
+        bound = importlib.import_module("bert.static_shapes").SEQLEN_BOUND
+        if self.model.compile in graphs and self.model.static_tokens > bound:
+            # the padding sequence is up to STATIC_TOKENS long and sets max_seqlen, a value each graph bakes in
+            raise ConfigError("static_tokens", "STATIC_TOKENS", self.model.static_tokens, f"must be at most {bound} "
+                              f"with COMPILE={self.model.compile} (above it the padding sequence's length, which "
+                              "varies, sets the attention's max_seqlen, a value every CUDA graph bakes in: each step "
+                              "would record a new one)")
         if self.optim.compile_optimizer and self.optim.optimizer_sharding:
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
                               "OPTIMIZER_SHARDING=1 (its step runs collectives)")

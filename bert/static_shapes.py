@@ -21,6 +21,8 @@ Padding tokens are [PAD] (id 0), segment 0, position 0: any valid ids would do, 
 reaches the loss. Their cost is at most `token_bucket - 1` tokens through the dense layers and one
 extra attention segment of that length (quadratic): keep the bucket at most 512 on the GPU, or a few
 thousand when fewer shapes matter more (about 4 % more tokens at 2048 on the phase-2 mix, 8 % at 4096).
+Under a CUDA-graph COMPILE mode the config refuses buckets above `SEQLEN_BOUND`: the padding sequence's length then
+sets `max_seqlen`, which differs from batch to batch, and each graph bakes it in (a recording per step).
 The extra masked rows (about B / 2 + 0.15 x the padding tokens) cost the MLM head well under 0.1 %.
 
 The eval batches are padded the same way (`bert.data.eval_set`): the same shapes at every evaluation, each
@@ -42,6 +44,7 @@ from bert.data.format import MASK_RATE
 
 IGNORE = -100  # label skipped by the MLM and NSP losses (torch's cross_entropy ignore_index)
 PAD_ID = 0  # [PAD] in the BERT vocabulary
+SEQLEN_BOUND = 512  # max_seqlen of every padded batch (BERT's longest sequence): one value for every step
 MASKED_BUCKET = 64  # masked rows are padded to a multiple of this (the driver's choice; ~76 per sequence at most)
 
 
@@ -56,7 +59,7 @@ def masked_rows_bound(tokens: int, sequences: int, rate: float = MASK_RATE) -> i
     return math.ceil(rate * tokens) + sequences
 
 
-def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_bound: int = 512,
+def pad_to_buckets(batch: Batch, token_bucket: int, masked_bucket: int, seqlen_bound: int = SEQLEN_BOUND,
                    mask_rate: float = MASK_RATE) -> Batch:
     """`batch` plus one padding sequence (T -> a multiple of `token_bucket`, at least T + 1) and padding
     masked rows (M -> `masked_rows_bound` of the padded T and the real sequences, or M itself if more,

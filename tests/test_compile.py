@@ -126,12 +126,16 @@ def test_compiled_equals_eager_on_every_token_count(scope, layers):
     compiled_equals_eager("debug", atol=0, scope=scope, layers=layers)
 
 
-def backward_order(scope: str, buckets: str) -> str:
+def backward_order(scope: str, buckets: str, warm_world: int | None = None) -> str:
     """The second backward of a 2-layer tiny BERT compiled with COMPILE=debug at `scope` under the driver's wrapper
     `buckets` (world of one, 1 MB buckets: several): the order in which the compiled backward functions run (C)
-    and the comm hook receives buckets (B)."""
+    and the comm hook receives buckets (B). `warm_world`: compiled first by the driver's warm-up, as a run of that
+    many ranks makes it (`training_entry`)."""
+    from types import SimpleNamespace
+
     from bert.config import DistConfig
     from bert.dist.ddp import apply_ddp
+    from bert.train.warmup import training_entry
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -146,6 +150,10 @@ def backward_order(scope: str, buckets: str) -> str:
         return done
 
     wrapper.register_comm_hook(None, hook)
+    if warm_world is not None:
+        run = SimpleNamespace(ddp=wrapper, env=SimpleNamespace(world_size=warm_world))
+        warm_up(training_entry(run), batch(2), lambda: torch.autocast("cpu", enabled=False))
+        assert events == [] and all(p.grad is None for p in model.parameters())  # no_sync: no hook, no trace left
     wrapper(batch(0)).loss.backward()  # the first backward: DDP starts with one bucket, then rebuilds them
     wrapper.zero_grad(set_to_none=True)
     events.clear()
@@ -176,6 +184,17 @@ def test_gradients_are_handed_over_while_the_compiled_backward_runs(world_of_one
     assert overlapped == (scope == "layers" or buckets == "ddp"), order
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world, overlapped", [(2, True), (1, False)])
+def test_the_warm_up_compiles_inside_ddp_when_there_is_an_all_reduce_to_overlap(world_of_one, world, overlapped):
+    """The timed steps reuse the graph the warm-up compiled, and dynamo cuts it at DDP's buckets only when it compiles
+    inside DDP's forward: compiled on the bare model, the whole backward runs before the first bucket is handed over.
+    With several ranks the warm-up goes through DDP; alone, through the bare model (one graph fuses more)."""
+    order = backward_order("model", "ddp", warm_world=world)
+    assert order.count("B") >= 3, order
+    assert ("C" in order[order.index("B"):]) == overlapped, order
+
+
 def test_one_graph_for_the_model_is_refused_with_balanced_buffers():
     from bert.config import ConfigError, from_flat
 
@@ -189,6 +208,28 @@ def test_one_graph_for_the_model_is_refused_with_balanced_buffers():
     cfg().validate()  # not compiled: nothing to cut
     with pytest.raises(ConfigError, match="COMPILE_SCOPE.*must be one of model, layers"):
         cfg(compile="debug", compile_scope="layer").validate()
+
+
+@pytest.mark.parametrize("graphs", ["reduce-overhead", "max-autotune"])
+def test_what_cuda_graphs_cannot_serve_is_refused_at_parse_time(graphs):
+    """Gradient accumulation (a micro-step's .grad lives in the graph pool and the next replay overwrites it), graphs
+    per layer (each call of a layer in the eval forward frees the previous one's output) and token buckets above
+    SEQLEN_BOUND (the padding sequence's length, different per batch, becomes max_seqlen, baked into each graph)."""
+    from bert.config import ConfigError, from_flat
+
+    def cfg(**kw):
+        return from_flat(input_dir="d", eval_dir="e", train_batch_size=16, bert_config_path="tiny", max_steps=10,
+                         learning_rate=1e-3, **kw)
+
+    with pytest.raises(ConfigError, match=f"GRADIENT_STEPS.*COMPILE={graphs}.*use COMPILE=default"):
+        cfg(compile=graphs, gradient_accumulation_steps=2).validate()
+    with pytest.raises(ConfigError, match=f"COMPILE_SCOPE.*COMPILE={graphs}.*set COMPILE_SCOPE=model"):
+        cfg(compile=graphs, compile_scope="layers").validate()
+    with pytest.raises(ConfigError, match=f"STATIC_TOKENS.*must be at most 512 with COMPILE={graphs}"):
+        cfg(compile=graphs, static_tokens=1024).validate()
+    cfg(compile=graphs, static_tokens=512).validate()
+    # without CUDA graphs each of them runs
+    cfg(compile="default", gradient_accumulation_steps=2, compile_scope="layers", static_tokens=1024).validate()
 
 
 @pytest.mark.skipif(not os.environ.get("BERT_TEST_INDUCTOR"), reason="set BERT_TEST_INDUCTOR=1 (~4 min on 2 cores)")

@@ -115,3 +115,43 @@ def test_run_stop_logs_both_sample_counts_and_an_aborted_status(tmp_path):
     events = [(e["key"], e["value"], e["metadata"].get("status")) for e in lines(path)]
     assert events == [("block_stop", None, None), ("train_samples", 1_536_000, None), ("eval_samples", 10_000, None),
                       ("run_stop", None, "aborted")]
+
+
+def _start_run_worker(rank: int, store: str, log_path: str, times: str) -> None:
+    """Rank 1 ends its initialisation late; rank 0 is slow to write run_start. Each records when it entered and left
+    `start_run`."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    log = MLPerfLog(log_path, enabled=rank == 0)
+    if rank == 0:
+        write = log._log
+
+        def slow(kind, key, value, metadata):
+            if key == "run_start":
+                time.sleep(0.6)
+            write(kind, key, value, metadata)
+
+        log._log = slow
+    else:
+        time.sleep(0.6)
+    entered = time.time()
+    log.start_run()
+    Path(times).with_suffix(f".{rank}").write_text(json.dumps([entered, time.time()]))
+    dist.destroy_process_group()
+
+
+def test_the_clock_starts_after_every_ranks_init_and_no_rank_trains_before_run_start(tmp_path):
+    """Without the barrier before, init_stop would be stamped while rank 1 still initialised (its compile time then
+    counted in the timed run); without the one after, rank 1 could start (and fail) before run_start is written."""
+    import torch.multiprocessing as mp
+
+    log_path = tmp_path / "result_0.txt"
+    mp.spawn(_start_run_worker, args=(str(tmp_path / "store"), str(log_path), str(tmp_path / "times")), nprocs=2)
+    events = {e["key"]: e["time_ms"] / 1000 for e in lines(log_path)}
+    assert list(events) == ["init_stop", "run_start", "block_start"]
+    rank1_entered, rank1_left = json.loads((tmp_path / "times.1").read_text())
+    assert events["init_stop"] >= rank1_entered
+    assert rank1_left >= events["run_start"]

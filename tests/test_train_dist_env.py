@@ -34,3 +34,25 @@ def test_first_host_of_a_slurm_nodelist(nodelist, first):
 def test_bad_rank_value_names_the_variable():
     with pytest.raises(ValueError, match="SLURM_PROCID"):
         read_env({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"})
+
+
+@pytest.mark.parametrize("gpus,local_rank,chosen", [(8, 5, 5), (1, 5, 0), (4, 5, None), (4, 3, 3)])
+def test_each_local_rank_gets_its_own_gpu_or_a_one_line_error(monkeypatch, gpus, local_rank, chosen):
+    """GPU local_rank of the node's GPUs, or the one GPU a task sees (srun --gpus-per-task=1); more local ranks than
+    GPUs would have put two ranks on one GPU, which NCCL refuses later as a nameless init failure."""
+    import torch
+
+    from bert.dist.env import compute_device
+
+    picked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: picked[-1])
+    env = DistEnv(local_rank, 8, local_rank, 8, "localhost", 29500)
+    if chosen is None:
+        with pytest.raises(ValueError, match=f"local rank {local_rank} has no GPU of its own: this node shows {gpus}"):
+            compute_device(env)
+        assert picked == []
+    else:
+        assert compute_device(env) == torch.device("cuda", chosen)

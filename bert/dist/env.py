@@ -77,7 +77,11 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 def compute_device(env: DistEnv) -> torch.device:
     """One GPU per local rank when there are GPUs, else the CPU, its cores shared among the local ranks."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if gpus > 1 and env.local_rank >= gpus:  # one GPU visible per task (srun --gpus-per-task=1) is GPU 0 for all
+            raise ValueError(f"local rank {env.local_rank} has no GPU of its own: this node shows {gpus} GPUs "
+                             f"to {env.local_world_size} local ranks (DGXNGPU or --nproc_per_node too large?)")
+        torch.cuda.set_device(env.local_rank % gpus)
         return torch.device("cuda", torch.cuda.current_device())
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; srun does not, and oversubscribed threads spin
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
@@ -97,3 +101,9 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float, store
         where = {"store": store}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None, **where)
+
+
+def barrier() -> None:
+    """Every rank of the default group waits for the others; nothing without a group (a bare single process)."""
+    if dist.is_initialized():
+        dist.barrier()

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from bert.dist.env import barrier
 from bert.model.checkpoint import load_weights, save_weights
 from bert.optim.master import fp32_weights
 
@@ -40,11 +40,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: dict[str, Any], rank: int,
                     rank_parts: dict[str, Any]) -> Path:
     """`parts` (objects with state_dict, or plain values) are shared by all ranks; `rank_parts` are per rank."""
@@ -52,7 +47,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
     where = root / f"step_{step:08d}"
     if rank == 0:
         where.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier()
     states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rank_parts.items()}
     torch.save({**states, "rng": _rng_state()}, where / f"rank_{rank:05d}.pt")
     # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
@@ -61,7 +56,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
         with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters, not the bf16 copy
             save_weights(model, where / "model.safetensors")
         torch.save(shared, where / "train_state.pt")
-    _barrier()
+    barrier()
     if rank == 0:
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(where.name)

@@ -101,6 +101,19 @@ class MLPerfLog:
         ]:
             self._log("event", key, value, None)
 
+    def start_run(self) -> None:
+        """init_stop, run_start and the first block_start, with every rank in step on both sides (as NVIDIA's
+        `run_start` with sync): the clock starts when the slowest rank's initialisation (its compile included) is
+        over, not rank 0's, and no rank trains before rank 0 has written run_start, so a rank that fails at its
+        first batch cannot end the job before the log says the run started (abort_log then closes it)."""
+        from bert.dist.env import barrier  # here: the module stays torch-free for abort_log, run after a failure
+
+        barrier()
+        self._log("end", C.INIT_STOP, None, None)
+        self._log("start", C.RUN_START, None, None)
+        self._log("start", C.BLOCK_START, None, {C.FIRST_EPOCH_NUM: 1, C.EPOCH_COUNT: 1})
+        barrier()
+
     def resumed(self, step: int, samples: int) -> None:
         """Labels a continuation: it is not a run result (the rules time one contiguous run)."""
         self._log("event", RESUMED, int(step), {"samples": int(samples)})

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -81,15 +81,17 @@ def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size:
 
 
 def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractContextManager]) -> float:
-    """Run forward and backward on `batch` in train mode; returns the seconds it took."""
+    """Run forward and backward on `batch` in train mode; returns the seconds it took. `model` may be the data-parallel
+    wrapper: its `no_sync` keeps the backward to this rank (no hook, no collective)."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     was_training = model.training
     model.train()
     start = time.perf_counter()
-    with autocast():
-        loss = model(batch).loss
-    loss.backward()
+    with model.no_sync() if hasattr(model, "no_sync") else nullcontext():
+        with autocast():
+            loss = model(batch).loss
+        loss.backward()
     if batch.input_ids.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -156,6 +158,15 @@ def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
     return [warmup_batch(sequences, max_len, device, vocab, seed, model_sizes(model.config), bucket)]
 
 
+def training_entry(run: Run) -> nn.Module:
+    """What the warm-up calls to compile the training graphs: the timed steps reuse whatever it compiled. With
+    several ranks that is the data-parallel wrapper: dynamo cuts a graph at DDP's bucket boundaries (its DDPOptimizer)
+    only when it compiles inside DDP's forward, and an uncut graph hands every gradient over at the end of the
+    backward, so no all-reduce would overlap it. Alone, the bare model: nothing to overlap, and one uncut graph fuses
+    across the cuts."""
+    return run.ddp if run.env.world_size > 1 else run.ddp.module
+
+
 def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
     """With COMPILE set, compile now (untimed init) and log the seconds; None when COMPILE=off. Under a
     CUDA-graph mode each batch runs twice: inductor's graph trees warm a new shape up on its first call and
@@ -165,7 +176,7 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         return None
     batches = warmup_batches(run, device)
     calls = 2 if model_cfg.compile in CUDA_GRAPH_MODES else 1
-    seconds = sum(warm_up(run.ddp.module, batch, run.autocast) for batch in batches for _ in range(calls))
+    seconds = sum(warm_up(training_entry(run), batch, run.autocast) for batch in batches for _ in range(calls))
     eval_batches = eval_warmup_batches(run, device)
     eval_seconds = sum(warm_up_eval(run.ddp.module, batch, run.autocast) for batch in eval_batches
                        for _ in range(calls))
