@@ -305,3 +305,41 @@ def test_server_refuses_workers_out_of_step():
         headers[worker][field] += 1
         with pytest.raises(RuntimeError, match=f"worker {worker} sent .* out of step"):
             ps.serve_loop(_Headers(headers), me)
+
+
+def cuda_process(rank: int, world: int, port: int, out: str) -> None:
+    """Two workers with their buffers on GPU 0 (the workers' own group is gloo: one GPU serves both) and a server."""
+    job = DistEnv(rank, world, rank, world, "127.0.0.1", port)
+    cfg = from_flat(grad_reduce="ps", ps_servers=1, dist_timeout_s=120).dist
+    if ps.is_server(job, cfg):
+        ps.serve(job, cfg)
+        return
+    env = ps.worker_env(job, cfg)
+    init_distributed(env, torch.device("cpu"), cfg.dist_timeout_s, store=ps.connect_worker(job, cfg))
+    reduce = build_reduce(cfg, env)
+    sent = [buffer(env.rank, n).to("cuda") for n in SIZES] + [buffer(env.rank, 4097, torch.bfloat16).to("cuda")]
+    # a kernel queued ahead, so the buckets' copies out must wait for the device, not the host
+    torch.cuda._sleep(50_000_000)
+    futures = [reduce(t) for t in sent]
+    got = [(f.wait() is t, t.is_cuda) for f, t in zip(futures, sent)]
+    torch.cuda.current_stream().synchronize()  # what DDP's stream waits for is all that counts; then read
+    torch.save({"got": got, "sums": [t.cpu() for t in sent]}, f"{out}.{env.rank}")
+    ps.disconnect()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_buckets_go_through_pinned_copies_and_come_back_summed(tmp_path):
+    """On a GPU the client copies each bucket out and its sum back without holding the autograd thread (pinned
+    memory, an event, a stream of its own): the sums still land in the buckets DDP handed over."""
+    from test_train import free_port
+
+    out = str(tmp_path / "c")
+    mp.start_processes(cuda_process, args=(3, free_port(), out), nprocs=3, start_method="spawn")
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}", weights_only=False)
+        assert result["got"] == [(True, True)] * len(result["sums"])
+        for n, t in zip(SIZES, result["sums"]):
+            torch.testing.assert_close(t, buffer(0, n) + buffer(1, n), rtol=1e-12, atol=1e-15)
+        bf16 = (buffer(0, 4097, torch.bfloat16).double() + buffer(1, 4097, torch.bfloat16).double()).to(torch.bfloat16)
+        torch.testing.assert_close(result["sums"][-1], bf16, rtol=1e-2, atol=1e-2)

@@ -121,30 +121,57 @@ class Client:
     def __init__(self, group: dist.ProcessGroup, me: Layout):
         self.group, self.me, self.seq = group, me, 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._side: torch.cuda.Stream | None = None  # the thread's copies back to a GPU (`_return`)
         self._thread = threading.Thread(target=self._run, name="ps-client", daemon=True)
         self._thread.start()
 
     def reduce(self, flat: Tensor) -> Future[Tensor]:
         if flat.dtype not in DTYPES:
             raise TypeError(f"GRAD_REDUCE=ps: cannot send {flat.dtype} gradients")
-        host = flat.detach().to("cpu", copy=True)  # taken now: after this, DDP may reuse nothing of ours
+        ready = None
+        if flat.is_cuda:
+            # Into pinned memory, queued behind the kernels that made the bucket: a plain .to("cpu") would hold
+            # this (the autograd) thread until the GPU had run every kernel launched so far, once per bucket, and
+            # the backward's launches would stop running ahead. The client thread waits for `ready` instead.
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat.detach(), non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(flat.device))
+        else:
+            host = flat.detach().to("cpu", copy=True)  # taken now: after this, DDP may reuse nothing of ours
         result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
-        self._jobs.put((flat, host, result))
+        self._jobs.put((flat, host, ready, result))
         return result
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            flat, host, result = job
+            flat, host, ready, result = job
             try:
-                result.set_result(flat.copy_(self._exchange(BUCKET, host)))  # into the bucket itself
+                if ready is not None:
+                    ready.synchronize()
+                self._return(flat, self._exchange(BUCKET, host), result)  # into the bucket itself
             except Exception as e:  # noqa: BLE001 - DDP re-raises it in the training thread
                 result.set_exception(e)
+
+    def _return(self, flat: Tensor, total: Tensor, result: Future[Tensor]) -> None:
+        if not flat.is_cuda:
+            result.set_result(flat.copy_(total))
+            return
+        # On a stream of this thread's own: on the default stream, which the backward uses, the copy would wait for
+        # every kernel queued there. The future records its event on this stream; DDP's stream waits for it. The
+        # bucket's last reader, the copy out, is done (`ready`), and the pinned `total` is kept until the copy has run
+        # (torch's pinned-memory cache records the copy).
+        if self._side is None:
+            self._side = torch.cuda.Stream(flat.device)
+        with torch.cuda.device(flat.device), torch.cuda.stream(self._side):
+            flat.copy_(total, non_blocking=True)
+            result.set_result(flat)
 
     def _exchange(self, kind: int, host: Tensor) -> Tensor:
         """Shard s of `host` to server s; returns the sums. Every server gets a header, even for an empty
         shard, so that all servers see every sequence number."""
         sizes = shard_sizes(host.numel(), self.me.servers)
-        total = torch.empty_like(host)
+        total = torch.empty(host.shape, dtype=host.dtype, pin_memory=host.is_pinned())  # pinned: copied back async
         works, headers = [], []  # the headers must live until their sends are done
         # Receives first: a server can answer as soon as the last worker's shard is in.
         for s, part in enumerate(total.split(sizes)):
