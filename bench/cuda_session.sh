@@ -41,6 +41,10 @@ WORK=${WORK:-/tmp/cuda_session}
 if [[ $REHEARSE == 1 ]]; then OUT=${OUT:-${WORK}_out} && mkdir -p "$OUT"; fi
 OUT=${OUT:?the device tool sets OUT}
 REHEARSE_FLAGS=${REHEARSE_FLAGS:---bert-config tiny --attention loop --batchsize 8}
+# The device tool ends a call at its limit (600 s), and what the step running then had written never comes back: so a
+# step's limit is cut to what the call has left (DEADLINE seconds from the start, less 15 to pack), and a step with
+# under 30 s left is skipped. Set DEADLINE to the call's limit_s (budget_left_s for a last call). None in a rehearsal.
+DEADLINE=${DEADLINE:-580}
 SHARDS=${SHARDS:-/tmp/shards}
 CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
@@ -88,6 +92,7 @@ pack() {
 # torchrun starts its workers in sessions of their own, so a step's timeout ends the launcher and not them: they
 # would hold the GPU through the next steps. The machine runs nothing else of ours: whatever computes there goes.
 reap() {
+  command -v nvidia-smi >/dev/null || return 0  # not the GPU machine (a test of the deadline): nothing of ours to end
   local pids
   pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')
   if [[ -n ${pids// /} ]]; then
@@ -96,6 +101,9 @@ reap() {
     kill -9 $pids 2>/dev/null
     sleep 3
   fi
+  # and any driver worker the query did not list (a sandboxed GPU may not show our pids)
+  pkill -9 -f run_pretraining.py 2>/dev/null && sleep 3
+  return 0
 }
 
 step() {  # name limit_s command...: run it, keep its log, say how it ended
@@ -106,6 +114,14 @@ step() {  # name limit_s command...: run it, keep its log, say how it ended
     printf ' %q' "$@"
     echo
     return
+  fi
+  if [[ $REHEARSE != 1 ]]; then
+    local left=$((DEADLINE - SECONDS - 15))
+    if ((left < 30)); then
+      skip "$name" "${left} s left before DEADLINE=${DEADLINE}"
+      return 0
+    fi
+    if ((limit > left)); then limit=$left; fi
   fi
   echo "== $name (limit ${limit} s): $*"
   timeout -k 10 "$limit" "$@" >"$WORK/$name.log" 2>&1

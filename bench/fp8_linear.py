@@ -80,11 +80,15 @@ def first_calls(steps: dict) -> dict:
     the returned {key: error line}, so one variant's failure costs its row, not the table."""
     failed = {}
     for key, step in list(steps.items()):
+        start = time.perf_counter()
         try:
             step()
         except Exception as e:  # noqa: BLE001 - whatever a kernel or the compiler raises
             failed[key] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
             del steps[key]
+        # as it goes: a run cut off at its time limit still says how far it got and what each compile cost
+        print(f"first call {' / '.join(key)}: {time.perf_counter() - start:.1f} s, {failed.get(key, 'ok')}",
+              file=sys.stderr, flush=True)
     return failed
 
 

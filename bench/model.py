@@ -321,7 +321,9 @@ def master_lamb_step(model, loss_fn, device: str, compile: str = "off"):
     build_schedule(optimizer, cfg)  # the LR as a device tensor, as in the driver
     if compile != "off":
         compile_step(optimizer, compile)
-        warm_up_step(optimizer)
+        # printed now: a run cut off at its time limit still shows what the compile cost (never timed on a GPU)
+        print(f"bench/model.py: compiled LAMB: first two steps {warm_up_step(optimizer):.1f} s", file=sys.stderr,
+              flush=True)
     return make_step(model, loss_fn, device, optimizer, master_weights=True)
 
 

@@ -20,7 +20,9 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 from script_modules import ROOT, load_script
 
@@ -167,3 +169,23 @@ def test_a_failing_fp8_linear_variant_costs_its_row_not_the_table():
     steps = {("qkv", "bf16"): lambda: calls.append("bf16"), ("qkv", "fp8-rowwise compiled"): fails}
     assert fp8_linear.first_calls(steps) == {("qkv", "fp8-rowwise compiled"): "RuntimeError: Triton compilation failed"}
     assert list(steps) == [("qkv", "bf16")] and calls == ["bf16"]
+
+
+@pytest.mark.slow
+def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_path):
+    """The device tool ends a call at its limit and loses what the running step wrote: a step's limit (shards: 300 s)
+    is cut to the DEADLINE less 15 s to pack, and a step with under 30 s left is skipped."""
+    import tarfile
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "SHARDS": str(tmp_path / "s"),
+           "DEADLINE": "46"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3: the venv's, as the device machine's own
+    (tmp_path / "out").mkdir()
+    out = subprocess.run(["bash", str(SCRIPT), "shards", "fp8-linear"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "== shards (limit 31 s)" in out.stdout, out.stdout
+    assert re.search(r"== fp8-linear: skipped \(\d+ s left before DEADLINE=46\)", out.stdout), out.stdout
+    steps = (tmp_path / "work" / "steps.txt").read_text().splitlines()
+    assert steps[0].startswith("shards exit=") and steps[1] == "fp8-linear skipped", steps
+    with tarfile.open(tmp_path / "out" / "cuda_session.tgz") as archive:
+        assert "./shards.log" in archive.getnames()
