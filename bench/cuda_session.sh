@@ -168,7 +168,7 @@ for name in "$@"; do
         tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py \
         tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
-        tests/test_grad_reduce.py::test_cuda_hierarchical_sum_runs_its_steps_on_the_workers_stream_over_nccl \
+        tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \
         tests/test_ps.py::test_cuda_buckets_go_through_pinned_copies_and_come_back_summed ;;
     host-syncs)
       # the bf16 cases (the H100 configs' family); fp16: the check before plain LAMB, the skip over masters

@@ -55,6 +55,8 @@ REDUCES = {
     "hierarchical_fp16": ("hierarchical", "fp16", torch.float32),
     # the NCCL path (reduce_scatter / all_gather) on gloo; gloo's own default exchanges by send/receive
     "hierarchical_collective_f64": ("hierarchical", "fp32", torch.float64),
+    # NCCL's whole default: the collective exchange with every step issued by the hook (`issue="caller"`)
+    "hierarchical_caller_f64": ("hierarchical", "fp32", torch.float64),
 }
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 SUBNORMAL_STEP = {"bf16": 2.0**-133, "fp16": 2.0**-24}
@@ -111,9 +113,10 @@ def worker(rank: int, store: str, out: str) -> None:
     for name, (strategy, comm, dtype) in REDUCES.items():
         cfg = from_flat(grad_reduce=strategy, grad_comm_dtype=comm).dist
         reduce = build_reduce(cfg, env)  # process groups built once per reduction, reused by every mode
-        if "collective" in name:
-            reduce = HierarchicalSum(NODE, exchange="collective")
-        assert getattr(reduce, "exchange", None) in (None, "collective" if "collective" in name else "p2p")
+        if "collective" in name or "caller" in name:
+            reduce = HierarchicalSum(NODE, exchange="collective", issue="caller" if "caller" in name else None)
+        nccl_path = "collective" in name or "caller" in name
+        assert getattr(reduce, "exchange", None) in (None, "collective" if nccl_path else "p2p")
         assert (reduce is None) == (name in ("flat", "flat_f64"))
         for mode in MODES:
             for at in PLACEMENTS:
@@ -171,7 +174,7 @@ def check_against_flat(res: dict, at: str) -> None:
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
         for mode in MODES:
             where = f"{mode} step {step}, 1/W on the {at}"
-            for name in ("hierarchical_f64", "hierarchical_collective_f64"):
+            for name in ("hierarchical_f64", "hierarchical_collective_f64", "hierarchical_caller_f64"):
                 for g, f in zip(res[name, mode][step], res["flat_f64", mode][step]):
                     torch.testing.assert_close(g, f, rtol=1e-12, atol=1e-15, msg=f"{name} {where}")
             flat = res["flat", mode][step]
@@ -290,11 +293,15 @@ def test_hierarchical_refuses_a_node_size_that_does_not_divide_the_world(tmp_pat
 def test_the_p2p_exchange_is_refused_on_nccl(tmp_path, monkeypatch):
     """Every rank posts a receive, then a send, to the same peer: gloo serves them as they come, NCCL would hold
     each receive on the GPU until the peer's send, queued behind the peer's own receive. NCCL gets the collective
-    exchange by default; asking it for p2p is an error, not a hang."""
+    exchange by default; asking it for p2p is an error, not a hang. NCCL's steps are issued by the caller (in bucket
+    order on every rank: no thread whose timing could interleave the three groups differently), gloo's by a worker."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        assert (HierarchicalSum(1).exchange, HierarchicalSum(1).issue) == ("p2p", "worker")
+        with pytest.raises(ValueError, match="the caller issues the collective exchange only"):
+            HierarchicalSum(1, issue="caller")
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-        assert HierarchicalSum(1).exchange == "collective"
+        assert (HierarchicalSum(1).exchange, HierarchicalSum(1).issue) == ("collective", "caller")
         with pytest.raises(ValueError, match="p2p exchange is for gloo"):
             HierarchicalSum(1, exchange="p2p")
     finally:
@@ -303,14 +310,17 @@ def test_the_p2p_exchange_is_refused_on_nccl(tmp_path, monkeypatch):
 
 
 SIZES = [5, 12, 1, 33, 8, 7, 64, 2, 19, 3, 40, 11]  # odd and even, one smaller than the node
+# gloo's defaults (sends/receives, a worker thread), the NCCL exchange under the worker, and NCCL's defaults (the
+# collective exchange, every step issued by the caller)
+ISSUES = [("p2p", "worker"), ("collective", "worker"), ("collective", "caller")]
 
 
 def sum_worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     got = {}
-    for exchange in ("p2p", "collective"):
-        reduce = HierarchicalSum(NODE, exchange=exchange)
+    for exchange, issue in ISSUES:
+        reduce = HierarchicalSum(NODE, exchange=exchange, issue=issue)
         for pattern in ("at once", "one by one", "in pairs"):
             flats = [rank_buffer(rank, n, k) for k, n in enumerate(SIZES)]
             if pattern == "at once":  # every buffer queued before the worker takes any: steps 2 batched
@@ -326,7 +336,7 @@ def sum_worker(rank: int, store: str, out: str) -> None:
                     futures.append(reduce(f))
                     if len(futures) % 2 == 0:
                         futures[-2].wait()
-            got[exchange, pattern] = [fut.wait().clone() for fut in futures]
+            got[exchange, issue, pattern] = [fut.wait().clone() for fut in futures]
     torch.save(got, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -349,7 +359,7 @@ def test_hierarchical_sums_buffers_handed_over_at_once_one_by_one_or_interleaved
     want = [sum(rank_buffer(r, n, k) for r in range(WORLD)) for k, n in enumerate(SIZES)]
     for rank in range(WORLD):
         got = torch.load(f"{out}.{rank}")
-        assert len(got) == 6
+        assert len(got) == 3 * len(ISSUES)
         for case, sums in got.items():
             assert len(sums) == len(SIZES), case
             for k, (g, w) in enumerate(zip(sums, want)):
@@ -399,11 +409,11 @@ def _node_sum_worker(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     results = {}
     for node_size in (WORLD, NODE):  # one node of 4 (3 peers a rank: DGX nodes have 7), and 2 nodes of 2
-        for exchange in ("p2p", "collective"):
-            reduce = HierarchicalSum(node_size, exchange=exchange)
+        for exchange, issue in ISSUES:
+            reduce = HierarchicalSum(node_size, exchange=exchange, issue=issue)
             for n in (1, 7, 1001):  # chunks of unequal size, and fewer elements than ranks
                 flat = torch.arange(n, dtype=torch.float64) * (rank + 1) + rank / 3
-                results[node_size, exchange, n] = reduce(flat).wait().clone()
+                results[node_size, exchange, issue, n] = reduce(flat).wait().clone()
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -415,15 +425,19 @@ def test_hierarchical_sum_adds_every_peers_chunk_for_any_node_size(tmp_path):
     out = str(tmp_path / "sums")
     mp.spawn(_node_sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     for rank in range(WORLD):
-        for (node_size, exchange, n), got in torch.load(f"{out}.{rank}").items():
+        results = torch.load(f"{out}.{rank}")
+        assert len(results) == 2 * len(ISSUES) * 3
+        for (node_size, exchange, issue, n), got in results.items():
             want = sum(torch.arange(n, dtype=torch.float64) * (r + 1) + r / 3 for r in range(WORLD))
-            torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-12, msg=f"{node_size} {exchange} {n} {rank}")
+            torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-12,
+                                       msg=f"{node_size} {exchange} {issue} {n} {rank}")
 
 
 def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
     """A burst of buffers through the hierarchical sum in a group made as the driver makes it on a GPU (NCCL alone),
-    a world of one: each must come back as it went (the sum over one rank), its future ready on the caller's
-    stream, from the worker's own stream (`HierarchicalSum._place`)."""
+    a world of one: every step issued by the caller (NCCL's default), each on a stream of its own; each buffer must
+    come back as it went (the sum over one rank), its future ready on the caller's stream, while a kernel queued
+    ahead on that stream still runs (nothing waited on the host)."""
     from bert.dist.env import init_distributed
 
     device = torch.device("cuda", 0)
@@ -431,19 +445,22 @@ def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
     init_distributed(DistEnv(0, 1, 0, 1, "localhost", 0), device, timeout_s=60)
     try:
         reduce = HierarchicalSum(1)
-        assert reduce.exchange == "collective"
+        assert (reduce.exchange, reduce.issue) == ("collective", "caller")
         gen = torch.Generator(device=device).manual_seed(0)
         flats = [torch.randn(n, generator=gen, device=device) for n in SIZES]
         want = [f.clone() for f in flats]
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the buckets on the caller's stream
         futures = [reduce(f) for f in flats]
+        issued_while_busy = not torch.cuda.current_stream().query()
         got = [fut.wait() for fut in futures]
-        torch.save({"exact": all(torch.equal(g, w) for g, w in zip(got, want)), "sides": len(reduce._side)}, out_path)
+        torch.save({"exact": all(torch.equal(g, w) for g, w in zip(got, want)), "streams": len(reduce._streams),
+                    "issued_while_busy": issued_while_busy}, out_path)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_hierarchical_sum_runs_its_steps_on_the_workers_stream_over_nccl(tmp_path):
+def test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl(tmp_path):
     mp.spawn(nccl_hierarchical_worker, args=(str(tmp_path / "out"),), nprocs=1)
     out = torch.load(tmp_path / "out")
-    assert out == {"exact": True, "sides": 1}
+    assert out == {"exact": True, "streams": 1, "issued_while_busy": True}

@@ -17,19 +17,26 @@ buffer is zero-padded to a multiple of n) or by sends and receives to every node
 gloo's reduce-scatter and all-gather cost about twice the CPU per byte of its ring allreduce; chunks may
 then differ in size, so nothing is padded).
 
-Ordering and overlap. Collectives (and sends) on one group must be issued in the same order on every rank.
-Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order
-on every rank). Steps 2 and 3 are issued by one worker thread taking the buckets in that same order; steps
-1 and 3 have separate intra-node groups, because the hook's and the worker's exchanges interleave
-differently on different ranks. The worker posts step 2 for every bucket that has arrived before it waits
-for any of them, then waits for the oldest and posts its step 3, and finishes the step 3s (completing the
-futures DDP waits on) once no step 2 is in flight; so steps 2 and 3 of different buckets overlap each other,
-the backward pass and the next buckets' step 1, and a burst of buckets costs the worker one wake-up per
-step rather than three per bucket. On a GPU the worker waits and posts on a CUDA stream of its own (`_place`):
-NCCL's `wait()` holds back the current stream, not the host, and on the default stream it would hold back the
-backward and the hook's step 1 behind steps 2 and 3. (It used to take one bucket at a time and waited for step 1,
-then step 2, then the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's burst of 37
-buckets; earlier still it was two threads, one per step: a thread hand-off per bucket more.)
+Who issues the steps (`issue`). On NCCL ("caller", its default) the hook issues all three steps of a bucket itself,
+in the order DDP hands the buckets over, the same on every rank, and returns at once: NCCL's `wait()` only makes a
+stream wait, so the steps are chained on the GPU, each on a stream of its own (`_steps_on_streams`), and step 1 of a
+bucket can run while step 2 of the one before does; the backward's stream waits for none of them, only DDP's final
+wait on the futures. Every rank then issues the same collectives in the same order on each of the three groups and
+across them, which is what NCCL needs of several communicators used at once. On gloo ("worker", its default) a
+`wait()` blocks the host, so a worker thread waits, as below.
+
+Ordering and overlap on gloo. Collectives (and sends) on one group must be issued in the same order on every rank.
+Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order on every
+rank). Steps 2 and 3 are issued by one worker thread taking the buckets in that same order; steps 1 and 3 have
+separate intra-node groups, because the hook's and the worker's exchanges interleave differently on different ranks.
+The worker posts step 2 for every bucket that has arrived before it waits for any of them, then waits for the oldest
+and posts its step 3, and finishes the step 3s (completing the futures DDP waits on) once no step 2 is in flight; so
+steps 2 and 3 of different buckets overlap each other, the backward pass and the next buckets' step 1, and a burst
+of buckets costs the worker one wake-up per step rather than three per bucket. With CUDA tensors the worker waits
+and posts on a CUDA stream of its own (`_place`): on the default stream it would hold back the backward and the
+hook's step 1 behind steps 2 and 3. (It used to take one bucket at a time and waited for step 1, then step 2, then
+the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's burst of 37 buckets; earlier still it was two
+threads, one per step: a thread hand-off per bucket more.)
 
 It only sums, as every Reduce does (bert.dist.reduce): the mean's 1/W comes with the gradients, from the
 loss (bf16/fp32) or from `divided` (PRECISION=fp16, where the bucket is divided before any fp16 sum).
@@ -123,8 +130,11 @@ class HierarchicalSum:
     37 buckets make 185 of them per rank and step).
     """
 
-    def __init__(self, node_size: int, exchange: str | None = None, timeout: timedelta | None = None):
-        """`timeout`: the groups' (DIST_TIMEOUT); None leaves torch's default (10 min for NCCL, 30 for gloo)."""
+    def __init__(self, node_size: int, exchange: str | None = None, timeout: timedelta | None = None,
+                 issue: str | None = None):
+        """`timeout`: the groups' (DIST_TIMEOUT); None leaves torch's default (10 min for NCCL, 30 for gloo).
+        `issue`: "caller" (NCCL's default: the hook issues every step, chained on the GPU) or "worker" (gloo's: a
+        thread waits for steps 1 and 2 and issues 2 and 3)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         intra, inter = node_groups(world, node_size)
         self.world, self.node_size = world, node_size
@@ -143,6 +153,12 @@ class HierarchicalSum:
             # every rank posts a receive, then a send, to the same peer: on NCCL each receive holds the GPU until
             # the peer's send, queued behind the peer's own receive (a deadlock); gloo posts them as they come
             raise ValueError("the p2p exchange is for gloo; NCCL takes the collective one")
+        self.issue = issue or ("caller" if dist.get_backend() == "nccl" else "worker")
+        if self.issue not in ("caller", "worker"):
+            raise ValueError(f"issue must be caller or worker, got {self.issue!r}")
+        if self.issue == "caller" and self.exchange != "collective":
+            raise ValueError("the caller issues the collective exchange only")
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}  # steps 1-3 per GPU ("caller")
         self._sum = dist.AllreduceOptions()
         self._sum.asyncOp = True
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -157,6 +173,8 @@ class HierarchicalSum:
         return spare.pop() if spare else torch.empty_like(like)
 
     def __call__(self, flat: Tensor) -> Future[Tensor]:
+        if self.issue == "caller":
+            return self._steps_on_streams(flat)
         n = self.node_size
         if self.exchange == "p2p":  # chunks may differ in size by one element: nothing padded, nothing copied
             chunks = flat.tensor_split(n)
@@ -171,6 +189,46 @@ class HierarchicalSum:
             self._worker.start()
         self._jobs.put(job)
         return job.result
+
+    def _steps_on_streams(self, flat: Tensor) -> Future[Tensor]:
+        """Steps 1-3 issued here, now; on a GPU each step on its own stream, waiting for the step before (and step 1
+        for the bucket, on the caller's stream), so nothing holds the caller or its stream. On the CPU (gloo, for the
+        tests) each `wait()` blocks instead: the same sums, no overlap."""
+        n = self.node_size
+        s1, s2, s3 = (nullcontext(),) * 3 if not flat.is_cuda else map(_on_stream, self._step_streams(flat))
+        if flat.is_cuda:
+            self._streams[flat.device][0].wait_stream(torch.cuda.current_stream(flat.device))  # the bucket is full
+        with s1:
+            padded = flat if flat.numel() % n == 0 else torch.cat([flat, flat.new_zeros(n - flat.numel() % n)])
+            shard = padded.new_empty(padded.numel() // n)
+            reduce_scatter_single(shard, padded, group=self.scatter_group, async_op=True).wait()
+        self._chain(flat, 1)
+        with s2:
+            self.inter_group.allreduce([shard], self._sum).wait()
+        self._chain(flat, 2)
+        with s3:
+            all_gather_single(padded, shard, group=self.gather_group, async_op=True).wait()
+            if padded is not flat:
+                flat.copy_(padded[:flat.numel()])
+            result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
+            if flat.is_cuda:  # made on step 1's stream, used on the later ones: not reused before they are done
+                streams = self._streams[flat.device]
+                shard.record_stream(streams[1])
+                for t in (padded, shard):
+                    t.record_stream(streams[2])
+            result.set_result(flat)  # on step 3's stream: DDP's stream waits for it
+        return result
+
+    def _step_streams(self, t: Tensor) -> tuple[torch.cuda.Stream, ...]:
+        if t.device not in self._streams:
+            self._streams[t.device] = tuple(torch.cuda.Stream(t.device) for _ in range(3))
+        return self._streams[t.device]
+
+    def _chain(self, t: Tensor, step: int) -> None:
+        """Step `step` + 1's stream waits for step `step`'s (GPU only)."""
+        if t.is_cuda:
+            streams = self._streams[t.device]
+            streams[step].wait_stream(streams[step - 1])
 
     def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.scatter_group
