@@ -151,7 +151,8 @@ def backward_order(scope: str, buckets: str, warm_world: int | None = None) -> s
 
     wrapper.register_comm_hook(None, hook)
     if warm_world is not None:
-        run = SimpleNamespace(ddp=wrapper, env=SimpleNamespace(world_size=warm_world))
+        run = SimpleNamespace(ddp=wrapper, env=SimpleNamespace(world_size=warm_world),
+                              cfg=SimpleNamespace(model=SimpleNamespace(compile_scope=scope)))
         warm_up(training_entry(run), batch(2), lambda: torch.autocast("cpu", enabled=False))
         assert events == [] and all(p.grad is None for p in model.parameters())  # no_sync: no hook, no trace left
     wrapper(batch(0)).loss.backward()  # the first backward: DDP starts with one bucket, then rebuilds them
@@ -193,6 +194,20 @@ def test_the_warm_up_compiles_inside_ddp_when_there_is_an_all_reduce_to_overlap(
     order = backward_order("model", "ddp", warm_world=world)
     assert order.count("B") >= 3, order
     assert ("C" in order[order.index("B"):]) == overlapped, order
+
+
+def test_per_layer_graphs_are_warmed_up_on_the_bare_model_at_any_world_size():
+    """COMPILE_SCOPE=layers hands gradients over layer by layer without DDP's cuts, which would split each layer."""
+    from types import SimpleNamespace
+
+    from bert.train.warmup import training_entry
+
+    wrapper = SimpleNamespace(module=object())
+    for scope, world, entry in [("layers", 8, wrapper.module), ("layers", 1, wrapper.module), ("model", 8, wrapper),
+                                ("model", 1, wrapper.module)]:
+        run = SimpleNamespace(ddp=wrapper, env=SimpleNamespace(world_size=world),
+                              cfg=SimpleNamespace(model=SimpleNamespace(compile_scope=scope)))
+        assert training_entry(run) is entry, (scope, world)
 
 
 def test_one_graph_for_the_model_is_refused_with_balanced_buffers():

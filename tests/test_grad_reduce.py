@@ -436,8 +436,8 @@ def test_hierarchical_sum_adds_every_peers_chunk_for_any_node_size(tmp_path):
 def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
     """A burst of buffers through the hierarchical sum in a group made as the driver makes it on a GPU (NCCL alone),
     a world of one: every step issued by the caller (NCCL's default), each on a stream of its own; each buffer must
-    come back as it went (the sum over one rank), its future ready on the caller's stream, while a kernel queued
-    ahead on that stream still runs (nothing waited on the host)."""
+    come back as it went (the sum over one rank), and while a kernel queued ahead of the steps still runs, neither
+    the host nor the caller's stream waits for them (only the futures do)."""
     from bert.dist.env import init_distributed
 
     device = torch.device("cuda", 0)
@@ -449,12 +449,18 @@ def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
         gen = torch.Generator(device=device).manual_seed(0)
         flats = [torch.randn(n, generator=gen, device=device) for n in SIZES]
         want = [f.clone() for f in flats]
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the buckets on the caller's stream
+        steps = reduce._step_streams(flats[0])
+        with torch.cuda.stream(steps[0]):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of every step 1
         futures = [reduce(f) for f in flats]
-        issued_while_busy = not torch.cuda.current_stream().query()
+        host_went_on = not steps[2].query()  # the last step 3 still to come: the host waited for none
+        caller = torch.cuda.Event()
+        caller.record()
+        caller.synchronize()  # the caller's stream is done while the steps still run: it waits for none either
+        caller_not_held = not steps[2].query()
         got = [fut.wait() for fut in futures]
         torch.save({"exact": all(torch.equal(g, w) for g, w in zip(got, want)), "streams": len(reduce._streams),
-                    "issued_while_busy": issued_while_busy}, out_path)
+                    "host_went_on": host_went_on, "caller_not_held": caller_not_held}, out_path)
     finally:
         dist.destroy_process_group()
 
@@ -463,4 +469,4 @@ def nccl_hierarchical_worker(rank: int, out_path: str) -> None:
 def test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl(tmp_path):
     mp.spawn(nccl_hierarchical_worker, args=(str(tmp_path / "out"),), nprocs=1)
     out = torch.load(tmp_path / "out")
-    assert out == {"exact": True, "streams": 1, "issued_while_busy": True}
+    assert out == {"exact": True, "streams": 1, "host_went_on": True, "caller_not_held": True}

@@ -121,7 +121,7 @@ class Client:
     def __init__(self, group: dist.ProcessGroup, me: Layout):
         self.group, self.me, self.seq = group, me, 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._side: torch.cuda.Stream | None = None  # the thread's copies back to a GPU (`_return`)
+        self._streams: dict[tuple, torch.cuda.Stream] = {}  # (device, "out" | "back"): the copies to and from a GPU
         self._thread = threading.Thread(target=self._run, name="ps-client", daemon=True)
         self._thread.start()
 
@@ -130,13 +130,18 @@ class Client:
             raise TypeError(f"GRAD_REDUCE=ps: cannot send {flat.dtype} gradients")
         ready = None
         if flat.is_cuda:
-            # Into pinned memory, queued behind the kernels that made the bucket: a plain .to("cpu") would hold
-            # this (the autograd) thread until the GPU had run every kernel launched so far, once per bucket, and
-            # the backward's launches would stop running ahead. The client thread waits for `ready` instead.
+            # Into pinned memory, on a stream of its own that waits for the kernels that made the bucket: a plain
+            # .to("cpu") would hold this (the autograd) thread until the GPU had run every kernel launched so far,
+            # once per bucket, and on the backward's stream the copy would hold back the kernels launched after it.
+            # The client thread waits for `ready` (a blocking event: it sleeps rather than spins a core the
+            # parameter servers need).
+            out = self._stream(flat.device, "out")
+            out.wait_stream(torch.cuda.current_stream(flat.device))
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat.detach(), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(out):
+                host.copy_(flat.detach(), non_blocking=True)
+            ready = torch.cuda.Event(blocking=True)
+            ready.record(out)
         else:
             host = flat.detach().to("cpu", copy=True)  # taken now: after this, DDP may reuse nothing of ours
         result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
@@ -161,11 +166,14 @@ class Client:
         # every kernel queued there. The future records its event on this stream; DDP's stream waits for it. The
         # bucket's last reader, the copy out, is done (`ready`), and the pinned `total` is kept until the copy has run
         # (torch's pinned-memory cache records the copy).
-        if self._side is None:
-            self._side = torch.cuda.Stream(flat.device)
-        with torch.cuda.device(flat.device), torch.cuda.stream(self._side):
+        with torch.cuda.device(flat.device), torch.cuda.stream(self._stream(flat.device, "back")):
             flat.copy_(total, non_blocking=True)
             result.set_result(flat)
+
+    def _stream(self, device: torch.device, role: str) -> torch.cuda.Stream:
+        if (device, role) not in self._streams:
+            self._streams[device, role] = torch.cuda.Stream(device)
+        return self._streams[device, role]
 
     def _exchange(self, kind: int, host: Tensor) -> Tensor:
         """Shard s of `host` to server s; returns the sums. Every server gets a header, even for an empty

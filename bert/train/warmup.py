@@ -160,11 +160,13 @@ def warmup_batches(run: Run, device: torch.device) -> list[Batch]:
 
 def training_entry(run: Run) -> nn.Module:
     """What the warm-up calls to compile the training graphs: the timed steps reuse whatever it compiled. With
-    several ranks that is the data-parallel wrapper: dynamo cuts a graph at DDP's bucket boundaries (its DDPOptimizer)
-    only when it compiles inside DDP's forward, and an uncut graph hands every gradient over at the end of the
-    backward, so no all-reduce would overlap it. Alone, the bare model: nothing to overlap, and one uncut graph fuses
-    across the cuts."""
-    return run.ddp if run.env.world_size > 1 else run.ddp.module
+    several ranks and one graph for the model (COMPILE_SCOPE=model) that is the data-parallel wrapper: dynamo cuts a
+    graph at DDP's bucket boundaries (its DDPOptimizer) only when it compiles inside DDP's forward, and an uncut graph
+    hands every gradient over at the end of the backward, so no all-reduce would overlap it. Otherwise the bare model:
+    alone there is nothing to overlap, and per-layer graphs hand their gradients over layer by layer already (cut at
+    the buckets too, each layer would be three graphs: less fusion, more launches)."""
+    several = run.env.world_size > 1 and run.cfg.model.compile_scope == "model"
+    return run.ddp if several else run.ddp.module
 
 
 def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float | None:
