@@ -42,7 +42,14 @@ import numpy as np
 from bert.data.eval_set import batch_shapes, eval_slice
 from bert.data.format import predictions_per_sequence
 from bert.lengths import WIKI_PHASE2
-from bert.static_shapes import MASKED_BUCKET, eval_token_bucket, likely_token_buckets, masked_rows_bound, round_up
+from bert.static_shapes import (
+    MASKED_BUCKET,
+    eval_token_bucket,
+    likely_token_buckets,
+    masked_rows_bound,
+    padded_tokens,
+    round_up,
+)
 
 RULES = ("own bucket", "tied to T")
 
@@ -55,7 +62,7 @@ def one_run(bucket: int, batch: int, steps: int, warmup_steps: int, rule: str, s
     for step in range(steps):
         lengths = WIKI_PHASE2.sample(batch, rng)
         t, m = int(lengths.sum()), int(predictions_per_sequence(lengths).sum())
-        t_pad = round_up(t + 1, bucket)
+        t_pad = padded_tokens(t, bucket)
         m_pad = round_up(m if rule == RULES[0] else max(m, masked_rows_bound(t_pad, batch)), MASKED_BUCKET)
         first.setdefault((t_pad, m_pad), step)
         seen.add((t_pad, m_pad))

@@ -86,7 +86,7 @@ class ModelConfig:
     last_layer_subset: bool = opt(True, "the last encoder layer, after its attention, runs only the [CLS] and masked "
                                   "rows the losses read (exact; HazyResearch's --last_layer_subset; "
                                   "bert.model.last_layer)", env="LAST_LAYER_SUBSET")
-    static_tokens: int = opt(0, "pad each batch's tokens to a multiple of this (one padding sequence; masked rows "
+    static_tokens: int = opt(0, "pad each batch's tokens to a multiple of this (padding sequences; masked rows "
                              "to a multiple of 64; eval batches to a multiple of min(this, MAX_SEQ_LENGTH)) for few "
                              "shapes; 0 = off",
                              env="STATIC_TOKENS", low=0, high=65536)
@@ -235,13 +235,6 @@ class TrainConfig:
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "layers", f"cannot be combined with COMPILE="
                               f"{self.model.compile} (CUDA graphs per layer overwrite each other's outputs in the "
                               "eval forward); set COMPILE_SCOPE=model")
-        bound = importlib.import_module("bert.static_shapes").SEQLEN_BOUND
-        if self.model.compile in graphs and self.model.static_tokens > bound:
-            # the padding sequence is up to STATIC_TOKENS long and sets max_seqlen, a value each graph bakes in
-            raise ConfigError("static_tokens", "STATIC_TOKENS", self.model.static_tokens, f"must be at most {bound} "
-                              f"with COMPILE={self.model.compile} (above it the padding sequence's length, which "
-                              "varies, sets the attention's max_seqlen, a value every CUDA graph bakes in: each step "
-                              "would record a new one)")
         if self.optim.compile_optimizer and self.optim.optimizer_sharding:
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
                               "OPTIMIZER_SHARDING=1 (its step runs collectives)")

@@ -9,7 +9,7 @@ import torch
 
 from bert.model import BertConfig
 from bert.model.flops import StepShape, train_flops
-from bert.static_shapes import MASKED_BUCKET, masked_rows_bound, pad_to_buckets
+from bert.static_shapes import MASKED_BUCKET, masked_rows_bound, pad_to_buckets, padding_sequences
 from bert.synthetic import random_batch
 from bert.train import progress as progress_module
 from bert.train.peak_flops import device_peak_flops, peak_flops
@@ -30,16 +30,18 @@ def test_flop_meter_counts_each_drawn_batch_once_and_resets():
     assert meter.take() == {"train_flops": want, "train_tokens": 77 + 260 + 130}
 
 
-def test_flop_meter_leaves_out_the_static_padding_sequence():
+@pytest.mark.parametrize("bucket, sequences", [(512, 1), (1024, 3)])
+def test_flop_meter_leaves_out_the_static_padding_sequences(bucket, sequences):
     cfg = BertConfig.load("tiny")
     batch = random_batch((77, 260, 130), seed=3)
-    padded = pad_to_buckets(batch, 512, MASKED_BUCKET)  # 467 tokens + a padding sequence of 45
-    meter = FlopMeter(cfg, padded=True)
+    padded = pad_to_buckets(batch, bucket, MASKED_BUCKET)  # 467 tokens + padding sequences up to the bucket
+    assert padded.num_sequences == 3 + sequences == 3 + padding_sequences(bucket)
+    meter = FlopMeter(cfg, static_tokens=bucket)
     next(meter.counting(iter([padded])))
     # the real sequences, and the masked rows as the head runs them (padded to the bucket)
     want = train_flops(cfg, StepShape.unpadded((77, 260, 130), padded.masked_labels.numel()))
     assert meter.take() == {"train_flops": want, "train_tokens": 77 + 260 + 130}
-    rows = max(batch.masked_labels.numel(), masked_rows_bound(512, 3))  # the rows a 512-token bucket carries
+    rows = max(batch.masked_labels.numel(), masked_rows_bound(bucket, 3))  # the rows a bucket of that size carries
     assert padded.masked_labels.numel() == MASKED_BUCKET * -(-rows // MASKED_BUCKET)
 
 

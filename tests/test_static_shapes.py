@@ -22,6 +22,8 @@ from bert.static_shapes import (
     likely_token_buckets,
     masked_rows_bound,
     pad_to_buckets,
+    padded_tokens,
+    padding_sequences,
 )
 from bert.synthetic import random_batch
 
@@ -44,19 +46,50 @@ def test_padded_batch_has_bucketed_shapes_and_one_ignored_sequence():
     assert exact.num_tokens == 256 and exact.num_sequences == 3
     with pytest.raises(ValueError, match="token_bucket=0"):
         pad_to_buckets(batch, 0, 8)
-    # a padding sequence longer than the bound raises max_seqlen to its length: an upper bound of every sequence
+    # a bucket above the bound: the padding in K = 3 sequences of at most 512 tokens, max_seqlen still the bound
     wide = pad_to_buckets(random_batch((100, 20), seed=2), token_bucket=1024, masked_bucket=8)
-    assert wide.seq.lengths == (100, 20, 904) and wide.seq.max_seqlen == 904
+    assert wide.seq.lengths == (100, 20, 302, 301, 301) and wide.seq.max_seqlen == 512
+    assert wide.nsp_labels.tolist()[2:] == [IGNORE] * 3
+    # a real sequence longer than the bound (a larger MAX_SEQ_LENGTH) keeps max_seqlen an upper bound of every one
+    assert pad_to_buckets(random_batch((600, 20), seed=3), token_bucket=128, masked_bucket=8).seq.max_seqlen == 600
 
 
-@pytest.mark.parametrize("attention", ("loop", "grouped"))
-def test_padding_changes_neither_the_loss_nor_any_gradient(attention):
+def padding_by_hand(tokens: int, bucket: int, bound: int = 512) -> list[int]:
+    """The padding split into the fewest sequences of 1..bound tokens for which every T has room, by search."""
+    for k in range(1, bucket + 2):
+        extras = [-(-(t + k) // bucket) * bucket - t for t in range(bucket)]  # every T mod bucket
+        if all(k <= e <= k * bound for e in extras):
+            extra = -(-(tokens + k) // bucket) * bucket - tokens
+            return sorted([extra // k + (i < extra % k) for i in range(k)], reverse=True)
+    raise AssertionError
+
+
+@pytest.mark.parametrize("bucket", [64, 512, 513, 1024, 2048, 4096])
+def test_the_padding_never_raises_max_seqlen_and_keeps_one_sequence_count_per_bucket(bucket):
+    """A CUDA graph bakes in max_seqlen and the sequence count: neither may follow the batch. The padding takes K
+    sequences (K fixed by the bucket), each of 1..512 tokens, K the fewest that fit the largest padding there is."""
+    assert padding_sequences(bucket) == len(padding_by_hand(0, bucket))
+    counts = set()
+    for t, lengths in enumerate([(5,), (511, 2), (512, 512, 512), (300,) * 9, (2,) * 40, (512,) * 8]):
+        batch = random_batch(lengths, seed=t)
+        padded = pad_to_buckets(batch, bucket, MASKED_BUCKET)
+        pieces = padded.seq.lengths[len(lengths):]
+        assert padded.num_tokens % bucket == 0 and padded.num_tokens == padded_tokens(batch.num_tokens, bucket)
+        assert sorted(pieces, reverse=True) == padding_by_hand(batch.num_tokens, bucket), (lengths, pieces)
+        assert max(pieces) <= 512 and min(pieces) >= 1 and padded.seq.max_seqlen == 512
+        counts.add(len(pieces))
+    assert counts == {padding_sequences(bucket)}
+
+
+@pytest.mark.parametrize("attention, bucket", [("loop", 256), ("grouped", 256), ("loop", 1024)])
+def test_padding_changes_neither_the_loss_nor_any_gradient(attention, bucket):
     torch.manual_seed(0)
     cfg = replace(BertConfig.load("tiny"), vocab_size=2000, real_vocab_size=1998).with_dropout(0.0)
     model = BertForPreTraining(cfg, attention=attention).double()
     batch = random_batch(LENGTHS, seed=3, vocab_size=1998)
-    padded = pad_to_buckets(batch, token_bucket=256, masked_bucket=32)
+    padded = pad_to_buckets(batch, token_bucket=bucket, masked_bucket=32)
     assert padded.masked_labels.numel() > batch.masked_labels.numel()  # some padding rows are really there
+    assert padded.num_sequences == len(LENGTHS) + padding_sequences(bucket)  # 1024: three padding sequences
 
     def loss_and_grads(b):
         model.zero_grad(set_to_none=True)

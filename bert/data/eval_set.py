@@ -30,7 +30,7 @@ from bert.batch import Batch, collate
 from bert.data.index import LengthIndex
 from bert.data.limits import SampleLimits
 from bert.data.reader import SampleReader
-from bert.static_shapes import pad_static, round_up
+from bert.static_shapes import pad_static, padded_tokens
 
 
 def eval_slice(num_examples: int, world_size: int, rank: int) -> np.ndarray:
@@ -46,7 +46,7 @@ def batch_shapes(lengths: np.ndarray, batch_size: int, static_tokens: int = 0) -
     starts = range(0, len(lengths), batch_size)
     tokens = [int(lengths[i : i + batch_size].sum()) for i in starts]
     if static_tokens:
-        tokens = [round_up(t + 1, static_tokens) for t in tokens]
+        tokens = [padded_tokens(t, static_tokens) for t in tokens]
     return [(min(batch_size, len(lengths) - i), t) for i, t in zip(starts, tokens)]
 
 

@@ -117,10 +117,10 @@ def train(run: Run) -> str:
     job must end (pre-empted). The caller writes the final checkpoint, after run_stop is logged."""
     cfg, state = run.cfg.run, run.state
     state.evals = eval_schedule(run)
-    # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequence (STATIC_TOKENS) is not
+    # for the progress line's tokens_per_s, tflops and mfu; the loader's padding sequences (STATIC_TOKENS) are not
     # useful work
     model = run.ddp.module  # the FLOPs of the model as built: its config and whether its last layer keeps a subset
-    meter = FlopMeter(model.config, padded=bool(run.cfg.model.static_tokens), last_layer_subset=model.last_layer_subset)
+    meter = FlopMeter(model.config, run.cfg.model.static_tokens, last_layer_subset=model.last_layer_subset)
     batches = meter.counting(iter(run.loader))
     window_loss, window_steps, job_steps = torch.zeros((), device=run.schedule.lr.device), 0, 0
     while True:

@@ -20,21 +20,23 @@ from pathlib import Path
 from bert.batch import Batch
 from bert.model.config import BertConfig
 from bert.model.flops import StepShape, train_flops
+from bert.static_shapes import padding_sequences
 
 
 class FlopMeter:
     """Training FLOPs and tokens of the batches drawn through `counting` since the last `take` (host
     arithmetic only).
 
-    `padded`: the batches end in `bert.static_shapes`' padding sequence, which is left out; its padding
-    masked rows cannot be told apart on the host (their labels are on the device) and are counted."""
+    `static_tokens` (STATIC_TOKENS): the batches end in `bert.static_shapes`' padding sequences, which are left out;
+    their padding masked rows cannot be told apart on the host (their labels are on the device) and are counted."""
 
-    def __init__(self, cfg: BertConfig, padded: bool = False, last_layer_subset: bool = True):
-        self.cfg, self.padded, self.subset, self.flops, self.tokens = cfg, padded, last_layer_subset, 0, 0
+    def __init__(self, cfg: BertConfig, static_tokens: int = 0, last_layer_subset: bool = True):
+        self.cfg, self.subset, self.flops, self.tokens = cfg, last_layer_subset, 0, 0
+        self.padding = padding_sequences(static_tokens) if static_tokens else 0
 
     def counting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         for batch in batches:
-            lengths = batch.seq.lengths[:-1] if self.padded else batch.seq.lengths
+            lengths = batch.seq.lengths[:len(batch.seq.lengths) - self.padding]
             shape = StepShape.unpadded(lengths, batch.masked_labels.numel(), self.subset)
             self.flops += train_flops(self.cfg, shape)
             self.tokens += sum(lengths)
