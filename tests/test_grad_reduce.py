@@ -304,6 +304,8 @@ def test_the_p2p_exchange_is_refused_on_nccl(tmp_path, monkeypatch):
         assert (HierarchicalSum(1).exchange, HierarchicalSum(1).issue) == ("collective", "caller")
         with pytest.raises(ValueError, match="p2p exchange is for gloo"):
             HierarchicalSum(1, exchange="p2p")
+        with pytest.raises(ValueError, match="the worker thread is for gloo"):
+            HierarchicalSum(1, issue="worker")
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()

@@ -22,8 +22,8 @@ in the order DDP hands the buckets over, the same on every rank, and returns at 
 stream wait, so the steps are chained on the GPU, each on a stream of its own (`_steps_on_streams`), and step 1 of a
 bucket can run while step 2 of the one before does; the backward's stream waits for none of them, only DDP's final
 wait on the futures. Every rank then issues the same collectives in the same order on each of the three groups and
-across them, which is what NCCL needs of several communicators used at once. On gloo ("worker", its default) a
-`wait()` blocks the host, so a worker thread waits, as below.
+across them, which is what NCCL needs of several communicators used at once. On gloo ("worker", its default and only
+backend) a `wait()` blocks the host, so a worker thread waits, as below.
 
 Ordering and overlap on gloo. Collectives (and sends) on one group must be issued in the same order on every rank.
 Step 1 is issued by the hook itself, the moment DDP hands over a bucket (DDP calls hooks in bucket order on every
@@ -32,11 +32,9 @@ separate intra-node groups, because the hook's and the worker's exchanges interl
 The worker posts step 2 for every bucket that has arrived before it waits for any of them, then waits for the oldest
 and posts its step 3, and finishes the step 3s (completing the futures DDP waits on) once no step 2 is in flight; so
 steps 2 and 3 of different buckets overlap each other, the backward pass and the next buckets' step 1, and a burst
-of buckets costs the worker one wake-up per step rather than three per bucket. With CUDA tensors the worker waits
-and posts on a CUDA stream of its own (`_place`): on the default stream it would hold back the backward and the
-hook's step 1 behind steps 2 and 3. (It used to take one bucket at a time and waited for step 1, then step 2, then
-the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's burst of 37 buckets; earlier still it was two
-threads, one per step: a thread hand-off per bucket more.)
+of buckets costs the worker one wake-up per step rather than three per bucket. (It used to take one bucket at a time
+and waited for step 1, then step 2, then the previous bucket's step 3: 1.08-1.11x flat's CPU on bench/comm.py's
+burst of 37 buckets; earlier still it was two threads, one per step: a thread hand-off per bucket more.)
 
 It only sums, as every Reduce does (bert.dist.reduce): the mean's 1/W comes with the gradients, from the
 loss (bf16/fp32) or from `divided` (PRECISION=fp16, where the bucket is divided before any fp16 sum).
@@ -83,23 +81,18 @@ class _Job:
 
     def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending"):
         self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
-        self.result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
+        self.result: Future[Tensor] = Future()
 
-    def finish(self, place: AbstractContextManager) -> None:
-        """Wait for the all-gather in flight and hand the buffer back to DDP, in `place` (the worker's device and
-        stream: the future records its event there, and DDP's stream waits for it)."""
-        with place:
-            try:
-                self.work.wait()
-                if self.padded is not self.flat:
-                    self.flat.copy_(self.padded[:self.flat.numel()])
-            except Exception as e:  # DDP's wait on the future raises it in the training thread
-                self.result.set_exception(e)
-                return
-            if self.flat.is_cuda:  # made on the hook's stream, last used on this one: freed after its work here
-                for t in (self.padded, self.shard):
-                    t.record_stream(torch.cuda.current_stream())
-            self.result.set_result(self.flat)
+    def finish(self) -> None:
+        """Wait for the all-gather in flight and hand the buffer back to DDP."""
+        try:
+            self.work.wait()
+            if self.padded is not self.flat:
+                self.flat.copy_(self.padded[:self.flat.numel()])
+        except Exception as e:  # DDP's wait on the future raises it in the training thread
+            self.result.set_exception(e)
+            return
+        self.result.set_result(self.flat)
 
 
 class _Pending:
@@ -158,12 +151,14 @@ class HierarchicalSum:
             raise ValueError(f"issue must be caller or worker, got {self.issue!r}")
         if self.issue == "caller" and self.exchange != "collective":
             raise ValueError("the caller issues the collective exchange only")
+        if self.issue == "worker" and dist.get_backend() == "nccl":
+            # its thread would wait on streams, not on the host, and interleave the groups' collectives per rank
+            raise ValueError("the worker thread is for gloo, whose wait() blocks the host; NCCL takes issue=caller")
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}  # steps 1-3 per GPU ("caller")
         self._sum = dist.AllreduceOptions()
         self._sum.asyncOp = True
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
-        self._side: dict[torch.device, torch.cuda.Stream] = {}  # the worker's stream per GPU (`_place`)
         # Receive buffers of step 1, kept for the next step's bucket of the same size: a fresh CPU buffer
         # is page-faulted in by the kernel while gloo receives into it.
         self._spare: dict[tuple, list[Tensor]] = {}
@@ -194,28 +189,30 @@ class HierarchicalSum:
         """Steps 1-3 issued here, now; on a GPU each step on its own stream, waiting for the step before (and step 1
         for the bucket, on the caller's stream), so nothing holds the caller or its stream. On the CPU (gloo, for the
         tests) each `wait()` blocks instead: the same sums, no overlap."""
-        n = self.node_size
-        s1, s2, s3 = (nullcontext(),) * 3 if not flat.is_cuda else map(_on_stream, self._step_streams(flat))
-        if flat.is_cuda:
-            self._streams[flat.device][0].wait_stream(torch.cuda.current_stream(flat.device))  # the bucket is full
-        with s1:
+        n, cuda = self.node_size, flat.is_cuda
+        streams = self._step_streams(flat) if cuda else ()
+
+        def step(i: int) -> AbstractContextManager:  # step i + 1's stream, after step i's (step 1: the bucket's)
+            if not cuda:
+                return nullcontext()
+            streams[i].wait_stream(streams[i - 1] if i else torch.cuda.current_stream(flat.device))
+            return _on_stream(streams[i])
+
+        with step(0):
             padded = flat if flat.numel() % n == 0 else torch.cat([flat, flat.new_zeros(n - flat.numel() % n)])
             shard = padded.new_empty(padded.numel() // n)
             reduce_scatter_single(shard, padded, group=self.scatter_group, async_op=True).wait()
-        self._chain(flat, 1)
-        with s2:
+        with step(1):
             self.inter_group.allreduce([shard], self._sum).wait()
-        self._chain(flat, 2)
-        with s3:
+        with step(2):
             all_gather_single(padded, shard, group=self.gather_group, async_op=True).wait()
             if padded is not flat:
                 flat.copy_(padded[:flat.numel()])
-            result: Future[Tensor] = Future(devices=[flat.device]) if flat.is_cuda else Future()
-            if flat.is_cuda:  # made on step 1's stream, used on the later ones: not reused before they are done
-                streams = self._streams[flat.device]
+            if cuda:  # made on step 1's stream, used on the later ones: not reused before they are done
                 shard.record_stream(streams[1])
                 for t in (padded, shard):
                     t.record_stream(streams[2])
+            result: Future[Tensor] = Future(devices=[flat.device]) if cuda else Future()
             result.set_result(flat)  # on step 3's stream: DDP's stream waits for it
         return result
 
@@ -223,12 +220,6 @@ class HierarchicalSum:
         if t.device not in self._streams:
             self._streams[t.device] = tuple(torch.cuda.Stream(t.device) for _ in range(3))
         return self._streams[t.device]
-
-    def _chain(self, t: Tensor, step: int) -> None:
-        """Step `step` + 1's stream waits for step `step`'s (GPU only)."""
-        if t.is_cuda:
-            streams = self._streams[t.device]
-            streams[step].wait_stream(streams[step - 1])
 
     def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
         group = self.scatter_group
@@ -275,38 +266,22 @@ class HierarchicalSum:
                     break
                 block = False
                 try:
-                    with self._place(job.flat):
-                        job.work.wait()  # step 1 and the node sum
-                        reducing.append((job, self.inter_group.allreduce([job.shard], self._sum)))
+                    job.work.wait()  # step 1 and the node sum
+                    reducing.append((job, self.inter_group.allreduce([job.shard], self._sum)))
                 except Exception as e:  # DDP's wait on the future raises it in the training thread
                     job.result.set_exception(e)
             if reducing:  # the oldest step 2 waited for, its step 3 posted
                 job, inter = reducing.popleft()
                 try:
-                    with self._place(job.flat):
-                        inter.wait()
-                        job.work = self._all_gather(job.padded, job.chunks, job.shard)
+                    inter.wait()
+                    job.work = self._all_gather(job.padded, job.chunks, job.shard)
                 except Exception as e:
                     job.result.set_exception(e)
                     continue
                 gathering.append(job)
                 continue
             while gathering:  # nothing left to reduce: hand the buffers back
-                job = gathering.popleft()
-                job.finish(self._place(job.flat))
-
-    def _place(self, t: Tensor) -> AbstractContextManager:
-        """Where the worker waits and posts for buffer `t`: on a GPU, `t`'s device and a stream of the worker's own.
-        A new thread starts on GPU 0 and on the default stream, which the backward and the hook's step 1 use too,
-        and NCCL's `wait()` makes the current stream wait (it does not block the host): on the default stream
-        every later backward kernel and step 1 would wait for this bucket's steps 2 and 3 (no overlap left), and
-        two ranks of a node that took their buckets in different interleavings could each queue the other's
-        step 1 behind its own step 3, a cycle in the GPUs' queues. Not run on a GPU yet."""
-        if not t.is_cuda:
-            return nullcontext()
-        if t.device not in self._side:
-            self._side[t.device] = torch.cuda.Stream(t.device)
-        return _on_stream(self._side[t.device])
+                gathering.popleft().finish()
 
 
 @contextmanager
