@@ -9,6 +9,7 @@ export CHECKPOINTDIR_PHASE1=${CHECKPOINTDIR_PHASE1:-/raid/datasets/bert/checkpoi
 export INIT_CHECKPOINT=${INIT_CHECKPOINT:-${CHECKPOINTDIR_PHASE1}/model.ckpt-28252.safetensors}  # data/convert_tf_checkpoint.py output
 export BERT_CONFIG=${BERT_CONFIG:-${CHECKPOINTDIR_PHASE1}/bert_config.json}
 export MLPERF_DIVISION=closed
+export DEVICE=cuda  # a node whose tasks see no GPU stops in one line instead of training on its CPU
 export ATTENTION=auto  # flash attention on the unpadded tokens when CUDA is there
 # The submissions' mixed precision: the model's weights in fp16/bf16, fp32 master weights and optimizer state
 # inside the optimizer, no autocast and so none of its per-step casts (bert.optim.master). NVIDIA's A100 recipe

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     env = ps.worker_env(job, cfg.dist)  # the job itself, or its workers when it holds parameter servers
     try:
-        device = compute_device(env)
-    except ValueError as e:  # more local ranks than GPUs
+        device = compute_device(env, cfg.run.device)
+    except ValueError as e:  # no GPU with DEVICE=cuda, more local ranks than GPUs
         report(env.rank, e)
         return 2
     try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines

@@ -136,6 +136,7 @@ def driver_env(args: argparse.Namespace, out: Path) -> dict[str, str]:
     })
     if not Path(env.get("BERT_CONFIG", "")).is_file() and env.get("BERT_CONFIG") not in NAMED:
         env["BERT_CONFIG"] = "large"  # the DGX configs name the phase-1 checkpoint's bert_config.json
+    env["DEVICE"] = args.device  # a DGX config asks for CUDA; its rehearsal here runs on the CPU
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = str(args.threads)
     env.update({env_name: getattr(args, flag) for flag, env_name in FLAG_ENV.items() if getattr(args, flag)})

@@ -32,6 +32,7 @@ from typing import Any
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: encoder linears in float8, the rest bf16 (bert.model.fp8)
 FP8_TOKEN_ALIGN = 16  # float8 weight-gradient GEMMs contract over the tokens (bert.model.fp8.ALIGN)
 DIVISIONS = ("closed", "open")
+DEVICES = ("auto", "cuda", "cpu")  # auto: the rank's GPU when torch sees one, else the CPU
 INT_LIMIT = 2**53  # beyond this a shell value like 1e30 cannot be a count of anything
 
 
@@ -145,6 +146,9 @@ class DistConfig:
 
 @dataclass
 class RunConfig:
+    device: str = opt("auto", "where each rank computes: auto (its GPU when torch sees one, else the CPU); cuda (a "
+                      "GPU or a one-line error, so a node without one cannot train a GPU config on its CPU); cpu",
+                      env="DEVICE", choices=DEVICES)
     output_dir: str = opt("./results", "checkpoints, metrics.jsonl, config.json", env="OUTPUT_DIR")
     seed: int = opt(42, "random seed", env="SEED", low=0, high=2**63 - 1)
     max_samples_termination: int = opt(14_000_000, "stop (aborted) after this many samples",
@@ -279,6 +283,8 @@ def launcher_layout(environ: Mapping[str, str]) -> tuple[tuple[int, str], tuple[
     (`run_and_time.sh` runs the check first), the shell config's DGXNNODES x DGXNGPU. None if unknown."""
     for world_var, node_var in (("WORLD_SIZE", "LOCAL_WORLD_SIZE"), ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")):
         world, node = _count(environ, world_var), _count(environ, node_var)
+        if world_var == "WORLD_SIZE" and not node and environ.get("SLURM_NTASKS") == environ.get("WORLD_SIZE"):
+            continue  # srun's layout under torchrun's names, without the per-node count (bert.dist.env.read_env)
         if world:
             return (world, f"${world_var}"), (node or world, f"${node_var if node else world_var}")
     nodes, gpus = _count(environ, "DGXNNODES"), _count(environ, "DGXNGPU")

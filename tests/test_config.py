@@ -151,6 +151,20 @@ def test_check_device_refuses_a_cuda_attention_backend_on_the_cpu(backend):
         "cpu): use ATTENTION=auto\n", out.stderr
 
 
+@pytest.mark.skipif(torch_cuda_available(), reason="the CPU's answer")
+def test_a_gpu_config_on_a_node_without_a_gpu_stops_before_anything_is_logged(tmp_path):
+    """DEVICE=cuda (config_DGX_common.sh) on a node whose tasks see no GPU: run_and_time.sh's check and the driver
+    itself each stop with one line, exit 2; the driver before it claims its result log."""
+    env = {**os.environ, **BASE, "DEVICE": "cuda", "MLPERF_LOG": str(tmp_path / "result.txt")}
+    check = subprocess.run([sys.executable, "-m", "bert.train.config", "--check-env", "--check-device"], env=env,
+                           capture_output=True, text=True, cwd=ROOT)
+    assert check.returncode == 2 and check.stderr.startswith("error: DEVICE=cuda, but torch"), check.stderr
+    assert len(check.stderr.splitlines()) == 1
+    run = subprocess.run([sys.executable, "run_pretraining.py"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.startswith("error: rank 0: DEVICE=cuda, but torch"), run.stderr
+    assert len(run.stderr.splitlines()) == 1 and not (tmp_path / "result.txt").exists()
+
+
 def test_builders_take_their_section():
     import torch
 

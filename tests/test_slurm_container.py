@@ -58,6 +58,7 @@ def test_container_flags_and_paths(tmp_path):
 
     runs = [c for c in calls if c["argv"][-1] == "/workspace/bert/run_and_time.sh"]
     assert [r["argv"][r["argv"].index("--ntasks=8") + 1] for r in runs] == ["--ntasks-per-node=8"] * 2
+    assert all("--distribution=block" in r["argv"] for r in runs)  # node-major ranks, whatever SLURM_DISTRIBUTION
     assert [r["env"]["MLPERF_LOG"] for r in runs] == [f"/results/DGXA100_1x8x56x1/bert/result_{i}.txt"
                                                      for i in range(2)]
     assert runs[0]["env"]["DATADIR_PHASE2"] == "/workspace/data_phase2"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bert.config import launcher_layout
 from bert.dist.env import DistEnv, first_slurm_host, read_env
 
 
@@ -25,8 +26,24 @@ def test_torchrun_wins_over_slurm_and_a_lone_process_is_rank_0():
     assert read_env({}) == DistEnv(0, 1, 0, 1, "localhost", 29500)
 
 
+def test_srun_variables_under_torchruns_names_keep_the_node_size():
+    """enroot's PyTorch hook (pyxis sites) and many site wrappers export RANK/WORLD_SIZE/LOCAL_RANK from srun's
+    variables but no LOCAL_WORLD_SIZE: the node is Slurm's tasks per node, not the whole job (which would make a
+    hierarchical sum one flat ring over the network and a per-node presort world-wide)."""
+    hook = {"RANK": "9", "WORLD_SIZE": "64", "LOCAL_RANK": "1", "MASTER_ADDR": "dgx01", "MASTER_PORT": "6077",
+            "SLURM_PROCID": "9", "SLURM_NTASKS": "64", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "8",
+            "SLURM_STEP_TASKS_PER_NODE": "8(x8)", "SLURM_JOB_NODELIST": "dgx[01-08]"}
+    assert read_env(hook) == DistEnv(9, 64, 1, 8, "dgx01", 6077)
+    assert launcher_layout(hook) == ((64, "$SLURM_NTASKS"), (8, "$SLURM_NTASKS_PER_NODE"))
+    # torchrun inside one srun task per node states its own node size; a bare torchrun job is one node
+    torchrun = {**hook, "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS": "8"}
+    assert read_env(torchrun).local_world_size == 2 and launcher_layout(torchrun)[1] == (2, "$LOCAL_WORLD_SIZE")
+    assert read_env({"RANK": "0", "WORLD_SIZE": "4", "SLURM_NTASKS": "1"}).local_world_size == 4
+
+
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[07,09-10]", "gpu07"),
-                                            ("a[2-3],b[1-2]", "a2"), ("cpu-01,cpu-02", "cpu-01")])
+                                            ("a[2-3],b[1-2]", "a2"), ("cpu-01,cpu-02", "cpu-01"),
+                                            ("rack[2-3]-node[07,09-10],x1", "rack2-node07")])
 def test_first_host_of_a_slurm_nodelist(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
@@ -56,3 +73,22 @@ def test_each_local_rank_gets_its_own_gpu_or_a_one_line_error(monkeypatch, gpus,
         assert picked == []
     else:
         assert compute_device(env) == torch.device("cuda", chosen)
+
+
+def test_device_cuda_without_a_gpu_is_one_line_and_cpu_stays_on_the_cpu(monkeypatch):
+    """DEVICE=cuda (the DGX configs): a task that sees no GPU (a CPU-only torch, a cgroup that hides the GPUs) stops
+    instead of training a GPU config on the CPU until the walltime; DEVICE=cpu leaves a node's GPUs alone."""
+    import torch
+
+    from bert.dist.env import compute_device
+
+    env = DistEnv(1, 8, 1, 8, "localhost", 29500)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^DEVICE=cuda, but torch \S+ \((a CPU-only build|built for CUDA \S+)\) sees "
+                                         "no GPU on this node"):
+        compute_device(env, "cuda")
+    assert compute_device(env) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("DEVICE=cpu took a GPU"))
+    assert compute_device(env, "cpu") == torch.device("cpu")

@@ -38,12 +38,17 @@ class DistEnv:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu[03-05,7],cpu1' -> 'gpu03'."""
-    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    """First host of a Slurm node list: 'gpu[03-05,7],cpu1' -> 'gpu03', 'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
+    head = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())  # up to the first comma outside brackets
     if not head:
         raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = head.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], head.group(0))
+
+
+def slurm_tasks_per_node(environ: Mapping[str, str]) -> int | None:
+    """This node's task count in a Slurm step ('4(x2)' or '4,3' in SLURM_STEP_TASKS_PER_NODE), None outside one."""
+    per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE") or ""
+    return int(per_node.split("(")[0].split(",")[0]) if per_node else None
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -59,13 +64,17 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else DEFAULT_PORT
     if "RANK" in environ and "WORLD_SIZE" in environ:
         world = _int(environ, "WORLD_SIZE")
-        local_world = _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else world
+        if "LOCAL_WORLD_SIZE" in environ:
+            local_world = _int(environ, "LOCAL_WORLD_SIZE")
+        elif environ.get("SLURM_NTASKS") == environ["WORLD_SIZE"]:
+            # srun's variables translated to torchrun's (enroot's PyTorch hook, a site's wrapper) leave this one out
+            local_world = slurm_tasks_per_node(environ) or world
+        else:
+            local_world = world
         return DistEnv(_int(environ, "RANK"), world, _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
                        local_world, environ.get("MASTER_ADDR", "localhost"), port)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        # SLURM_STEP_TASKS_PER_NODE looks like '4(x2)' or '4,3'; this node's count is what matters.
-        per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE") or ""
-        local_world = int(per_node.split("(")[0].split(",")[0]) if per_node else _int(environ, "SLURM_NTASKS")
+        local_world = slurm_tasks_per_node(environ) or _int(environ, "SLURM_NTASKS")
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         addr = environ.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "localhost")
         return DistEnv(_int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS"),
@@ -74,9 +83,21 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "localhost", port)
 
 
-def compute_device(env: DistEnv) -> torch.device:
-    """One GPU per local rank when there are GPUs, else the CPU, its cores shared among the local ranks."""
-    if torch.cuda.is_available():
+def require_gpu() -> None:
+    """DEVICE=cuda: a ValueError in one line when torch sees no GPU, rather than a GPU config crawling on the CPU."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"DEVICE=cuda, but torch {torch.__version__} ({build}) sees no GPU on this node: ask Slurm "
+                         "for the node's GPUs (--gpus-per-node where they are a gres) and run the image's torch, or "
+                         "set DEVICE=auto to train on the CPU")
+
+
+def compute_device(env: DistEnv, want: str = "auto") -> torch.device:
+    """One GPU per local rank when there are GPUs (`want`: auto or cuda), else the CPU, its cores shared among the
+    local ranks."""
+    if want == "cuda":
+        require_gpu()
+    if want != "cpu" and torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if gpus > 1 and env.local_rank >= gpus:  # one GPU visible per task (srun --gpus-per-task=1) is GPU 0 for all
             raise ValueError(f"local rank {env.local_rank} has no GPU of its own: this node shows {gpus} GPUs "

@@ -1,14 +1,14 @@
 """The configuration check on the command line (`bert.config` holds the sections and the parser).
 
     python -m bert.train.config --check-env   # validate the environment: "config OK" or one error line, exit 2
-    python -m bert.train.config --check-env --check-device   # and COMPILE, fp8, ATTENTION on this node's device
+    python -m bert.train.config --check-env --check-device   # and DEVICE, COMPILE, fp8, ATTENTION on this node
     python -m bert.train.config [--flag v]    # print the resolved configuration, section by section
 
 `run_and_time.sh` runs the check with `--check-device` before `STARTING TIMING RUN`, so a typo in any
-variable (a selector such as BALANCE or ATTENTION included), or a COMPILE mode, PRECISION=fp8 or CUDA
-attention backend this node cannot run (no GPU, a GPU without float8, torchao missing), stops the job before
-anything is logged. `--check-device` imports torch only when COMPILE, PRECISION=fp8 or an ATTENTION other than
-auto asks for a device check. Every check first reads the installed torch's version (its package metadata, no
+variable (a selector such as BALANCE or ATTENTION included), or a DEVICE=cuda, COMPILE mode, PRECISION=fp8 or
+CUDA attention backend this node cannot run (no GPU, a GPU without float8, torchao missing), stops the job before
+anything is logged. `--check-device` imports torch only when DEVICE, COMPILE, PRECISION=fp8 or an ATTENTION other
+than auto asks for a device check. Every check first reads the installed torch's version (its package metadata, no
 import): older than MIN_TORCH is one error line, since an older torch fails in ways that name nothing of ours
 (torch 2.6, the NGC 25.01 image's, fails 8 of 119 tests of the model, compile, optimizer and reduction modules).
 """
@@ -45,15 +45,19 @@ def check_torch(version: str | None = None) -> None:
 def check_device(cfg: TrainConfig) -> None:
     """The driver's own device checks (`bert.train.build.build_model`), on the device it will pick: a GPU
     when there is one. A ValueError with one line naming the setting."""
-    if cfg.model.compile == "off" and cfg.model.precision != "fp8" and cfg.model.attention == "auto":
+    if cfg.model.compile == "off" and cfg.model.precision != "fp8" and cfg.model.attention == "auto" and \
+            cfg.run.device == "auto":
         return
     import torch
 
+    from bert.dist.env import require_gpu
     from bert.model.attention import check_attention
     from bert.model.compile import check_compile
     from bert.model.fp8 import check_fp8
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.run.device == "cuda":
+        require_gpu()
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device)
     check_attention(cfg.model.attention, device)
