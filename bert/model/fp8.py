@@ -25,7 +25,9 @@ How: torchao's float8 training (`convert_to_float8_training` with a module filte
                    "hybrid" format of NVIDIA's recipe); cuBLAS's float8 GEMMs; torchao's fastest
     rowwise        torchao's "rowwise": one scale per row of each operand (each row gets e4m3's whole range,
                    2^-9 to 448, however large another row's values are), power-of-2 scales, e4m3 everywhere;
-                   CUTLASS's rowwise-scaled GEMMs
+                   the forward GEMM CUTLASS's rowwise-scaled one (fast accumulation), the two backward GEMMs
+                   cuBLAS's tensorwise one at unit scales, the row scales applied to its output (torchao's
+                   float8_ops: CUTLASS's is slow without fast accumulation)
     rowwise-gw-hp  torchao's "rowwise_with_gw_hp": rowwise, but the weight-gradient GEMM in bf16, so the two
                    casts it needs (the input, T x K, and the output gradient, T x N, each scaled along the token
                    axis) are not made; its most accurate recipe. For BERT-large's K = 1024 those casts may cost

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bert.config import OptimConfig
+from bert.optim.apex_lamb import apex_lamb
 from bert.optim.lamb import Lamb
 from bert.optim.param_groups import decay_groups
 from bert.optim.schedule import WarmupPolyDecay
@@ -42,7 +43,7 @@ def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: b
     ours, with the update count on the device where it should skip an overflowed step there (bert.optim.lamb)."""
     if compiled:
         return Lamb(groups, lr=lr, betas=betas, eps=eps, capturable=True)
-    return (on_cuda and _apex_lamb(groups, betas, eps)) or Lamb(groups, lr=lr, betas=betas, eps=eps,
+    return (on_cuda and apex_lamb(groups, betas, eps)) or Lamb(groups, lr=lr, betas=betas, eps=eps,
                                                                  capturable=skip_on_device)
 
 
@@ -78,21 +79,6 @@ def hook_clip_mode(cfg: OptimConfig) -> str:
     """The clip mode DDP's hook runs. `after` moves into the optimizer's step where the optimizer is the first
     to see the averaged gradient whole: sharded (as shards) and master weights (as fp32, unscaled)."""
     return "none" if (cfg.optimizer_sharding or cfg.master_weights) and cfg.grad_clip == "after" else cfg.grad_clip
-
-
-def _apex_lamb(groups: Groups, betas: Betas, eps: float) -> torch.optim.Optimizer | None:
-    """apex's FusedLAMB (the MLPerf submissions' kernel) when apex is installed, else None.
-
-    Same update as `Lamb`. Its clipping is switched off (max_grad_norm=inf) because the `after` clip
-    mode clips before the step; apex reads the LR as a host float, so the schedule's device tensor
-    costs one small copy per step on this path.
-    """
-    try:
-        from apex.optimizers import FusedLAMB
-    except ImportError:
-        return None
-    return FusedLAMB(groups, lr=0.0, betas=betas, eps=eps, bias_correction=True, adam_w_mode=True,
-                     max_grad_norm=float("inf"), use_nvlamb=False)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> WarmupPolyDecay:

@@ -10,7 +10,7 @@ The trust ratio r applies only to tensors with weight decay, as in apex without 
 biases and LayerNorm parameters take a plain Adam step. Gradient clipping is not done here; the
 `after` clip mode (bert.dist.clip) clips the averaged gradient by its global norm beforehand,
 which is the same as FusedLAMB's `max_grad_norm`. Written with torch's foreach kernels; the
-learning rate is a device tensor so the schedule never copies a host value per step.
+learning rate is the schedule's device tensor, an input rather than a host value that changes every step.
 
 `tensor_norms` computes (||p||, ||u||) per tensor; the sharded update (bert.optim.sharded) passes
 one that completes the norms of tensors split across ranks.

@@ -153,6 +153,12 @@ class MasterWeights(torch.optim.Optimizer):
         torch._foreach_copy_(params, masters)
 
     @property
+    def host_lr(self) -> bool:
+        """Whether the inner optimizer takes its LR as a host float (apex's FusedLAMB, bert.optim.apex_lamb): the
+        schedule then writes floats into these groups, which `step` copies into the inner ones."""
+        return getattr(self.inner, "host_lr", False)
+
+    @property
     def skips_on_device(self) -> bool:
         """Whether the inner optimizer leaves the masters and its state untouched, on the device, where told
         `found_inf`: our LAMB with its update count there, torch's fused AdamW. Not apex's FusedLAMB, nor the
