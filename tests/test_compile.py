@@ -6,6 +6,7 @@ generation takes ~4 minutes for a 1-layer model on the 2-core CI machine; BERT_T
 same check with inductor.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -126,11 +127,11 @@ def test_compiled_equals_eager_on_every_token_count(scope, layers):
     compiled_equals_eager("debug", atol=0, scope=scope, layers=layers)
 
 
-def backward_order(scope: str, buckets: str, warm_world: int | None = None) -> str:
+def backward_order(scope: str, buckets: str, warm_world: int | None = None, fp8: bool = False) -> str:
     """The second backward of a 2-layer tiny BERT compiled with COMPILE=debug at `scope` under the driver's wrapper
     `buckets` (world of one, 1 MB buckets: several): the order in which the compiled backward functions run (C)
     and the comm hook receives buckets (B). `warm_world`: compiled first by the driver's warm-up, as a run of that
-    many ranks makes it (`training_entry`)."""
+    many ranks makes it (`training_entry`). `fp8`: the encoder's linears swapped for torchao's (emulated)."""
     from types import SimpleNamespace
 
     from bert.config import DistConfig
@@ -139,7 +140,12 @@ def backward_order(scope: str, buckets: str, warm_world: int | None = None) -> s
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = compile_model(BertForPreTraining(small_config(layers=2), attention="loop"), "debug", CPU, scope)
+    model = BertForPreTraining(small_config(layers=2), attention="loop")
+    if fp8:
+        from bert.model.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, emulate=True)
+    model = compile_model(model, "debug", CPU, scope)
     wrapper = apply_ddp(model, DistConfig(bucket_cap_mb=1.0, grad_buckets=buckets))
     events: list[str] = []
 
@@ -194,6 +200,17 @@ def test_the_warm_up_compiles_inside_ddp_when_there_is_an_all_reduce_to_overlap(
     order = backward_order("model", "ddp", warm_world=world)
     assert order.count("B") >= 3, order
     assert ("C" in order[order.index("B"):]) == overlapped, order
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao is not installed (not in the CPU "
+                    "install; scripts/test_torch.sh adds it)")
+def test_float8_linears_compile_inside_ddp_and_are_cut_at_its_buckets(world_of_one):
+    """PRECISION=fp8 on several GPUs compiles inside DDP's forward, where dynamo's DDPOptimizer cuts the graph with
+    torchao's float8 tensors in it: reported broken for an HF model (pytorch/ao#2586, pytorch/pytorch#158936). Ours
+    compiles there under torch 2.11 + torchao 0.18 and the all-reduce still overlaps the backward."""
+    order = backward_order("model", "ddp", warm_world=2, fp8=True)
+    assert order.count("B") >= 3 and "C" in order[order.index("B"):], order
 
 
 def test_per_layer_graphs_are_warmed_up_on_the_bare_model_at_any_world_size():
