@@ -4,8 +4,8 @@ On a GPU each host sync in the step stops the host until the device has drained 
 step out of a CUDA graph): `bert.train.host_syncs` explains and finds them, on the CPU too. For each case
 this builds a run the way the driver does (`bert.train.build.build_run`: a one-layer micro BERT, one gloo
 process, random shards of the phase-2 length mix), trains `--warmup` steps, then counts the syncs of `--steps` more
-`train_step`s and of a whole `train()` of two progress intervals (its progress line reads the loss and the
-LR: two syncs per interval by design, three under fp16 with the loss scale).
+`train_step`s and of a whole `train()` of two progress intervals (its progress line reads the loss, the mean
+over the ranks: one sync per interval by design, two under fp16 with the loss scale; the LR comes from the host).
 
     .venv/bin/python bench/host_syncs.py          # writes results/bench/host_syncs.json; about a minute
     python3 bench/host_syncs.py --device cuda     # on a GPU, NCCL: also torch's own sync detector

@@ -23,7 +23,7 @@ from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.optim import build_optimizer, build_schedule
-from bert.train.faults import NonFiniteLoss, check_finite
+from bert.train.faults import NonFiniteLoss, check_finite, mean_over_ranks
 from bert.train.loop import Run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,6 +175,31 @@ def _fp16_worker(rank: int, store: str, out: str) -> None:
         results[mode] = [skipped, not torch.equal(model.lin.weight, before), bool(model.lin.weight.isfinite().all())]
     dist.destroy_process_group()
     Path(out).write_text(json.dumps(results))
+
+
+def _window_worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    means = []
+    for losses in ([6.0, 2.0], [6.0, float("nan")]):  # each rank's summed loss over a window of 2 steps
+        means.append(mean_over_ranks(torch.tensor(losses[rank]), 2))
+    stopped = []
+    for mean in means:
+        try:
+            check_finite(mean, 10, scaled=False)
+            stopped.append(False)
+        except NonFiniteLoss:
+            stopped.append(True)
+    dist.destroy_process_group()
+    Path(f"{out}.{rank}").write_text(json.dumps([means[0], stopped]))
+
+
+def test_a_loss_non_finite_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """The progress line's loss is the mean over the ranks, so a NaN on rank 1 alone (its batch, the window's last
+    step, before the all-reduce spreads it into everyone's weights) stops both ranks there, not rank 1 alone while
+    rank 0 waits in its next all-reduce for a rank that has left."""
+    mp.spawn(_window_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"out.{rank}").read_text()) == [2.0, [False, True]]  # (6 + 2) / 2 ranks / 2
 
 
 def test_fp16_non_finite_step_is_skipped_by_the_loss_scaler(tmp_path):

@@ -54,6 +54,16 @@ class StopAgreement:
         self._pending = None
 
 
+def mean_over_ranks(window_loss: torch.Tensor, steps: int) -> float:
+    """The window's mean loss over every rank (the progress line's loss, and the one sync of the interval): with
+    each rank's own, a loss that turned non-finite on one rank in the window's last step would stop that rank
+    alone, and the others would wait in their next all-reduce for a rank that had left."""
+    if dist.is_initialized():
+        dist.all_reduce(window_loss)
+        window_loss /= dist.get_world_size()
+    return window_loss.item() / steps
+
+
 def check_finite(loss_sum: float, step: int, scaled: bool) -> None:
     """Without fp16 loss scaling nothing skips a bad step, so a non-finite loss ends the run."""
     if not scaled and not math.isfinite(loss_sum):

@@ -23,7 +23,7 @@ from bert.dist.env import DistEnv
 from bert.optim import WarmupPolyDecay
 from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
-from bert.train.faults import StopAgreement, check_finite
+from bert.train.faults import StopAgreement, check_finite, mean_over_ranks
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.profile import StepProfiler
 from bert.train.progress import FlopMeter, Progress
@@ -133,9 +133,9 @@ def train(run: Run) -> str:
         job_steps += 1
         # --- progress: the only per-interval host sync
         if state.step % cfg.log_freq == 0:
-            mean_loss = window_loss.item() / window_steps
+            mean_loss = mean_over_ranks(window_loss, window_steps)
             check_finite(mean_loss, state.step, run.scaler.is_enabled())
-            run.progress.log(step=state.step, samples=state.samples, loss=mean_loss, lr=run.schedule.lr.item(),
+            run.progress.log(step=state.step, samples=state.samples, loss=mean_loss, lr=run.schedule.value(),
                              loss_scale=run.scaler.get_scale() if run.scaler.is_enabled() else 1.0,
                              last_eval=state.last_accuracy, **meter.take())
             window_loss.zero_()
