@@ -44,7 +44,7 @@ def copy_tracked(dst: Path) -> None:
         src = ROOT / name
         if src.is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / name)
+            shutil.copy2(src, dst / name, follow_symlinks=False)  # a link stays one (config_DGXA100_128x8.sh)
     git = ["git", "-c", "user.name=mutants", "-c", "user.email=mutants@localhost"]
     for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the working tree, for mutants"]):
         subprocess.run([*git, *command], cwd=dst, check=True, capture_output=True)

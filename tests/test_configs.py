@@ -126,6 +126,13 @@ def test_dgx_configs_hold_master_weights_in_the_optimizer(system):
     assert (env["MASTER_WEIGHTS"], env["PRECISION"]) == ("1", "fp16" if system.startswith("DGXA100") else "bf16")
 
 
+@pytest.mark.parametrize("system", PUBLISHED)
+def test_dgx_configs_refuse_to_train_without_a_gpu(system):
+    """DEVICE=cuda: a task that sees no GPU stops in one line (tests/test_config.py) instead of training on the CPU."""
+    assert sourced(ROOT / f"config_{system}.sh")["DEVICE"] == "cuda"
+    assert "DEVICE" not in sourced(ROOT / "config_CPU_1x2.sh")  # auto: the CPU default runs anywhere
+
+
 def test_walltime_scales_with_nexp():
     one = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="1")["WALLTIME"]
     ten = sourced(ROOT / "config_DGXA100_1x8x56x1.sh", NEXP="10")["WALLTIME"]

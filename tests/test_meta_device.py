@@ -101,6 +101,8 @@ def lamb_steps(model: BertForPreTraining, precision: str, master_weights: bool, 
         schedule.step()
         opt.zero_grad(set_to_none=True)
     assert {(p.device, p.dtype) for p in model.parameters()} == {(META, compute)}
+    # the LR every group reads, and the loop's loss accumulators (made on its device), are on the device too
+    assert schedule.lr.device == META and {g["lr"].device for g in opt.param_groups} == {META}
     inner = opt.inner if master_weights else opt
     state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert state and {t.device for t in state} == {META}
