@@ -5,9 +5,9 @@
   `torch.cuda.set_sync_debug_mode("error")`;
 * the driver's training step (built by `build_run`, as `bench/host_syncs.py` builds it) has no host sync in
   fp32 and bf16, for every optimizer, clip mode, master weights or not, and the step layouts; `train()` syncs
-  once per progress interval (the loss it prints, the mean over the ranks; the LR comes from the host); under fp16 master weights and fused AdamW skip
-  an overflowed step on the device, and the one sync per step left is GradScaler's check before LAMB on
-  fp32 weights;
+  once per progress interval (the loss it prints, the mean over the ranks; the LR comes from the host); under
+  fp16 master weights and fused AdamW skip an overflowed step on the device, and the one sync per step left is
+  GradScaler's check before LAMB on fp32 weights;
 * the check can fail: a `.item()` slipped into the step is found and named;
 * on a GPU, torch's sync debug mode finds no synchronizing CUDA call in the bf16 step (copies to the host
   included, which the CPU cannot show).
