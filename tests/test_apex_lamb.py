@@ -29,6 +29,9 @@ class StandInFusedLAMB(Lamb):
                  use_nvlamb=False):
         assert bias_correction and adam_w_mode and not use_nvlamb and max_grad_norm == float("inf")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.defaults.update(bias_correction=bias_correction, grad_averaging=grad_averaging)
+        for group in self.param_groups:
+            group.update(bias_correction=bias_correction, grad_averaging=grad_averaging)
         self.set_grad_none = set_grad_none
 
     def zero_grad(self):  # apex's signature
@@ -38,6 +41,7 @@ class StandInFusedLAMB(Lamb):
 
     def step(self, closure=None):
         for group in self.param_groups:
+            assert group["bias_correction"] and group["grad_averaging"]  # apex's step reads both from the group
             if type(group["lr"]) is not float:
                 raise AssertionError(f"apex would read a {type(group['lr']).__name__} LR with .item(): a host sync")
             group["step"] = group.get("step", 0) + 1  # apex's bookkeeping

@@ -90,3 +90,85 @@ def test_the_shared_state_is_loaded_onto_this_ranks_device(tmp_path):
         torch.save({"m": torch.ones(2, device="cuda:0"), "rng": torch.get_rng_state()}, tmp_path / "state.pt")
         loaded = torch.load(tmp_path / "state.pt", map_location=on_device(last), weights_only=False)
         assert loaded["m"].device == last and loaded["rng"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["plain", "master-weights"])
+def test_a_resumed_optimizer_keeps_its_own_kernels(master):
+    """torch's load_state_dict takes every group key from the checkpoint: without `keep_implementation` a fused AdamW
+    resumed from a compiled step's checkpoint (COMPILE_OPTIMIZER=1: foreach, capturable on a GPU) ran foreach, and the
+    reverse put the fused kernel inside the compiled step."""
+    from bert.config import from_flat
+    from bert.optim import build_optimizer
+
+    def built(compiled: bool) -> torch.optim.Optimizer:
+        torch.manual_seed(0)
+        cfg = from_flat(optimizer="adam", learning_rate=1e-3, max_steps=10, compile_optimizer=compiled,
+                        master_weights=master, precision="bf16" if master else "fp32").optim
+        model = torch.nn.Linear(4, 3)
+        optimizer = build_optimizer(model, cfg, torch.bfloat16 if master else torch.float32)
+        model(torch.ones(2, 4, dtype=model.weight.dtype)).sum().backward()
+        optimizer.step()
+        return optimizer
+
+    def kernels(optimizer: torch.optim.Optimizer) -> list[tuple]:
+        inner = getattr(optimizer, "inner", optimizer)
+        return [(g["fused"], g["foreach"], g["capturable"]) for g in [*optimizer.param_groups, *inner.param_groups]]
+
+    for saving, loading in ((True, False), (False, True)):
+        resumed = built(loading)
+        own = kernels(resumed)
+        resumed.load_state_dict(built(saving).state_dict())
+        assert kernels(resumed) == own
+        resumed.step()  # and it steps with them
+
+
+def test_a_rank_the_saving_job_did_not_have_takes_the_loader_position_and_keeps_its_own_rng(tmp_path):
+    """A job continued on more ranks (checkpoints are whole: "any world size can load them"): a rank without a file
+    of its own takes rank 0's loader state, which says where the whole job was (the loader finds this rank's next
+    batch from it), and keeps the RNG its seed gave it; it used to stop with FileNotFoundError while the other ranks
+    went on into their first collective."""
+    from bert.train.checkpoint import load_checkpoint, save_checkpoint
+
+    class Position:
+        def __init__(self, step: int):
+            self.step = step
+
+        def state_dict(self) -> dict:
+            return {"step": self.step}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.step = state["step"]
+
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(1)
+    saved_rng = torch.get_rng_state()
+    where = save_checkpoint(tmp_path, 5, model, {}, 0, {"loader": Position(7)})
+    torch.manual_seed(2)
+    own_rng = torch.get_rng_state()
+    joined = Position(0)
+    load_checkpoint(where, model, {}, 3, {"loader": joined})
+    assert joined.step == 7 and torch.equal(torch.get_rng_state(), own_rng)
+    load_checkpoint(where, model, {}, 0, {"loader": joined})  # rank 0 gets its own RNG back
+    assert torch.equal(torch.get_rng_state(), saved_rng)
+    (where / "rank_00000.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="no rank_00000.pt"):
+        load_checkpoint(where, model, {}, 3, {"loader": joined})
+
+
+def test_every_checkpoint_file_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
+    """On Lustre close() leaves data in the page cache while a rename is committed at once: each file, its folder and
+    the pointer are fsynced before `latest` is replaced (and its folder after), so a lost node cannot leave `latest`
+    naming truncated files."""
+    import bert.train.checkpoint as ckpt
+
+    events: list[str] = []
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: events.append(f"fsync {os.readlink(f'/proc/self/fd/{fd}')}"))
+    real_replace = os.replace
+    monkeypatch.setattr(ckpt.os, "replace", lambda a, b: (events.append(f"replace {b}"), real_replace(a, b)))
+    where = ckpt.save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2), {"state": {"step": 1}}, 0, {})
+    root = where.parent
+    replaced = events.index(f"replace {root / ckpt.LATEST}")
+    synced_before = {e.split(" ", 1)[1] for e in events[:replaced]}
+    assert {str(where / n) for n in ("rank_00000.pt", "model.safetensors", "train_state.pt")} | {str(where)} <= \
+        synced_before
+    assert str(root / f".{ckpt.LATEST}.tmp") in synced_before and events[replaced + 1:] == [f"fsync {root}"]

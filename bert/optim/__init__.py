@@ -50,12 +50,33 @@ def _lamb(groups: Groups, lr: torch.Tensor, betas: Betas, eps: float, on_cuda: b
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"lamb": _lamb, "adam": _adamw}
 
 
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A load_state_dict pre-hook: the loaded groups keep this optimizer's kernel choice. torch's load takes every
+    group key from the checkpoint, so a fused AdamW step would come back foreach + capturable after a checkpoint of a
+    compiled step (and lose the fp16 overflow skip on the device: a host sync per step), or fused inside a compiled
+    step (an opaque kernel, nothing fused around it)."""
+    groups = [{**saved, **{k: live[k] for k in IMPLEMENTATION_KEYS if k in live}}
+              for saved, live in zip(state_dict["param_groups"], optimizer.param_groups)]
+    return {**state_dict, "param_groups": groups}
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype = torch.float32
                     ) -> torch.optim.Optimizer:
     """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule.
     With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded). With `master_weights`
     the model's fp32 weights become the optimizer's masters and the model is cast to `compute_dtype`
     (bert.optim.master): build it before anything that takes the parameters' dtype (DDP's buckets)."""
+    optimizer = _build_optimizer(model, cfg, compute_dtype)
+    for part in (optimizer, getattr(optimizer, "inner", None)):  # the wrappers load their inner optimizer's state
+        if part is not None:
+            part.register_load_state_dict_pre_hook(keep_implementation)
+    return optimizer
+
+
+def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
     if cfg.optimizer_sharding:

@@ -55,9 +55,12 @@ def adapted(fused_lamb: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
 
         def load_state_dict(self, state_dict: dict) -> None:
             """The count back into each group, from its parameters' state (ours: an int, or a device tensor read
-            once here)."""
+            once here); the keys apex's step reads that our LAMB's groups lack (bias_correction, grad_averaging)
+            from this optimizer's defaults, since torch's load replaces the groups with the saved ones."""
             super().load_state_dict(state_dict)
             for group in self.param_groups:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
                 steps = [self.state[p].pop("step") for p in group["params"] if "step" in self.state[p]]
                 if steps:
                     group["step"] = int(steps[0])

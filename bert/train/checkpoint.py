@@ -7,7 +7,10 @@
     <output_dir>/checkpoints/latest                            the name of the newest complete checkpoint
 
 `latest` is written by rank 0 after a barrier, so a job killed mid-save leaves the previous
-checkpoint as the one to resume from.
+checkpoint as the one to resume from. Every file is flushed to disk (fsync) by its writer before that barrier,
+and the pointer before and after its rename: on Lustre `close()` leaves data in the page cache while a rename
+is committed at once, so a node lost after the rename would otherwise leave `latest` naming truncated files.
+A rank the saving job did not have (a job continued on more GPUs) takes rank 0's loader state and keeps its RNG.
 """
 
 from __future__ import annotations
@@ -25,6 +28,15 @@ from bert.model.checkpoint import load_weights, save_weights
 from bert.optim.master import fp32_weights
 
 LATEST = "latest"
+
+
+def _to_disk(path: Path) -> None:
+    """fsync a file written by path (torch.save, safetensors), or a directory (its entries: a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -49,18 +61,24 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
         where.mkdir(parents=True, exist_ok=True)
     barrier()
     states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rank_parts.items()}
-    torch.save({**states, "rng": _rng_state()}, where / f"rank_{rank:05d}.pt")
+    written = [where / f"rank_{rank:05d}.pt"]
+    torch.save({**states, "rng": _rng_state()}, written[0])
     # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
     shared = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
     if rank == 0:
         with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters, not the bf16 copy
             save_weights(model, where / "model.safetensors")
         torch.save(shared, where / "train_state.pt")
+        written += [where / "model.safetensors", where / "train_state.pt", where]
+    for path in written:
+        _to_disk(path)
     barrier()
     if rank == 0:
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(where.name)
+        _to_disk(tmp)
         os.replace(tmp, root / LATEST)
+        _to_disk(root)
     return where
 
 
@@ -83,8 +101,11 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
                     rank_parts: dict[str, Any]) -> dict[str, Any]:
     """Restore every stateful part in place; returns the plain (non-stateful) shared values."""
     mine = where / f"rank_{rank:05d}.pt"
-    if not mine.is_file():
-        raise FileNotFoundError(f"{mine} is missing: was the checkpoint written by a job with fewer ranks?")
+    # A rank the saving job did not have (a job continued on more GPUs) takes rank 0's per-rank parts (the loader's
+    # state: where the whole job was, from which it finds this rank's next batch) and keeps its own seeded RNG.
+    grown = not mine.is_file()
+    if grown and not (where / "rank_00000.pt").is_file():
+        raise FileNotFoundError(f"{where}: no rank_00000.pt, so not a whole checkpoint")
     with fp32_weights(parts.get("optimizer")):
         load_weights(model, where / "model.safetensors")
     # rank 0 wrote it from its own GPU: onto this rank's device, not every rank onto cuda:0 (a context and a copy of
@@ -97,8 +118,9 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
             parts[key].load_state_dict(state)
         else:
             values[key] = state
-    own = torch.load(mine, weights_only=False)
+    own = torch.load(where / "rank_00000.pt" if grown else mine, weights_only=False)
     for key, part in rank_parts.items():
         part.load_state_dict(own[key])
-    _set_rng_state(own["rng"])
+    if not grown:
+        _set_rng_state(own["rng"])
     return values
