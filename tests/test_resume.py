@@ -172,3 +172,25 @@ def test_every_checkpoint_file_is_on_disk_before_latest_names_it(tmp_path, monke
     assert {str(where / n) for n in ("rank_00000.pt", "model.safetensors", "train_state.pt")} | {str(where)} <= \
         synced_before
     assert str(root / f".{ckpt.LATEST}.tmp") in synced_before and events[replaced + 1:] == [f"fsync {root}"]
+
+
+def test_a_file_system_that_refuses_fsync_on_a_folder_still_gets_the_checkpoint(tmp_path, monkeypatch):
+    """Some file systems answer EINVAL to fsync on a directory: the files are still synced and `latest` written; a
+    file's fsync failing is still an error."""
+    import errno
+
+    import bert.train.checkpoint as ckpt
+
+    real_fsync = os.fsync
+
+    def folders_refuse(fd: int) -> None:
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(ckpt.os, "fsync", folders_refuse)
+    where = ckpt.save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2), {}, 0, {})
+    assert ckpt.latest_checkpoint(tmp_path) == where
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        ckpt.save_checkpoint(tmp_path, 2, torch.nn.Linear(2, 2), {}, 0, {})

@@ -15,6 +15,7 @@ A rank the saving job did not have (a job continued on more GPUs) takes rank 0's
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -31,10 +32,14 @@ LATEST = "latest"
 
 
 def _to_disk(path: Path) -> None:
-    """fsync a file written by path (torch.save, safetensors), or a directory (its entries: a rename)."""
+    """fsync a file written by path (torch.save, safetensors), or a directory (its entries: a rename). Some file
+    systems refuse fsync on a directory (EINVAL): there the rename is as durable as they make it."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if not path.is_dir() or e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
