@@ -29,6 +29,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bert.dist.slurm import tasks_per_node  # torch-free, as this module
+
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # fp8: encoder linears in float8, the rest bf16 (bert.model.fp8)
 FP8_TOKEN_ALIGN = 16  # float8 weight-gradient GEMMs contract over the tokens (bert.model.fp8.ALIGN)
 DIVISIONS = ("closed", "open")
@@ -281,12 +283,14 @@ def launcher_layout(environ: Mapping[str, str]) -> tuple[tuple[int, str], tuple[
     """((world size, variable), (ranks per node, variable)) as the launcher states them: torchrun's
     WORLD_SIZE/LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS/SLURM_NTASKS_PER_NODE, or, before the launch
     (`run_and_time.sh` runs the check first), the shell config's DGXNNODES x DGXNGPU. None if unknown."""
-    for world_var, node_var in (("WORLD_SIZE", "LOCAL_WORLD_SIZE"), ("SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")):
-        world, node = _count(environ, world_var), _count(environ, node_var)
-        if world_var == "WORLD_SIZE" and not node and environ.get("SLURM_NTASKS") == environ.get("WORLD_SIZE"):
-            continue  # srun's layout under torchrun's names, without the per-node count (bert.dist.env.read_env)
-        if world:
-            return (world, f"${world_var}"), (node or world, f"${node_var if node else world_var}")
+    world, node = _count(environ, "WORLD_SIZE"), _count(environ, "LOCAL_WORLD_SIZE")
+    # srun's layout under torchrun's names has no LOCAL_WORLD_SIZE: Slurm's per-node count then (bert.dist.env)
+    slurm = world is None or (node is None and environ.get("SLURM_NTASKS") == environ.get("WORLD_SIZE"))
+    if not slurm:
+        return (world, "$WORLD_SIZE"), (node or world, "$LOCAL_WORLD_SIZE" if node else "$WORLD_SIZE")
+    world, per_node = _count(environ, "SLURM_NTASKS"), tasks_per_node(environ)
+    if world:
+        return (world, "$SLURM_NTASKS"), ((per_node[0], f"${per_node[1]}") if per_node else (world, "$SLURM_NTASKS"))
     nodes, gpus = _count(environ, "DGXNNODES"), _count(environ, "DGXNGPU")
     if nodes and gpus:
         return (nodes * gpus, "$DGXNNODES x $DGXNGPU"), (gpus, "$DGXNGPU")

@@ -199,7 +199,12 @@ def test_no_package_below_the_trainer_imports_it():
             continue
         offenders += [f"{rel}: {m}" for m in _bert_imports(path) if m.startswith("bert.train")]
     assert offenders == []
-    assert _bert_imports(ROOT / "bert" / "config.py") == set()  # torch-free, imports the registries lazily
+    # torch-free: it imports the registries lazily, and of the package only the Slurm layout, itself torch-free
+    assert _bert_imports(ROOT / "bert" / "config.py") == {"bert.dist.slurm"}
+    assert _bert_imports(ROOT / "bert" / "dist" / "slurm.py") == set()
+    out = subprocess.run([sys.executable, "-c", "import sys, bert.config; print('torch' in sys.modules)"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_sections_are_dataclasses_with_defaults():

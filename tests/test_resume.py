@@ -150,6 +150,11 @@ def test_a_rank_the_saving_job_did_not_have_takes_the_loader_position_and_keeps_
     assert joined.step == 7 and torch.equal(torch.get_rng_state(), own_rng)
     load_checkpoint(where, model, {}, 0, {"loader": joined})  # rank 0 gets its own RNG back
     assert torch.equal(torch.get_rng_state(), saved_rng)
+    two = torch.load(where / "rank_00000.pt", weights_only=False)  # as if two ranks saved it and rank 1's file is lost
+    torch.save({**two, "world_size": 2}, where / "rank_00000.pt")
+    with pytest.raises(FileNotFoundError, match="rank_00001.pt is missing from a checkpoint of 2 ranks"):
+        load_checkpoint(where, model, {}, 1, {"loader": joined})
+    load_checkpoint(where, model, {}, 2, {"loader": joined})  # a third rank joins
     (where / "rank_00000.pt").unlink()
     with pytest.raises(FileNotFoundError, match="no rank_00000.pt"):
         load_checkpoint(where, model, {}, 3, {"loader": joined})

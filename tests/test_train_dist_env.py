@@ -34,11 +34,25 @@ def test_srun_variables_under_torchruns_names_keep_the_node_size():
             "SLURM_PROCID": "9", "SLURM_NTASKS": "64", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "8",
             "SLURM_STEP_TASKS_PER_NODE": "8(x8)", "SLURM_JOB_NODELIST": "dgx[01-08]"}
     assert read_env(hook) == DistEnv(9, 64, 1, 8, "dgx01", 6077)
-    assert launcher_layout(hook) == ((64, "$SLURM_NTASKS"), (8, "$SLURM_NTASKS_PER_NODE"))
+    assert launcher_layout(hook) == ((64, "$SLURM_NTASKS"), (8, "$SLURM_STEP_TASKS_PER_NODE"))
     # torchrun inside one srun task per node states its own node size; a bare torchrun job is one node
     torchrun = {**hook, "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS": "8"}
     assert read_env(torchrun).local_world_size == 2 and launcher_layout(torchrun)[1] == (2, "$LOCAL_WORLD_SIZE")
     assert read_env({"RANK": "0", "WORLD_SIZE": "4", "SLURM_NTASKS": "1"}).local_world_size == 4
+
+
+def test_the_steps_own_tasks_per_node_and_this_nodes_entry():
+    """SLURM_NTASKS_PER_NODE may be the allocation's (sbatch --ntasks-per-node=4), inherited by a step launched with
+    another layout; the step's SLURM_STEP_TASKS_PER_NODE says what this step runs, one entry per node."""
+    from bert.dist.slurm import tasks_per_node
+
+    step = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}
+    assert read_env(step).local_world_size == 8 and launcher_layout(step)[1] == (8, "$SLURM_STEP_TASKS_PER_NODE")
+    uneven = {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1"}
+    assert [tasks_per_node({**uneven, "SLURM_NODEID": str(n)}) for n in range(4)] == \
+        [(2, "SLURM_STEP_TASKS_PER_NODE")] * 3 + [(1, "SLURM_STEP_TASKS_PER_NODE")]
+    assert tasks_per_node({"SLURM_STEP_TASKS_PER_NODE": "eight"}) is None and tasks_per_node({}) is None
 
 
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[07,09-10]", "gpu07"),

@@ -8,13 +8,14 @@ A job that is neither is a single process.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from bert.dist.slurm import first_slurm_host, tasks_per_node
 
 DEFAULT_PORT = 29500
 
@@ -37,25 +38,16 @@ class DistEnv:
         return self.world_size > 1
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu[03-05,7],cpu1' -> 'gpu03', 'rack[1-2]-n[01-04]' -> 'rack1-n01'."""
-    head = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())  # up to the first comma outside brackets
-    if not head:
-        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], head.group(0))
-
-
-def slurm_tasks_per_node(environ: Mapping[str, str]) -> int | None:
-    """This node's task count in a Slurm step ('4(x2)' or '4,3' in SLURM_STEP_TASKS_PER_NODE), None outside one."""
-    per_node = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_STEP_TASKS_PER_NODE") or ""
-    return int(per_node.split("(")[0].split(",")[0]) if per_node else None
-
-
 def _int(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(environ[name])
     except ValueError:
         raise ValueError(f"${name}={environ[name]!r} is not an integer") from None
+
+
+def slurm_tasks(environ: Mapping[str, str]) -> int | None:
+    found = tasks_per_node(environ)
+    return found[0] if found else None
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -68,13 +60,13 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_world = _int(environ, "LOCAL_WORLD_SIZE")
         elif environ.get("SLURM_NTASKS") == environ["WORLD_SIZE"]:
             # srun's variables translated to torchrun's (enroot's PyTorch hook, a site's wrapper) leave this one out
-            local_world = slurm_tasks_per_node(environ) or world
+            local_world = slurm_tasks(environ) or world
         else:
             local_world = world
         return DistEnv(_int(environ, "RANK"), world, _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
                        local_world, environ.get("MASTER_ADDR", "localhost"), port)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        local_world = slurm_tasks_per_node(environ) or _int(environ, "SLURM_NTASKS")
+        local_world = slurm_tasks(environ) or _int(environ, "SLURM_NTASKS")
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         addr = environ.get("MASTER_ADDR") or (first_slurm_host(nodelist) if nodelist else "localhost")
         return DistEnv(_int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS"),

@@ -58,8 +58,10 @@ def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     group key from the checkpoint, so a fused AdamW step would come back foreach + capturable after a checkpoint of a
     compiled step (and lose the fp16 overflow skip on the device: a host sync per step), or fused inside a compiled
     step (an opaque kernel, nothing fused around it)."""
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+        return state_dict  # torch's own check refuses it, naming the counts
     groups = [{**saved, **{k: live[k] for k in IMPLEMENTATION_KEYS if k in live}}
-              for saved, live in zip(state_dict["param_groups"], optimizer.param_groups)]
+              for saved, live in zip(state_dict["param_groups"], optimizer.param_groups, strict=True)]
     return {**state_dict, "param_groups": groups}
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bert.dist.env import barrier
@@ -46,14 +47,14 @@ def _to_disk(path: Path) -> None:
 
 def _rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a run on a GPU (DEVICE=cpu on a GPU node makes no CUDA context for it)
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -67,18 +68,20 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
     barrier()
     states = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in rank_parts.items()}
     written = [where / f"rank_{rank:05d}.pt"]
-    torch.save({**states, "rng": _rng_state()}, written[0])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    torch.save({**states, "rng": _rng_state(), "world_size": world}, written[0])
     # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
     shared = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
     if rank == 0:
         with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters, not the bf16 copy
             save_weights(model, where / "model.safetensors")
         torch.save(shared, where / "train_state.pt")
-        written += [where / "model.safetensors", where / "train_state.pt", where]
+        written += [where / "model.safetensors", where / "train_state.pt"]
     for path in written:
         _to_disk(path)
     barrier()
     if rank == 0:
+        _to_disk(where)  # every rank's entry is in it now
         tmp = root / f".{LATEST}.tmp"
         tmp.write_text(where.name)
         _to_disk(tmp)
@@ -105,12 +108,16 @@ def on_device(device: torch.device) -> Callable[[Any, str], Any]:
 def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: int,
                     rank_parts: dict[str, Any]) -> dict[str, Any]:
     """Restore every stateful part in place; returns the plain (non-stateful) shared values."""
-    mine = where / f"rank_{rank:05d}.pt"
+    mine, first = where / f"rank_{rank:05d}.pt", where / "rank_00000.pt"
     # A rank the saving job did not have (a job continued on more GPUs) takes rank 0's per-rank parts (the loader's
     # state: where the whole job was, from which it finds this rank's next batch) and keeps its own seeded RNG.
     grown = not mine.is_file()
-    if grown and not (where / "rank_00000.pt").is_file():
-        raise FileNotFoundError(f"{where}: no rank_00000.pt, so not a whole checkpoint")
+    if grown:
+        if not first.is_file():
+            raise FileNotFoundError(f"{where}: no rank_00000.pt, so not a whole checkpoint")
+        saved_world = torch.load(first, weights_only=False).get("world_size", len(list(where.glob("rank_*.pt"))))
+        if rank < saved_world:
+            raise FileNotFoundError(f"{mine} is missing from a checkpoint of {saved_world} ranks")
     with fp32_weights(parts.get("optimizer")):
         load_weights(model, where / "model.safetensors")
     # rank 0 wrote it from its own GPU: onto this rank's device, not every rank onto cuda:0 (a context and a copy of
@@ -123,7 +130,7 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
             parts[key].load_state_dict(state)
         else:
             values[key] = state
-    own = torch.load(where / "rank_00000.pt" if grown else mine, weights_only=False)
+    own = torch.load(first if grown else mine, weights_only=False)
     for key, part in rank_parts.items():
         part.load_state_dict(own[key])
     if not grown:

@@ -84,7 +84,8 @@ def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractConte
     """Run forward and backward on `batch` in train mode; returns the seconds it took. `model` may be the data-parallel
     wrapper: its `no_sync` keeps the backward to this rank (no hook, no collective)."""
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    device = batch.input_ids.device
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None  # this rank's GPU alone
     was_training = model.training
     model.train()
     start = time.perf_counter()
@@ -100,7 +101,7 @@ def warm_up(model: nn.Module, batch: Batch, autocast: Callable[[], AbstractConte
     model.train(was_training)
     torch.set_rng_state(cpu_rng)
     if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
+        torch.cuda.set_rng_state(cuda_rng, device)
     return seconds
 
 
