@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"driver: {args.config} on {args.gpus} process(es), {args.warmup_steps} warm-up + {args.window_steps} "
           f"window steps; log {out / 'driver.log'}", flush=True)
     start = time.perf_counter()
+    stopped = False  # SIGTERM (bench/cuda_session.sh's step limit): report what the window has, within its 10 s
+    previous = signal.signal(signal.SIGTERM, _stop)
     with open(out / "driver.log", "w") as log:
         try:
             driver = subprocess.run(["bash", str(ROOT / "run_and_time.sh")], cwd=ROOT, env=env, stdout=log,
@@ -278,29 +281,51 @@ def main(argv: list[str] | None = None) -> int:
             returncode = driver.returncode
         except subprocess.TimeoutExpired:
             returncode = None
-    driver_wall = time.perf_counter() - start
-    matmul_after = matmul_rate(args.device)
+        except Stopped:
+            returncode, stopped = None, True
+    try:
+        return _report(args, env, out, returncode, stopped, time.perf_counter() - start, matmul_before, load_before)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _report(args: argparse.Namespace, env: dict[str, str], out: Path, returncode: int | None, stopped: bool,
+            driver_wall: float, matmul_before: float, load_before: tuple[float, float, float]) -> int:
+    """The window's figures from the driver's records, the bench step beside them, the JSON: 0 when the driver ended
+    as a bounded run does, 1 otherwise (with a JSON all the same when its window was complete)."""
+    matmul_after = matmul_before if stopped else matmul_rate(args.device)
     status = run_stop_status(out / "result.txt")
-    if returncode != 1 or status != "aborted":
+    intended = returncode == 1 and status == "aborted"
+    if not intended:
         tail = (out / "driver.log").read_text().splitlines()[-15:]
         print("\n".join(tail), file=sys.stderr)
         print(f"bench/train_gpu.py: the driver ended with exit status {returncode} and run_stop {status!r}; a bounded "
               f"run ends 1 / 'aborted' at MAX_STEPS (log: {out / 'driver.log'})", file=sys.stderr)
-        return 1
-    records = [json.loads(line) for line in (out / "output" / "metrics.jsonl").read_text().splitlines()]
+    metrics = out / "output" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     matmul = (matmul_before + matmul_after) / 2
     last = args.warmup_steps + args.window_steps
+    intervals = window(records, args.warmup_steps, args.log_freq, last)
     try:
-        driver_stats = summarise(window(records, args.warmup_steps, args.log_freq, last), args.gpus, matmul)
+        if not intended and not any(r["step"] == last for r in intervals):
+            raise ValueError(f"the window (to step {last}) is incomplete")
+        driver_stats = summarise(intervals, args.gpus, matmul)
     except ValueError as e:
         print(f"bench/train_gpu.py: {e} ({out / 'driver.log'})", file=sys.stderr)
         return 1
-    bench = bench_step(env, args.device, args.bench_repeats, args.seed) if args.bench_repeats else None
+    # a driver that failed after its window (in the profiled steps: a crash, the step's time limit) still measured it
+    bench = None
+    if args.bench_repeats and intended:
+        try:
+            bench = bench_step(env, args.device, args.bench_repeats, args.seed)
+        except Stopped:  # the step's limit during the bench step: the driver's figures still go out
+            print("bench/train_gpu.py: stopped during the bench step; reporting the driver alone", file=sys.stderr)
     report = {
         "device": device_name(args.device), "torch": torch.__version__, "config": str(args.config),
         "gpus": args.gpus, "driver_env": driver_settings(env),
         "driver_status": f"aborted at MAX_STEPS={env['MAX_STEPS']} (exit status 1), as intended: "
-                         f"TARGET_MLM_ACCURACY={OUT_OF_REACH} is out of reach and no eval runs; not a result",
+                         f"TARGET_MLM_ACCURACY={OUT_OF_REACH} is out of reach and no eval runs; not a result"
+                         if intended else f"failed after its window: {_failure(returncode, status, stopped, out)}",
         "warmup_steps": args.warmup_steps, "window_steps": args.window_steps, "log_freq": args.log_freq,
         "driver_wall_s": driver_wall, "matmul_flops_per_s": {"before": matmul_before, "after": matmul_after},
         "load_average_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
@@ -313,7 +338,23 @@ def main(argv: list[str] | None = None) -> int:
                                           if "compiled_after_run_start" in r), None),
     }
     write_report(report, args.json)
-    return 0
+    return 0 if intended else 1
+
+
+class Stopped(Exception):
+    """SIGTERM reached the benchmark (its step's time limit)."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped
+
+
+def _failure(returncode: int | None, status: str | None, stopped: bool, out: Path) -> str:
+    """How a driver that measured its window ended: the step's limit, or its status and first error line."""
+    if stopped:
+        return "stopped by the step's time limit (SIGTERM)"
+    errors = [line for line in (out / "driver.log").read_text().splitlines() if line.startswith("error: ")]
+    return f"exit status {returncode}, run_stop {status!r}" + (f": {errors[0]}" if errors else "")
 
 
 def read_profile(path: Path) -> dict | None:

@@ -122,15 +122,21 @@ def test_a_window_of_matmuls_and_a_layer_norm_is_measured_as_that_work(tmp_path,
 def test_device_records_are_the_training_threads_operators_or_the_devices_kernels():
     """What `device_records` keeps of a profile's events, on hand-made events: on the CPU the training thread's
     synchronous operators by self time (the step marker, other threads and async spans left out: a prefetch thread's
-    collation would count a second core as busy); on a GPU the device's kernels by duration, and no host operator."""
-    def event(name, device, thread=1, is_async=False, self_us=0.0, us=0.0):
+    collation would count a second core as busy); on a GPU the device's kernels by duration, and no host operator
+    and no annotation range (torch's own device totals leave those out: profiler_util.py, pytorch/pytorch#130732)."""
+    def event(name, device, thread=1, is_async=False, self_us=0.0, us=0.0, annotation=False):
         return SimpleNamespace(name=name, device_type=device, thread=thread, is_async=is_async,
-                               self_cpu_time_total=self_us, time_range=SimpleNamespace(elapsed_us=lambda: us))
+                               self_cpu_time_total=self_us, time_range=SimpleNamespace(elapsed_us=lambda: us),
+                               is_user_annotation=annotation)
 
     events = [event(WINDOW, DeviceType.CPU, self_us=5), event("aten::mm", DeviceType.CPU, self_us=40),
               event("aten::cat", DeviceType.CPU, thread=2, self_us=30), event("aten::mm", DeviceType.CPU, self_us=2),
               event("gloo:all_reduce", DeviceType.CPU, is_async=True, self_us=9),
-              event("nvjet_x", DeviceType.CUDA, thread=0, us=7.5), event("Memset (Device)", DeviceType.CUDA, us=0.5)]
+              event("nvjet_x", DeviceType.CUDA, thread=0, us=7.5), event("Memset (Device)", DeviceType.CUDA, us=0.5),
+              # a record_function range (the step marker, Optimizer.step#..., a compiled region) also arrives as a CUDA
+              # event spanning the kernels it launched (is_user_annotation): counted, the busy time came out doubled
+              event(WINDOW, DeviceType.CUDA, us=9.0, annotation=True),
+              event("Optimizer.step#Lamb.step", DeviceType.CUDA, us=3.0, annotation=True)]
     assert list(device_records(events, torch.device("cpu"), thread=1)) == [Timed("aten::mm", 40), Timed("aten::mm", 2)]
     assert list(device_records(events, torch.device("cuda"), thread=1)) == [Timed("nvjet_x", 7.5),
                                                                             Timed("Memset (Device)", 0.5)]

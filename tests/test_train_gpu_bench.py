@@ -170,3 +170,40 @@ def test_the_median_interval_rate_is_the_middle_one_per_gpu():
     assert stats["samples_per_s_per_gpu_median"] == 2.5
     assert (stats["samples_per_s_per_gpu_min"], stats["samples_per_s_per_gpu_max"]) == (2.0, 4.0)
     assert stats["samples_per_s_per_gpu"] == pytest.approx(240 / (10 + 20 + 16) / 2)
+
+
+@pytest.mark.parametrize("ending", ["crash", "limit", "early"])
+def test_a_driver_that_fails_after_its_window_still_reports_it(random_shards, tmp_path, monkeypatch, ending):
+    """The profiled steps come after the window: a crash there (exit 139 inside CUPTI or a graph replay) or the device
+    call's step limit (SIGTERM to the benchmark) used to lose the whole measurement. Now the JSON is written from the
+    window, with how the driver ended, and the benchmark still exits 1; a window the driver did not finish is not
+    reported."""
+    out, report = tmp_path / "run", tmp_path / "report.json"
+    args = ["--config", str(ROOT / "config_CPU_1x2.sh"), "--gpus", "2", "--data", str(random_shards), "--warmup-steps",
+            "5", "--window-steps", "15", "--log-freq", "5", "--keep", str(out), "--json", str(report)]
+
+    real_run = bench.subprocess.run
+
+    def driver(command, *rest, **kw):
+        if not str(command[-1]).endswith("run_and_time.sh"):  # sourcing the config
+            return real_run(command, *rest, **kw)
+        lines = metrics_lines() if ending != "early" else metrics_lines()[:2]
+        (out / "output").mkdir(parents=True, exist_ok=True)
+        (out / "output" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (out / "driver.log").write_text("step 20\nerror: rank 0: CUDA error: an illegal memory access\n")
+        if ending == "limit":
+            raise bench.Stopped
+        return bench.subprocess.CompletedProcess([], 139)
+
+    monkeypatch.setattr(bench.subprocess, "run", driver)
+    monkeypatch.setattr(bench, "matmul_rate", lambda device: 1e11)
+    assert bench.main(args) == 1
+    if ending == "early":
+        assert not report.exists()
+        return
+    written = json.loads(report.read_text())
+    assert written["driver"]["samples_per_s_per_gpu"] == pytest.approx(240 / 46 / 2, rel=1e-3)
+    assert written["bench"] is None
+    assert written["driver_status"] == ("failed after its window: stopped by the step's time limit (SIGTERM)"
+                                        if ending == "limit" else "failed after its window: exit status 139, run_stop "
+                                        "None: error: rank 0: CUDA error: an illegal memory access")

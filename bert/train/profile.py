@@ -99,8 +99,8 @@ def device_records(events: Iterable, device: torch.device, thread: int | None) -
     """On a GPU every kernel, copy and memset the device ran; on a CPU the operators of the training thread
     (`thread`), each by its self time (a parent's time is its children's, counted there)."""
     for e in events:
-        if device.type == "cuda":
-            if e.device_type == DeviceType.CUDA:
+        if device.type == "cuda":  # kernels, copies and memsets; not record_function ranges mirrored on the device
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
                 yield Timed(e.name, e.time_range.elapsed_us())
         elif e.device_type == DeviceType.CPU and not e.is_async and e.thread == thread and e.name != WINDOW:
             yield Timed(e.name, e.self_cpu_time_total)
@@ -188,6 +188,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the window's peak, not the warm-up's or the compile's
         self._counters = compile_counters()
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
