@@ -101,4 +101,6 @@ def cuda_sync_warnings() -> Iterator[list[str]]:
             yield found
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    found.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+    # torch's message names its own C++ line; where the Python call was is the warning's location
+    found.extend(f"{str(w.message).splitlines()[0].split(' (Triggered')[0]} at {w.filename}:{w.lineno}"
+                 for w in caught if "synchroniz" in str(w.message))
