@@ -273,9 +273,9 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 
 def _count(environ: Mapping[str, str], name: str) -> int | None:
-    """A positive count from the launcher ('4(x2)', Slurm's tasks per node, counts as 4); None if absent or
-    malformed (the launcher scripts report those)."""
-    digits = environ.get(name, "").split("(")[0].split(",")[0].strip()
+    """A positive count from the launcher; None if absent or malformed (the launcher scripts report those).
+    (Slurm's per-node lists are bert.dist.slurm's.)"""
+    digits = environ.get(name, "").strip()
     return int(digits) if digits.isdigit() and int(digits) > 0 else None
 
 

@@ -75,21 +75,21 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "localhost", port)
 
 
-def require_gpu() -> None:
-    """DEVICE=cuda: a ValueError in one line when torch sees no GPU, rather than a GPU config crawling on the CPU."""
-    if not torch.cuda.is_available():
+def device_type(want: str) -> str:
+    """"cuda" or "cpu" for DEVICE=`want` on this node (the driver's choice and its pre-launch check's). DEVICE=cuda
+    without a GPU is a ValueError in one line, rather than a GPU config crawling on the CPU."""
+    if want == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise ValueError(f"DEVICE=cuda, but torch {torch.__version__} ({build}) sees no GPU on this node: ask Slurm "
                          "for the node's GPUs (--gpus-per-node where they are a gres) and run the image's torch, or "
                          "set DEVICE=auto to train on the CPU")
+    return "cuda" if want != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def compute_device(env: DistEnv, want: str = "auto") -> torch.device:
     """One GPU per local rank when there are GPUs (`want`: auto or cuda), else the CPU, its cores shared among the
     local ranks."""
-    if want == "cuda":
-        require_gpu()
-    if want != "cpu" and torch.cuda.is_available():
+    if device_type(want) == "cuda":
         gpus = torch.cuda.device_count()
         if gpus > 1 and env.local_rank >= gpus:  # one GPU visible per task (srun --gpus-per-task=1) is GPU 0 for all
             raise ValueError(f"local rank {env.local_rank} has no GPU of its own: this node shows {gpus} GPUs "

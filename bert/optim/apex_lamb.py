@@ -35,7 +35,7 @@ def apex_lamb(groups: list[dict], betas: tuple[float, float], eps: float) -> tor
 
 @functools.cache
 def adapted(fused_lamb: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """A subclass of apex's class that takes a host LR and torch's `zero_grad`."""
+    """A subclass of apex's class that takes a host LR, torch's `zero_grad` and our LAMB's checkpoint layout."""
 
     class ApexLamb(fused_lamb):
         host_lr = True  # bert.optim.schedule writes lr(k) into the groups as a float

@@ -8,8 +8,9 @@
 
 `latest` is written by rank 0 after a barrier, so a job killed mid-save leaves the previous
 checkpoint as the one to resume from. Every file is flushed to disk (fsync) by its writer before that barrier,
-and the pointer before and after its rename: on Lustre `close()` leaves data in the page cache while a rename
-is committed at once, so a node lost after the rename would otherwise leave `latest` naming truncated files.
+then by rank 0 the folder (every rank's entry) and the pointer, before and after its rename: on Lustre `close()`
+leaves data in the page cache while a rename is committed at once, so a node lost after the rename would
+otherwise leave `latest` naming truncated files.
 A rank the saving job did not have (a job continued on more GPUs) takes rank 0's loader state and keeps its RNG.
 """
 
@@ -112,12 +113,12 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
     # A rank the saving job did not have (a job continued on more GPUs) takes rank 0's per-rank parts (the loader's
     # state: where the whole job was, from which it finds this rank's next batch) and keeps its own seeded RNG.
     grown = not mine.is_file()
-    if grown:
-        if not first.is_file():
-            raise FileNotFoundError(f"{where}: no rank_00000.pt, so not a whole checkpoint")
-        saved_world = torch.load(first, weights_only=False).get("world_size", len(list(where.glob("rank_*.pt"))))
-        if rank < saved_world:
-            raise FileNotFoundError(f"{mine} is missing from a checkpoint of {saved_world} ranks")
+    if grown and not first.is_file():
+        raise FileNotFoundError(f"{where}: no rank_00000.pt, so not a whole checkpoint")
+    own = torch.load(first if grown else mine, weights_only=False)
+    saved_world = own.get("world_size", len(list(where.glob("rank_*.pt"))))
+    if grown and rank < saved_world:
+        raise FileNotFoundError(f"{mine} is missing from a checkpoint of {saved_world} ranks")
     with fp32_weights(parts.get("optimizer")):
         load_weights(model, where / "model.safetensors")
     # rank 0 wrote it from its own GPU: onto this rank's device, not every rank onto cuda:0 (a context and a copy of
@@ -130,7 +131,6 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
             parts[key].load_state_dict(state)
         else:
             values[key] = state
-    own = torch.load(first if grown else mine, weights_only=False)
     for key, part in rank_parts.items():
         part.load_state_dict(own[key])
     if not grown:

@@ -50,14 +50,12 @@ def check_device(cfg: TrainConfig) -> None:
         return
     import torch
 
-    from bert.dist.env import require_gpu
+    from bert.dist.env import device_type
     from bert.model.attention import check_attention
     from bert.model.compile import check_compile
     from bert.model.fp8 import check_fp8
 
-    if cfg.run.device == "cuda":
-        require_gpu()
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
+    device = torch.device(device_type(cfg.run.device))
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device)
     check_attention(cfg.model.attention, device)
