@@ -21,7 +21,9 @@ from bert.train.profile import (
     WINDOW,
     StepProfiler,
     Timed,
+    covered_us,
     device_records,
+    format_table,
     kind_of,
     short_name,
     summarize,
@@ -98,6 +100,22 @@ def test_summary_is_per_step_and_leaves_overlapping_communication_out_of_the_bus
     assert [t["name"] for t in s["top"]][:2] == ["nvjet_a", "ncclDevKernel_AllReduce"]
 
 
+def test_kernels_overlapping_on_streams_count_once_in_the_busy_time():
+    """Busy time is the union of the kernels' intervals (grouped attention's streams overlap on a GPU); the kinds'
+    shares stay of the summed kernel time, and communication stays out of both."""
+    records = [Timed("nvjet_a", 3000, start_us=0), Timed("flash_fwd_kernel", 2000, start_us=1000),  # 1-3 ms overlap
+               Timed("flash_fwd_kernel", 500, start_us=1500),  # inside both
+               Timed("ncclDevKernel_AllReduce", 5000, start_us=3000),  # would fill the gap if counted
+               Timed("nvjet_a", 1000, start_us=6000)]
+    s = summarize(records, steps=1, wall_s=0.008)
+    assert s["busy_ms_per_step"] == pytest.approx(4.0) and s["kernel_ms_per_step"] == pytest.approx(6.5)
+    assert s["busy_share"] == pytest.approx(0.5)
+    assert {k["kind"]: k["share"] for k in s["kinds"]}["gemm"] == pytest.approx(4 / 6.5)
+    assert "kernels 6.5 ms overlapping" in format_table({**s, "first": 1, "last": 1, "device": "cuda"})
+    assert covered_us([(5, 6), (0, 2), (1, 3), (2.5, 2.7)]) == pytest.approx(4.0)
+    assert covered_us([]) == 0.0
+
+
 def test_a_window_of_matmuls_and_a_layer_norm_is_measured_as_that_work(tmp_path, one_thread):
     """Known work on the CPU: the summary attributes it to its kinds, counts the calls, and the busy time stays
     within the wall time it was measured in."""
@@ -126,7 +144,8 @@ def test_device_records_are_the_training_threads_operators_or_the_devices_kernel
     and no annotation range (torch's own device totals leave those out: profiler_util.py, pytorch/pytorch#130732)."""
     def event(name, device, thread=1, is_async=False, self_us=0.0, us=0.0, annotation=False):
         return SimpleNamespace(name=name, device_type=device, thread=thread, is_async=is_async,
-                               self_cpu_time_total=self_us, time_range=SimpleNamespace(elapsed_us=lambda: us),
+                               self_cpu_time_total=self_us,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us, start=100.0 * len(name)),
                                is_user_annotation=annotation)
 
     events = [event(WINDOW, DeviceType.CPU, self_us=5), event("aten::mm", DeviceType.CPU, self_us=40),
@@ -138,8 +157,8 @@ def test_device_records_are_the_training_threads_operators_or_the_devices_kernel
               event(WINDOW, DeviceType.CUDA, us=9.0, annotation=True),
               event("Optimizer.step#Lamb.step", DeviceType.CUDA, us=3.0, annotation=True)]
     assert list(device_records(events, torch.device("cpu"), thread=1)) == [Timed("aten::mm", 40), Timed("aten::mm", 2)]
-    assert list(device_records(events, torch.device("cuda"), thread=1)) == [Timed("nvjet_x", 7.5),
-                                                                            Timed("Memset (Device)", 0.5)]
+    assert list(device_records(events, torch.device("cuda"), thread=1)) == [Timed("nvjet_x", 7.5, 700.0),
+                                                                            Timed("Memset (Device)", 0.5, 1500.0)]
 
 
 @pytest.fixture(scope="module")

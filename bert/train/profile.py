@@ -72,27 +72,47 @@ def short_name(name: str, width: int = 110) -> str:
 class Timed:
     name: str
     us: float  # microseconds on the device (a kernel's duration), or an operator's own CPU time
+    start_us: float | None = None  # a kernel's start on the device's clock; None for a CPU operator's self time
+
+
+def covered_us(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
     """The window's time per kind and its top kernels, per step; `busy_share` is compute (communication left
-    out: it overlaps on its own stream) over wall time."""
+    out: it overlaps on its own stream) over wall time, where compute is the union of the kernels' intervals when
+    they have a start (on a GPU: streams overlap), else the sum of the times (one CPU thread's self times).
+    Each kind's `share` is of the summed compute time."""
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans: list[tuple[float, float]] = []
+    timed = True  # every compute record has a start
     for r in records:
         kind = kind_of(r.name)
         for table, key in ((by_kind, kind), (by_name, (short_name(r.name), kind))):
             table[key][0] += r.us
             table[key][1] += 1
-    compute_ms = sum(us for kind, (us, _) in by_kind.items() if kind != COMMUNICATION) / 1e3 / steps
+        if kind != COMMUNICATION:
+            timed = timed and r.start_us is not None
+            if timed:
+                spans.append((r.start_us, r.start_us + r.us))
+    summed_ms = sum(us for kind, (us, _) in by_kind.items() if kind != COMMUNICATION) / 1e3 / steps
+    busy_ms = covered_us(spans) / 1e3 / steps if timed else summed_ms
     wall_ms = wall_s * 1e3 / steps
     kinds = [{"kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps,
-              "share": us / 1e3 / steps / compute_ms if compute_ms else 0.0}
+              "share": us / 1e3 / steps / summed_ms if summed_ms else 0.0}
              for kind, (us, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])]
     top = [{"name": name, "kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps}
            for (name, kind), (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP]]
-    return {"steps": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": compute_ms,
-            "busy_share": compute_ms / wall_ms if wall_ms else 0.0, "kinds": kinds, "top": top}
+    return {"steps": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms, "kernel_ms_per_step": summed_ms,
+            "busy_share": busy_ms / wall_ms if wall_ms else 0.0, "kinds": kinds, "top": top}
 
 
 def device_records(events: Iterable, device: torch.device, thread: int | None) -> Iterator[Timed]:
@@ -101,7 +121,7 @@ def device_records(events: Iterable, device: torch.device, thread: int | None) -
     for e in events:
         if device.type == "cuda":  # kernels, copies and memsets; not record_function ranges mirrored on the device
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-                yield Timed(e.name, e.time_range.elapsed_us())
+                yield Timed(e.name, e.time_range.elapsed_us(), e.time_range.start)
         elif e.device_type == DeviceType.CPU and not e.is_async and e.thread == thread and e.name != WINDOW:
             yield Timed(e.name, e.self_cpu_time_total)
 
@@ -134,8 +154,8 @@ def compile_report(before: dict | None, after: dict | None) -> dict | None:
 def format_table(summary: dict) -> str:
     lines = [f"profile: steps {summary['first']}-{summary['last']} on {summary['device']}: "
              f"{summary['wall_ms_per_step']:.1f} ms per step, device busy {summary['busy_ms_per_step']:.1f} ms "
-             f"({summary['busy_share']:.0%})" + (f", peak memory {summary['peak_memory_gib']:.1f} GiB"
-                                                 if summary.get("peak_memory_gib") else ""),
+             f"({summary['busy_share']:.0%})" + overlap_note(summary)
+             + (f", peak memory {summary['peak_memory_gib']:.1f} GiB" if summary.get("peak_memory_gib") else ""),
              f"  {'kind':<22}{'ms/step':>9}{'share':>8}{'calls/step':>12}"]
     lines += [f"  {k['kind']:<22}{k['ms_per_step']:>9.2f}{k['share']:>8.1%}{k['calls_per_step']:>12.0f}"
               for k in summary["kinds"]]
@@ -149,6 +169,12 @@ def format_table(summary: dict) -> str:
                      + "".join(f"; {n} x {reason}" for reason, n in list(compiled["graph_break_reasons"].items())[:3]))
         lines.append("  compile in the window: " + moved_counters(compiled["in_window"]))
     return "\n".join(lines)
+
+
+def overlap_note(summary: dict) -> str:
+    """The summed kernel time where kernels overlapped (streams), beside the busy time that counts them once."""
+    summed = summary.get("kernel_ms_per_step", 0.0)
+    return f", kernels {summed:.1f} ms overlapping" if summed > 1.01 * summary["busy_ms_per_step"] else ""
 
 
 def moved_counters(moved: dict[str, dict[str, int]]) -> str:
