@@ -87,6 +87,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
                       "(a run result is one contiguous timed run)", flush=True)
         record_run(run, device)
         compile_before_run(run, log, device)  # untimed: the rules' initialisation ends at init_stop
+        run.loader.plan_ahead()  # after resume: the epoch of the step it continues at
     except (FileNotFoundError, ValueError) as e:  # bad paths or data: name the culprit
         report(env.rank, e)
         return 2

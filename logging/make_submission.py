@@ -44,6 +44,12 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def _sockets() -> str:
+    ids = {line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+           if line.startswith("physical id")} if Path("/proc/cpuinfo").exists() else set()
+    return str(len(ids) or 1)
+
+
 def _memory() -> str:
     kib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1024
     return f"{kib // 2**20} GB"
@@ -56,8 +62,15 @@ def _os_name() -> str:
     return pretty[0].split("=", 1)[1].strip('"') if pretty else platform.platform()
 
 
+# Read from the machine that runs this script, which need not be the system that produced the logs.
+HOST_FIELDS = ("host_processors_per_node", "host_processor_model_name", "host_processor_core_count",
+               "host_processor_vcpu_count", "host_memory_capacity", "framework", "other_software_stack",
+               "operating_system")
+
+
 def describe_system(args: argparse.Namespace, division: str) -> dict[str, str]:
-    """The 33 fields the 5.0.0 system-description checker requires, filled from this host where it can."""
+    """The 33 fields the 5.0.0 system-description checker requires, filled from this host where it can
+    (`HOST_FIELDS`)."""
     import torch  # only for its version string
 
     cores = str(os.cpu_count() or "")
@@ -69,7 +82,8 @@ def describe_system(args: argparse.Namespace, division: str) -> dict[str, str]:
         "accelerator_interconnect_topology", "cooling", "hw_notes", "sw_notes")}
     desc.update({
         "submitter": args.org, "division": division, "status": args.status, "system_name": args.system,
-        "number_of_nodes": str(args.nodes), "host_processors_per_node": "1", "host_processor_model_name": _cpu_model(),
+        "number_of_nodes": str(args.nodes), "host_processors_per_node": _sockets(),
+        "host_processor_model_name": _cpu_model(),
         "host_processor_core_count": cores, "host_processor_vcpu_count": cores, "host_memory_capacity": _memory(),
         "accelerators_per_node": str(args.accelerators_per_node), "accelerator_model_name": args.accelerator,
         "framework": f"PyTorch {torch.__version__}", "other_software_stack": f"Python {platform.python_version()}",
@@ -94,8 +108,13 @@ def build(args: argparse.Namespace) -> Path:
         raise SystemExit(f"make_submission: the logs disagree on or lack submission_division: {sorted(divisions)}")
     (org / "systems").mkdir(parents=True)
     system = describe_system(args, divisions.pop())
-    if args.system_json:
-        system.update(json.loads(args.system_json.read_text()))
+    given = json.loads(args.system_json.read_text()) if args.system_json else {}
+    system.update(given)
+    from_host = [field for field in HOST_FIELDS if field not in given]
+    if from_host:
+        print(f"make_submission: note: systems/{args.system}.json: {', '.join(from_host)} describe this machine "
+              f"({platform.node()}), which may not be the system that ran the logs; give them in --system-json",
+              file=sys.stderr)
     (org / "systems" / f"{args.system}.json").write_text(json.dumps(system, indent=2) + "\n")
     results = org / "results" / args.system / "bert"
     results.mkdir(parents=True)

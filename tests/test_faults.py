@@ -117,6 +117,18 @@ def test_stop_agreement_answers_a_step_late_for_a_wish_and_for_sigterm():
     stop.drain()
 
 
+def test_stop_reductions_are_spaced_so_a_long_ring_has_steps_to_arrive():
+    """At 1024 ranks gloo's ring takes 2046 hops for one flag: a reduction every 8 steps, each read 8 steps on; a
+    wish made between two reductions is kept for the next one (not lost)."""
+    from bert.train.faults import StopAgreement, stop_interval
+
+    assert [stop_interval(w) for w in (1, 8, 128, 129, 1024, 1368)] == [1, 1, 1, 2, 8, 11]
+    stop = StopAgreement(every=3)
+    assert [stop.poll(), stop.poll(True)] + [stop.poll() for _ in range(5)] == [False] * 6 + [True]
+    assert [stop.poll() for _ in range(3)] == [False] * 3  # the wish was sent once; the next reduction is clear
+    stop.drain()
+
+
 def test_non_finite_loss_aborts_without_loss_scaling(data, tmp_path):
     proc = driver(data, tmp_path, learning_rate=1e6, precision="fp32")  # the largest LR the config accepts
     output, _ = proc.communicate(timeout=120)

@@ -142,6 +142,28 @@ def test_resume_at_another_world_size_carries_the_sample_count(wiki_dir, capsys)
     ld.close()
 
 
+def test_plan_ahead_lays_out_the_epoch_before_the_first_batch_needs_it(wiki_dir, monkeypatch):
+    """The whole epoch's order (40 s per rank for phase 2 at 1024 ranks) is made by `plan_ahead` in the
+    initialisation, not by the first batch inside the timed run; after a resume, the epoch it continues in."""
+    import bert.data.plan as plan_module
+
+    laid_out = []
+    real = plan_module.lay_out_epoch
+    monkeypatch.setattr(plan_module, "lay_out_epoch", lambda *a, **k: laid_out.append(1) or real(*a, **k))
+    ld = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    ld.plan_ahead()
+    assert len(laid_out) == 1 and set(ld.plan._epochs) == {0}
+    take(ld, 3)  # steps 0-2 (and the prefetched ones) of epoch 0: nothing more laid out
+    assert len(laid_out) == 1
+    state = {**ld.state_dict(), "step": 13}  # 13 x 16 = 208 samples: epoch 1 (205 samples an epoch)
+    ld.close()
+    resumed = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
+    resumed.load_state_dict(state)
+    resumed.plan_ahead()
+    assert set(resumed.plan._epochs) == {1} and len(laid_out) == 2
+    resumed.close()
+
+
 def test_static_tokens_pads_in_the_loader_before_the_batch_leaves_the_thread(wiki_dir):
     plain = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10)
     padded = TrainLoader(wiki_dir, 8, 2, 1, 2, strategy="samsung", seed=3, shuffle_buffer=10, static_tokens=128)

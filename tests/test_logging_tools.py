@@ -180,6 +180,22 @@ def test_submission_at_the_reference_convergence_point(tmp_path):
     assert sorted(p.name for p in results.iterdir()) == sorted(f"result_{k}.txt" for k in range(10))
     assert all((results / f"result_{k}.txt").read_text() == log.read_text() for k, log in enumerate(logs))
     assert not list(org.rglob("scaling.json"))  # the checkers ran on a copy
+    assert "host_processor_model_name" in out.stderr and "describe this machine" in out.stderr
+
+
+def test_host_fields_given_in_the_system_json_replace_this_machines(tmp_path):
+    """The processor, memory and software fields are this machine's unless --system-json gives them (the script
+    may run on a login node, not the system that ran the logs); the note names the ones still taken from here."""
+    logs = ten_logs(tmp_path, evals=17)
+    given = {"host_processor_model_name": "AMD EPYC 7742", "host_processor_core_count": "64",
+             "host_processors_per_node": "2", "framework": "PyTorch NGC 25.12"}
+    (tmp_path / "system.json").write_text(json.dumps(given))
+    out = make_submission(logs, tmp_path / "sub", "--system-json", tmp_path / "system.json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    system = json.loads((tmp_path / "sub" / "TestOrg" / "systems" / "test_box.json").read_text())
+    assert {k: system[k] for k in given} == given
+    note = next(line for line in out.stderr.splitlines() if "describe this machine" in line)
+    assert "host_memory_capacity" in note and not any(k in note for k in given)
 
 
 def test_submission_converging_too_fast_needs_the_labelled_bypass(tmp_path):

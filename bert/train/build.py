@@ -11,6 +11,7 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bert.config import ModelConfig, TrainConfig
+from bert.data.index_agreement import check_index_agreement
 from bert.data.limits import SampleLimits
 from bert.data.manifest import check_data_for_division
 from bert.data.pipeline import EvalSet, TrainLoader
@@ -29,7 +30,7 @@ from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
 from bert.static_shapes import eval_token_bucket
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
-from bert.train.faults import StopAgreement
+from bert.train.faults import StopAgreement, stop_interval
 from bert.train.loop import Run
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.peak_flops import device_peak_flops
@@ -96,7 +97,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
     eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
                        static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
-    stop = StopAgreement(timedelta(seconds=cfg.dist.dist_timeout_s))
+    check_index_agreement(device, loader.plan.index, eval_set.index)  # node-local copies of the data must agree
+    stop = StopAgreement(timedelta(seconds=cfg.dist.dist_timeout_s), every=stop_interval(env.world_size))
     stop.install_signal_handlers()
     return Run(cfg, env, ddp, clipper, optimizer, schedule, scaler, loader, eval_set,
                autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log,

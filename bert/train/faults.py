@@ -2,7 +2,10 @@
 
 A stop must be agreed by all ranks at the same step, or the next collective would hang. Each
 rank's wish is summed by an allreduce on a CPU (gloo) group, so the GPU stream is never
-synchronised for it; the result of step t's allreduce is read at step t+1, hiding its latency.
+synchronised for it; the result of one allreduce is read when the next starts, hiding its latency.
+gloo sums a one-element tensor around a ring, 2 (W - 1) hops one after another (25-110 µs each
+between hosts), so at 1024 ranks one reduction outlasts a step: it is started every
+`stop_interval(W)` steps (1 up to 128 ranks), which gives it that many steps to arrive.
 """
 
 from __future__ import annotations
@@ -19,14 +22,26 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-class StopAgreement:
-    """`poll(wish)` starts the reduction of this step's wish and returns the previous step's verdict."""
+RANKS_PER_POLL_STEP = 128  # ring hops a reduction may take per step of latency (~10 ms at 40 µs a hop)
 
-    def __init__(self, timeout: timedelta | None = None):
+
+def stop_interval(world_size: int) -> int:
+    """Steps between two stop reductions: one more per 128 ranks, so the ring's latency stays hidden."""
+    return max(1, math.ceil(world_size / RANKS_PER_POLL_STEP))
+
+
+class StopAgreement:
+    """`poll(wish)`, called every step, starts a reduction of the wishes so far every `every` steps and returns
+    the verdict of the one before (False in between): every rank stops at the same step."""
+
+    def __init__(self, timeout: timedelta | None = None, every: int = 1):
         """`timeout`: its gloo group's (DIST_TIMEOUT); None leaves torch's 30 minutes."""
         self.signalled = False
+        self.every = every
         self._group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+        self._polls = 0
+        self._wished = False  # a wish between two reductions waits for the next
 
     def install_signal_handlers(self) -> None:
         """SIGTERM (Slurm pre-emption, scancel) asks for a checkpoint and a clean exit."""
@@ -36,13 +51,18 @@ class StopAgreement:
         self.signalled = True
 
     def poll(self, wish: bool = False) -> bool:
+        self._wished |= wish
+        self._polls += 1
+        if (self._polls - 1) % self.every:
+            return False
         verdict = False
         if self._pending is not None:
             flag, work = self._pending
             if work is not None:
                 work.wait()
             verdict = bool(flag.numpy()[0])  # host memory (numpy() refuses a device tensor): no device sync
-        flag = torch.tensor([int(wish or self.signalled)])
+        flag = torch.tensor([int(self._wished or self.signalled)])
+        self._wished = False
         work = dist.all_reduce(flag, group=self._group, async_op=True) if self._group is not None else None
         self._pending = (flag, work)
         return verdict
