@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bert.config import launcher_layout
 from bert.dist.env import DistEnv, first_slurm_host, read_env
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_variables():
@@ -106,3 +113,15 @@ def test_device_cuda_without_a_gpu_is_one_line_and_cpu_stays_on_the_cpu(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("DEVICE=cpu took a GPU"))
     assert compute_device(env, "cpu") == torch.device("cpu")
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_one_before_the_group():
+    """A world-wide gloo group holds a socket per rank (1024 at 128 nodes); a job started at a soft limit of 1024
+    would fail to create it. Checked in a child whose soft limit starts below its hard one."""
+    code = ("import resource; from bert.dist.env import raise_open_file_limit; "
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(64, hard), hard)); "
+            "got = raise_open_file_limit(); print(got == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "True", out.stderr
