@@ -23,6 +23,9 @@ export EVAL_ITER_SAMPLES=325000
 export MAX_SAMPLES_TERMINATION=5000000
 export LR_MAX_STEPS=179
 export END_LR=0.0000494549100544884
+# Clipping before the all-reduce was allowed in the closed division for v1.0 and v1.1, when Samsung submitted it;
+# since then the rules expect clipping after the reduction (no checker tests it): for a closed result under
+# today's rules, GRAD_CLIP=after.
 export GRAD_CLIP=bucket
 export BALANCE=samsung
 # 1024 ranks at 16 sequences each: the step is communication-bound. Hierarchical reduction (Herring [003] §III-A)

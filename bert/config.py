@@ -36,6 +36,8 @@ FP8_TOKEN_ALIGN = 16  # float8 weight-gradient GEMMs contract over the tokens (b
 DIVISIONS = ("closed", "open")
 DEVICES = ("auto", "cuda", "cpu")  # auto: the rank's GPU when torch sees one, else the CPU
 INT_LIMIT = 2**53  # beyond this a shell value like 1e30 cannot be a count of anything
+# ATTENTION backends whose attention shapes change with every batch's lengths, even under STATIC_TOKENS
+SHAPE_PER_BATCH_ATTENTION = ("grouped", "loop")
 
 
 def opt(default: Any, help: str, env: str | None = None, *, choices: tuple[str, ...] | None = None,
@@ -241,6 +243,13 @@ class TrainConfig:
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "layers", f"cannot be combined with COMPILE="
                               f"{self.model.compile} (CUDA graphs per layer overwrite each other's outputs in the "
                               "eval forward); set COMPILE_SCOPE=model")
+        if self.model.compile in graphs and self.model.attention in SHAPE_PER_BATCH_ATTENTION:
+            # their kernels' shapes are each group's rows x width or each sequence's length, which STATIC_TOKENS does
+            # not fix: a new recording almost every step. `auto` passes: varlen on CUDA, loop where no graph is recorded
+            raise ConfigError("attention", "ATTENTION", self.model.attention, f"cannot be combined with COMPILE="
+                              f"{self.model.compile} (its attention shapes follow each batch's lengths, which "
+                              "STATIC_TOKENS does not fix: a CUDA graph recorded almost every step); use "
+                              "ATTENTION=varlen or padded with STATIC_TOKENS, or COMPILE=default")
         if self.optim.compile_optimizer and self.optim.optimizer_sharding:
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "cannot be combined with "
                               "OPTIMIZER_SHARDING=1 (its step runs collectives)")

@@ -4,6 +4,8 @@
 
 Each IN_DIR/*.hdf5 becomes OUT_DIR/<same name>; existing outputs are kept (writes are atomic),
 and OUT_DIR/checksums.md5 lists them. A bad input shard is named and the exit status is 2.
+Each shard is converted a block of rows at a time (bert.data.format.VARLEN_BLOCK), so a worker's
+memory does not grow with the shard.
 """
 
 from __future__ import annotations

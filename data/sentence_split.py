@@ -64,5 +64,13 @@ def format_documents(documents: Iterable[list[str]]) -> str:
 
 
 def parse_documents(text: str) -> list[list[str]]:
-    """Inverse of `format_documents`."""
-    return [block.split("\n") for block in text.split("\n\n") if block.strip()]
+    """Documents of MLPerf-format text, read as Google's create_pretraining_data reads its input: each line is
+    stripped, an empty one ends the document, empty documents are dropped (the inverse of `format_documents`)."""
+    documents: list[list[str]] = [[]]
+    for line in text.split("\n"):  # "\n" only, as a file's readline(): not str.splitlines' other breaks
+        line = line.strip()
+        if line:
+            documents[-1].append(line)
+        elif documents[-1]:
+            documents.append([])
+    return [doc for doc in documents if doc]

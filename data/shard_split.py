@@ -2,7 +2,8 @@
 
 Shard k takes rows [k*T/N, (k+1)*T/N) of the parts read back to back, as NVIDIA's
 `chop_hdf5_files.py` balances shard sizes; each part's samples are already shuffled, and
-the online reader shuffles files and samples again.
+the online reader shuffles files and samples again. The eval set is picked at random, or, for
+MLPerf's own text, with the reference's `pick_eval_samples.py` stride.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bert.data.format import FixedShard, VarlenShard, write_varlength_shard
+from bert.batch import Sample
+from bert.data.format import FixedShard, VarlenShard, fixed_slices_to_varlength, write_varlength_shard
 
 MLPERF_NUM_SHARDS = 4320
 MIN_SAMPLES_PER_SHARD = 1024  # small corpora get fewer shards rather than tiny ones
+REFERENCE_EVAL_SAMPLES = 10_000
+EVAL_READ_BLOCK = 4096  # eval-part rows read at a time: only the picked ones are kept
 
 
 @dataclass(frozen=True)
@@ -62,20 +66,42 @@ def write_shard(job: ShardJob) -> int:
     if job.dst.exists():
         with VarlenShard(job.dst) as shard:
             return len(shard)
-    samples = []
-    for piece in job.pieces:
-        with FixedShard(piece.part) as part:
-            samples.extend(part.read(piece.start, piece.stop))
-    return write_varlength_shard(job.dst, samples)
+    return fixed_slices_to_varlength(job.dst, [(piece.part, piece.start, piece.stop) for piece in job.pieces])
 
 
-def write_eval_set(fixed_eval: Path, dst_dir: Path, wanted: int, seed: int) -> Path:
-    """Pick `wanted` samples (all if fewer) at random from the eval part into one varlength file."""
+def reference_pick(total: int, wanted: int) -> list[int]:
+    """The rows pick_eval_samples.py takes, in its order and float arithmetic: int(i * total / wanted)."""
+    ratio = total / wanted
+    return [int(i * ratio) for i in range(wanted)]
+
+
+def eval_file_name(n: int, reference: bool) -> str:
+    return "part_eval_10k.hdf5" if reference and n == REFERENCE_EVAL_SAMPLES else f"part_eval_{n}.hdf5"
+
+
+def _read_rows(part: FixedShard, rows: list[int]) -> list[Sample]:
+    """The samples at increasing `rows`, copied out of the blocks read, so no block stays in memory."""
+    picked, wanted = [], iter(rows)
+    row = next(wanted, None)
+    for start in range(0, len(part), EVAL_READ_BLOCK):
+        block = part.read(start, min(start + EVAL_READ_BLOCK, len(part)))
+        while row is not None and row < start + len(block):
+            s = block[row - start]
+            picked.append(Sample(*(np.array(x) for x in s[:4]), s.nsp_label))
+            row = next(wanted, None)
+    return picked
+
+
+def write_eval_set(fixed_eval: Path, dst_dir: Path, wanted: int, seed: int, reference: bool = False) -> Path:
+    """Pick `wanted` samples (all if fewer) from the eval part into one varlength file: at random, or with the
+    reference's stride (`reference`)."""
     with FixedShard(fixed_eval) as part:
         n = min(wanted, len(part))
-        dst = dst_dir / f"part_eval_{n}.hdf5"
+        dst = dst_dir / eval_file_name(n, reference)
         if not dst.exists():
-            picked = np.sort(np.random.default_rng(seed).choice(len(part), size=n, replace=False))
-            samples = part.read(0, len(part))
-            write_varlength_shard(dst, [samples[i] for i in picked])
+            if reference:
+                picked = reference_pick(len(part), n)
+            else:
+                picked = np.sort(np.random.default_rng(seed).choice(len(part), size=n, replace=False)).tolist()
+            write_varlength_shard(dst, _read_rows(part, picked))
     return dst

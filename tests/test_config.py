@@ -114,6 +114,29 @@ def test_bad_values_are_config_errors_naming_the_variable(env, culprit):
     assert culprit in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("graphs", ["reduce-overhead", "max-autotune"])
+@pytest.mark.parametrize("backend", ["grouped", "loop"])
+def test_attention_whose_shapes_follow_the_lengths_is_refused_under_cuda_graphs(graphs, backend):
+    """grouped's per-group rows x width and loop's per-sequence lengths change with every batch, STATIC_TOKENS or
+    not: a CUDA-graph mode would record a graph almost every step. One line naming both settings and what to use."""
+    with pytest.raises(ConfigError) as e:
+        parse(ATTENTION=backend, COMPILE=graphs, STATIC_TOKENS="512")
+    assert str(e.value).startswith(f"config: --attention / $ATTENTION = '{backend}' cannot be combined with "
+                                   f"COMPILE={graphs} (")
+    assert str(e.value).endswith("use ATTENTION=varlen or padded with STATIC_TOKENS, or COMPILE=default")
+    assert "\n" not in str(e.value)
+
+
+def test_cuda_graphs_take_the_attention_backends_of_fixed_shapes():
+    """auto (varlen on CUDA; loop only on the CPU, which records no graph), varlen, cudnn and padded pass, and
+    grouped and loop pass without CUDA graphs."""
+    for backend in ("auto", "varlen", "cudnn", "padded"):
+        assert parse(ATTENTION=backend, COMPILE="reduce-overhead", STATIC_TOKENS="512").model.attention == backend
+    for backend in ("grouped", "loop"):
+        for mode in ("off", "default", "debug"):
+            assert parse(ATTENTION=backend, COMPILE=mode).model.compile == mode
+
+
 def test_optimizer_sharding_refuses_another_gradient_reduction(monkeypatch):
     """The sharded update's reduce-scatter is the reduction: GRAD_REDUCE must stay flat."""
     import bert.dist.reduce
@@ -144,7 +167,7 @@ def torch_cuda_available() -> bool:
 @pytest.mark.parametrize("backend", ["varlen", "cudnn"])
 def test_check_device_refuses_a_cuda_attention_backend_on_the_cpu(backend):
     """Before anything is logged (run_and_time.sh's check), not at the first forward inside the timed run."""
-    env = {**os.environ, **BASE, "ATTENTION": backend}
+    env = {**os.environ, **BASE, "ATTENTION": backend, "PRECISION": "bf16"}  # bf16: only the device is wrong
     out = subprocess.run([sys.executable, "-m", "bert.train.config", "--check-env", "--check-device"], env=env,
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and out.stderr == f"error: ATTENTION={backend} needs a CUDA device (this run's is " \
@@ -311,3 +334,19 @@ def test_a_python_without_torch_is_one_line_naming_it(tmp_path):
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == f"error: torch is not installed for {sys.executable}: install it (README) or point " \
                          "$PYTHON at the interpreter that has it\n"
+
+
+@pytest.mark.parametrize("precision,refused", [("fp32", True), ("bf16", False)])
+def test_check_device_refuses_fp32_where_auto_picks_flash_varlen(monkeypatch, precision, refused):
+    """On a GPU node `auto` is flash varlen, which takes half precision only: the default PRECISION=fp32 stops at the
+    device check before anything is logged, not at the first forward after run_start. The GPU is simulated (the
+    device check asks bert.dist.env.device_type which device the driver will pick)."""
+    from bert.train import config as train_config
+
+    monkeypatch.setattr("bert.dist.env.device_type", lambda want: "cuda")
+    cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "ATTENTION": "auto"})
+    if refused:
+        with pytest.raises(ValueError, match=r"ATTENTION=auto \(varlen on cuda\) needs PRECISION=bf16"):
+            train_config.check_device(cfg)
+    else:
+        train_config.check_device(cfg)

@@ -1,4 +1,5 @@
-"""bert.data.manifest: which manifest describes a shard directory, and the closed division's vocab rule."""
+"""bert.data.manifest: which manifest describes a shard directory, and the closed division's rules: the MLPerf vocab
+and data made by the reference pipeline."""
 
 from __future__ import annotations
 
@@ -17,18 +18,36 @@ sys.path.insert(0, str(ROOT / "data"))
 from wordpiece import default_vocab_path  # noqa: E402
 
 
-def dataset(root: Path, vocab_md5: str | None) -> Path:
-    """prepare.py's layout: root/train_varlength, root/eval_varlength, root/manifest.json (None: no manifest)."""
+def dataset(root: Path, vocab_md5: str | None, pipeline: str | None = "reference") -> Path:
+    """prepare.py's layout: root/train_varlength, root/eval_varlength, root/manifest.json (None: no manifest;
+    pipeline None: a manifest from before prepare.py recorded one)."""
     for split in ("train_varlength", "eval_varlength"):
         (root / split).mkdir(parents=True)
     if vocab_md5 is not None:
-        (root / "manifest.json").write_text(json.dumps({"vocab": {"md5": vocab_md5}}))
+        manifest = {"vocab": {"md5": vocab_md5}} | ({"pipeline": pipeline} if pipeline is not None else {})
+        (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
 
+def mlperf_md5() -> str:
+    return hashlib.md5(default_vocab_path().read_bytes()).hexdigest()
+
+
 def test_the_mlperf_vocab_is_recognised_by_its_own_bytes(tmp_path):
-    data = dataset(tmp_path, hashlib.md5(default_vocab_path().read_bytes()).hexdigest())
+    data = dataset(tmp_path, mlperf_md5())
     check_data_for_division("closed", data / "train_varlength", data / "eval_varlength")
+
+
+@pytest.mark.parametrize("pipeline", ["custom", None, 1])
+def test_closed_refuses_data_the_reference_pipeline_did_not_make(tmp_path, pipeline):
+    data = dataset(tmp_path, mlperf_md5(), pipeline)
+    with pytest.raises(ManifestError) as refused:
+        check_data_for_division("closed", data / "train_varlength", data / "eval_varlength")
+    assert str(refused.value) == (
+        f"{data / 'manifest.json'}: the data set was not made by the reference pipeline (pipeline {pipeline!r}); a "
+        "closed-division run needs MLPerf's data: data/prepare.py --mlperf-text results4/, or NVIDIA's prepared "
+        "shards (they come without a manifest), or MLPERF_DIVISION=open to use this data")
+    check_data_for_division("open", data / "train_varlength", data / "eval_varlength")
 
 
 def test_closed_refuses_another_vocab_and_open_does_not(tmp_path):

@@ -1,22 +1,38 @@
 """The dataset scripts' parts, in-process and on a few samples: shard chopping, the eval pick, the text parts'
-eval hold-out and dealing, data/verify.py's per-sample checks and the fixed -> varlength CLI's refusals.
-(tests/test_prepare_cli.py runs the whole pipeline through the command line.)"""
+eval hold-out and dealing, data/verify.py's per-sample checks and NVIDIA content checksums, the fixed -> varlength
+conversion (block by block) and its CLI's refusals, and the length sidecar for shards without `lengths`.
+(tests/test_prepare_cli.py runs the whole pipeline through the command line, tests/test_data_reference.py the
+reference pipeline.)"""
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
 from bert.batch import Sample
-from bert.data.format import FixedShard, VarlenShard, write_fixed_shard, write_varlength_shard
+from bert.data.format import (
+    FixedShard,
+    ShardError,
+    VarlenShard,
+    fixed_slices_to_varlength,
+    fixed_to_varlength,
+    write_fixed_shard,
+    write_varlength_shard,
+)
+from bert.data.index import LengthIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "data"))
 
 import convert_fixed2varlength  # noqa: E402
+import hdf5_content_md5  # noqa: E402
+import index_lengths  # noqa: E402
+import verify  # noqa: E402
 from shard_split import Piece, plan_shards, write_eval_set, write_shard  # noqa: E402
 from text_parts import _is_eval, write_text_parts  # noqa: E402
 from verify import check_shard  # noqa: E402
@@ -137,3 +153,97 @@ def test_fixed_to_varlength_cli(tmp_path, capsys):
     with VarlenShard(tmp_path / "out" / "part-0.hdf5") as shard, FixedShard(tmp_path / "src" / "part-0.hdf5") as src:
         assert tags(shard) == tags(src) == list(range(5))
     assert (tmp_path / "out" / "checksums.md5").read_text().endswith("  part-0.hdf5\n")
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def test_conversion_block_by_block_writes_the_bytes_of_a_whole_conversion(tmp_path):
+    samples = [tagged(g, length=3 + g % 5) for g in range(23)]  # equal-length rows within a block too
+    write_fixed_shard(tmp_path / "a.hdf5", samples[:10], 8, 2)
+    write_fixed_shard(tmp_path / "b.hdf5", samples[10:], 8, 2)
+    write_varlength_shard(tmp_path / "whole.hdf5", samples[:10])  # what fixed_to_varlength wrote before: one list
+    assert fixed_to_varlength(tmp_path / "a.hdf5", tmp_path / "blocks.hdf5", block=3) == 10
+    assert _md5(tmp_path / "blocks.hdf5") == _md5(tmp_path / "whole.hdf5")
+    write_varlength_shard(tmp_path / "whole.hdf5", samples[4:17])
+    slices = [(tmp_path / "a.hdf5", 4, None), (tmp_path / "b.hdf5", 0, 7)]
+    assert fixed_slices_to_varlength(tmp_path / "blocks.hdf5", slices, block=2) == 13  # blocks across the two parts
+    assert _md5(tmp_path / "blocks.hdf5") == _md5(tmp_path / "whole.hdf5")
+
+
+def nvidia_md5(path: Path) -> str:
+    """NVIDIA's hdf5_md5.py, as its algorithm reads: md5 of str() of the list of md5(str(row.tolist())) per row."""
+    with h5py.File(path, "r") as f:
+        rows = [hashlib.md5(str(f["input_ids"][i].tolist()).encode("utf-8")).hexdigest()
+                for i in range(f["input_ids"].shape[0])]
+    return hashlib.md5(str(rows).encode("utf-8")).hexdigest()
+
+
+def test_content_md5_is_nvidias_for_varlength_and_fixed_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(hdf5_content_md5, "ROWS_PER_READ", 4)  # several reads
+    samples = [tagged(g, length=4 + g % 3) for g in range(11)]
+    write_varlength_shard(tmp_path / "v.hdf5", samples)
+    write_fixed_shard(tmp_path / "f.hdf5", samples, 8, 2)
+    for path in (tmp_path / "v.hdf5", tmp_path / "f.hdf5"):
+        assert hdf5_content_md5.content_md5(path) == nvidia_md5(path)
+    assert nvidia_md5(tmp_path / "v.hdf5") != nvidia_md5(tmp_path / "f.hdf5")  # padding is part of a fixed row
+    write_varlength_shard(tmp_path / "w.hdf5", samples[:10] + [tagged(99, length=6)])  # one row differs
+    assert hdf5_content_md5.content_md5(tmp_path / "w.hdf5") != nvidia_md5(tmp_path / "v.hdf5")
+
+
+def test_verify_checks_nvidia_lists_without_our_checksums(tmp_path, capsys):
+    data = tmp_path / "hdf5"
+    (data / "train").mkdir(parents=True)
+    (data / "eval").mkdir()
+    for k in range(3):
+        write_varlength_shard(data / "train" / f"part_{k:05d}_of_00003.hdf5", [tagged(10 * k + i) for i in range(4)])
+    write_varlength_shard(data / "eval" / "part_eval_10k.hdf5", [tagged(i) for i in range(5)])
+    train_chk, eval_chk = tmp_path / "train.chk", tmp_path / "eval.chk"
+    assert hdf5_content_md5.main([str(data / "train"), "--out", str(train_chk), "--workers", "1"]) == 0
+    assert hdf5_content_md5.main([str(data / "eval"), "--out", str(eval_chk), "--workers", "1"]) == 0
+    assert eval_chk.read_text() == f"part_eval_10k.hdf5\t{nvidia_md5(data / 'eval' / 'part_eval_10k.hdf5')}\n"
+    capsys.readouterr()
+    args = [str(data), "--chk", str(train_chk), "--chk", str(eval_chk), "--workers", "1"]
+    assert verify.main(args) == 0  # no checksums.md5 under data/: not needed with --chk alone
+    assert capsys.readouterr().out.splitlines() == [f"{data}: OK, 3 files match {train_chk}",
+                                                    f"{data}: OK, 1 files match {eval_chk}"]
+    write_varlength_shard(data / "train" / "part_00001_of_00003.hdf5", [tagged(10 + i) for i in (0, 1, 3, 2)])
+    (data / "train" / "part_00002_of_00003.hdf5").unlink()
+    assert verify.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{data / 'train' / 'part_00001_of_00003.hdf5'}: content md5 " in err and f"in {train_chk.name}" in err
+    assert f"{data}: part_00002_of_00003.hdf5 (listed in {train_chk}) is missing" in err
+    assert f"{data}: 2 problem(s) in 3 listed files" in err
+    assert verify.main([str(data)]) == 1  # without --chk, checksums.md5 is required as before
+    assert "checksums.md5: no checksum list" in capsys.readouterr().err
+
+
+def _nvidia_shard(path: Path, samples: list[Sample]) -> None:
+    """A varlength shard as NVIDIA's converter writes it: no `lengths`."""
+    write_varlength_shard(path, samples)
+    with h5py.File(path, "a") as f:
+        del f["lengths"]
+
+
+def test_length_sidecar_replaces_reading_input_ids(tmp_path, capsys):
+    _nvidia_shard(tmp_path / "part_0.hdf5", [tagged(g, length=3 + g) for g in range(5)])
+    _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=40) for g in range(3)])
+    write_varlength_shard(tmp_path / "part_2.hdf5", [tagged(g, length=7) for g in range(2)])  # stores its lengths
+    scanned = LengthIndex.scan(tmp_path)
+    assert capsys.readouterr().err.splitlines() == [
+        f"{tmp_path}: 2 of 3 shards store no lengths, so their input_ids were read to find them (on every rank); "
+        f"python data/index_lengths.py {tmp_path} writes them once"]
+    assert index_lengths.main([str(tmp_path), "--workers", "1"]) == 0
+    with np.load(tmp_path / "lengths.npz") as sidecar:
+        assert sorted(sidecar.files) == ["part_0.hdf5", "part_1.hdf5"] and sidecar["part_1.hdf5"].dtype == np.int16
+    capsys.readouterr()
+    indexed = LengthIndex.scan(tmp_path)
+    assert capsys.readouterr().err == ""
+    assert indexed.paths == scanned.paths and [p.name for p in indexed.paths] == [f"part_{k}.hdf5" for k in range(3)]
+    assert np.array_equal(indexed.offsets, scanned.offsets) and np.array_equal(indexed.lengths, scanned.lengths)
+    assert indexed.lengths.tolist() == [3, 4, 5, 6, 7, 40, 40, 40, 7, 7]
+    _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=40) for g in range(4)])  # rewritten: a row more
+    with pytest.raises(ShardError, match=f"^{tmp_path / 'part_1.hdf5'}: 4 samples, but {tmp_path / 'lengths.npz'} "
+                                         "lists 3 lengths for it"):
+        LengthIndex.scan(tmp_path)

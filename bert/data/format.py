@@ -25,8 +25,8 @@ naming the file, for anything missing, mistyped, truncated or corrupt.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import h5py
@@ -52,6 +52,8 @@ MAX_SEQ_LENGTH, MAX_PREDICTIONS = 512, 76
 MASK_RATE = 0.15  # create_pretraining_data's masked_lm_prob, which the MLPerf shards were made with ([Google-BERT])
 FRAMING = 3  # [CLS], [SEP], [SEP]: tokens that are never masked
 FIXED_BLOCK = 4096  # samples padded at a time by the fixed-length writer
+VARLEN_BLOCK = 8192  # rows converted at a time from fixed to varlength: memory does not grow with the shard
+RowSource = Callable[[str, int, int], Sequence[np.ndarray]]  # (vlen key, start, stop) -> rows start..stop-1
 
 
 class ShardError(ValueError):
@@ -71,7 +73,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def _vlen_column(rows: Sequence[np.ndarray], dtype: np.dtype, key: str) -> np.ndarray:
-    column = np.empty(len(rows), dtype=object)
+    column = np.empty(len(rows), dtype=h5py.vlen_dtype(dtype))  # typed, for write_direct
     if not rows:
         return column
     flat = np.concatenate([np.asarray(row).ravel() for row in rows])
@@ -97,16 +99,29 @@ def write_varlength_shard(path: str | os.PathLike, samples: Iterable[Sample]) ->
         if len(s.segment_ids) != len(s.input_ids) or len(s.masked_positions) != len(s.masked_labels):
             raise ValueError(f"sample {i} has mismatched field lengths")
     lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    nsp = np.array([int(s.nsp_label) for s in samples], dtype=NSP_DTYPE)
+    whole = max(1, len(samples))  # one block: these samples are in memory already
+    _write_varlength_columns(path, lambda key, start, stop: columns[key][start:stop], nsp, lengths, whole)
+    return len(samples)
+
+
+def _write_varlength_columns(
+    path: str | os.PathLike, rows: RowSource, nsp: np.ndarray, lengths: np.ndarray, block: int
+) -> None:
+    """Write a varlength shard (atomically) one column at a time, `block` rows at a time. Column by column, the
+    file's bytes are those of writing each column whole (the global heap fills in the same order)."""
     if len(lengths) and lengths.max() > np.iinfo(LENGTHS_DTYPE).max:
         raise ValueError(f"sequence of {lengths.max()} tokens does not fit the int16 length index")
+    n = len(lengths)
     with atomic_output(path) as tmp, h5py.File(tmp, "w", track_order=False) as f:
         for key, dtype in VARLEN_DTYPES.items():
-            data = _vlen_column(columns[key], dtype, key)
-            f.create_dataset(key, shape=(len(data),), dtype=h5py.vlen_dtype(dtype), data=data, track_times=False)
-        nsp = np.array([int(s.nsp_label) for s in samples], dtype=NSP_DTYPE)
-        f.create_dataset(NSP_KEY, data=nsp, track_times=False)
+            ds = f.create_dataset(key, shape=(n,), dtype=h5py.vlen_dtype(dtype), track_times=False)
+            for start in range(0, n, block):
+                stop = min(start + block, n)
+                # write_direct: `ds[a:b] = column` would read equal-length rows as one 2-d array
+                ds.write_direct(_vlen_column(rows(key, start, stop), dtype, key), dest_sel=np.s_[start:stop])
+        f.create_dataset(NSP_KEY, data=nsp.astype(NSP_DTYPE), track_times=False)
         f.create_dataset(LENGTHS_KEY, data=lengths.astype(LENGTHS_DTYPE), track_times=False)
-    return len(samples)
 
 
 def _padded_block(
@@ -212,6 +227,11 @@ class VarlenShard:
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def has_length_index(self) -> bool:
+        """Whether the shard stores its `lengths` (ours do; NVIDIA's do not, and lengths() reads input_ids)."""
+        return self._lengths_ds is not None
+
     def lengths(self) -> np.ndarray:
         """Tokens per sample (int64): from the length index, or computed from input_ids if absent."""
         with self._reading():
@@ -314,15 +334,18 @@ class FixedShard:
     def __len__(self) -> int:
         return self._len
 
-    def read(self, start: int, stop: int) -> list[Sample]:
-        """Samples start..stop-1, with padding removed (length from input_mask, as NVIDIA's converter)."""
+    def column(self, key: str, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 of one key, padded."""
         try:
-            cols = {key: ds[start:stop] for key, ds in self._ds.items()}
+            return self._ds[key][start:stop]
         except OSError as e:
             raise ShardError(f"{self.path}: read failed (corrupt shard?): {e}") from e
+
+    def read(self, start: int, stop: int) -> list[Sample]:
+        """Samples start..stop-1, with padding removed (length from input_mask, as NVIDIA's converter)."""
+        cols = {key: self.column(key, start, stop) for key in self._ds}
         lengths = cols["input_mask"].sum(axis=1)
-        # Position 0 is [CLS], which is never masked, so a zero position is padding.
-        n_preds = np.count_nonzero(cols["masked_lm_positions"], axis=1)
+        n_preds = _masked_counts(cols["masked_lm_positions"])
         cols = {key: col.astype(np.int64) for key, col in cols.items()}
         return [
             Sample(
@@ -349,14 +372,60 @@ class FixedShard:
         self.close()
 
 
-def fixed_to_varlength(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+def _masked_counts(positions: np.ndarray) -> np.ndarray:
+    # Position 0 is [CLS], which is never masked, so a zero position is padding.
+    return np.count_nonzero(positions, axis=1)
+
+
+class _FixedRows:
+    """Unpadded rows of slices of fixed-length shards read back to back, read one key and `block` rows at a time."""
+
+    def __init__(self, slices: Sequence[tuple[FixedShard, int, int]], block: int):
+        self.slices = slices
+        self.firsts = np.concatenate([[0], np.cumsum([stop - start for _, start, stop in slices])])
+        tokens, masked, nsp = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for shard, start, stop in slices:
+            for first in range(start, stop, block):
+                last = min(first + block, stop)
+                tokens.append(shard.column("input_mask", first, last).sum(axis=1))
+                masked.append(_masked_counts(shard.column("masked_lm_positions", first, last)))
+                nsp.append(shard.column(NSP_KEY, first, last))
+        self.tokens, self.masked, self.nsp = (np.concatenate(x).astype(np.int64) for x in (tokens, masked, nsp))
+
+    def rows(self, key: str, start: int, stop: int) -> list[np.ndarray]:
+        widths = self.tokens if key in FIXED_SEQ_KEYS else self.masked
+        rows = []
+        for (shard, offset, _), first, last in zip(self.slices, self.firsts[:-1], self.firsts[1:]):
+            lo, hi = max(start, first), min(stop, last)
+            if lo < hi:
+                padded = shard.column(key, offset + lo - first, offset + hi - first)
+                rows.extend(row[:width] for row, width in zip(padded, widths[lo:hi]))
+        return rows
+
+
+def fixed_slices_to_varlength(
+    dst: str | os.PathLike, slices: Sequence[tuple[str | os.PathLike, int, int | None]], block: int = VARLEN_BLOCK
+) -> int:
+    """Write rows start..stop-1 (None: to the end) of each fixed-length shard, back to back, as one varlength shard;
+    return the number of samples. Read `block` rows of one key at a time, so memory does not grow with the shard."""
+    with ExitStack() as stack:
+        shards = [stack.enter_context(FixedShard(path)) for path, _, _ in slices]
+        bounds = [(shard, start, len(shard) if stop is None else stop)
+                  for shard, (_, start, stop) in zip(shards, slices)]
+        source = _FixedRows(bounds, block)
+        try:
+            _write_varlength_columns(dst, source.rows, source.nsp, source.tokens, block)
+        except ShardError:
+            raise
+        except ValueError as e:  # e.g. token ids beyond int16: data made with a vocab far larger than MLPerf's
+            names = ", ".join(str(shard.path) for shard in shards)
+            raise ShardError(f"{names}: cannot convert to varlength: {e}") from e
+    return len(source.tokens)
+
+
+def fixed_to_varlength(src: str | os.PathLike, dst: str | os.PathLike, block: int = VARLEN_BLOCK) -> int:
     """Convert one fixed-length shard to a varlength shard; return the number of samples."""
-    with FixedShard(src) as shard:
-        samples = list(shard)
-    try:
-        return write_varlength_shard(dst, samples)
-    except ValueError as e:  # e.g. token ids beyond int16: data made with a vocab far larger than MLPerf's
-        raise ShardError(f"{src}: cannot convert to varlength: {e}") from e
+    return fixed_slices_to_varlength(dst, [(src, 0, None)], block)
 
 
 def predictions_per_sequence(lengths: np.ndarray, max_predictions: int = MAX_PREDICTIONS) -> np.ndarray:

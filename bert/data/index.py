@@ -4,11 +4,17 @@ A sample's global id is its position in the concatenation of the shards in sorte
 order: shard `s` holds ids `offsets[s] .. offsets[s+1]-1`, row = id - offsets[s]. All ranks
 build the same index from the same directory, which is what lets each of them plan every
 rank's draw and the balancing assignment with no collective (design in `bert.data.plan`).
+
+A shard's lengths come from its `lengths` dataset (ours), else from the directory's `lengths.npz`
+(data/index_lengths.py writes it for NVIDIA's shards, which store none), else from its input_ids:
+all of them read on every rank before run_start (~5 CPU-minutes for NVIDIA's 4320 shards).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +23,7 @@ import numpy as np
 from bert.data.format import ShardError, VarlenShard
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
+LENGTHS_SIDECAR = "lengths.npz"  # shard file name -> its lengths, for shards without a `lengths` dataset
 
 
 def list_shards(directory: str | os.PathLike) -> list[Path]:
@@ -38,15 +45,21 @@ class LengthIndex:
 
     @classmethod
     def scan(cls, directory: str | os.PathLike) -> LengthIndex:
-        """Read the lengths of every shard in `directory` (cheap: the `lengths` key, not the tokens)."""
+        """Read the lengths of every shard in `directory` (cheap: the `lengths` key or the sidecar, not the tokens;
+        if some shard has neither, its input_ids are read and one line on stderr says how to avoid that)."""
         paths = list_shards(directory)
-        per_shard = []
+        sidecar = load_sidecar(directory)
+        per_shard, tokens_read = [], 0
         for path in paths:
-            with VarlenShard(path) as shard:
-                lengths = shard.lengths()
+            lengths, from_tokens = _shard_lengths(path, sidecar)
+            tokens_read += from_tokens
             if len(lengths) and lengths.min() < 1:
                 raise ShardError(f"{path}: a sample has {lengths.min()} tokens")
             per_shard.append(lengths)
+        if tokens_read:
+            print(f"{directory}: {tokens_read} of {len(paths)} shards store no lengths, so their input_ids were read "
+                  f"to find them (on every rank); python data/index_lengths.py {directory} writes them once",
+                  file=sys.stderr, flush=True)
         if not sum(map(len, per_shard)):
             raise ShardError(f"{directory}: all {len(paths)} shards are empty")
         return cls.from_lengths(paths, per_shard)
@@ -73,3 +86,28 @@ class LengthIndex:
             raise IndexError(f"sample ids outside 0..{self.num_samples - 1}")
         shard = np.searchsorted(self.offsets, ids, side="right") - 1
         return shard, ids - self.offsets[shard]
+
+
+def load_sidecar(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The lengths data/index_lengths.py wrote for `directory`'s shards, by file name ({} without a sidecar)."""
+    path = Path(directory) / LENGTHS_SIDECAR
+    if not path.is_file():
+        return {}
+    try:
+        with np.load(path) as arrays:
+            return {name: arrays[name] for name in arrays.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ShardError(f"{path}: unreadable length sidecar ({e}); rerun python data/index_lengths.py") from e
+
+
+def _shard_lengths(path: Path, sidecar: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
+    """A shard's lengths (int64), and whether they had to be computed from its input_ids."""
+    with VarlenShard(path) as shard:
+        if path.name in sidecar:
+            lengths = sidecar[path.name]
+            if len(lengths) != len(shard):
+                raise ShardError(f"{path}: {len(shard)} samples, but {path.parent / LENGTHS_SIDECAR} lists "
+                                 f"{len(lengths)} lengths for it (rewritten since?); "
+                                 f"rerun python data/index_lengths.py {path.parent}")
+            return lengths.astype(np.int64), False
+        return shard.lengths(), not shard.has_length_index

@@ -1,8 +1,9 @@
 """The data set's manifest.json (written by data/prepare.py) and what a closed-division run requires of it.
 
 prepare.py writes OUT/manifest.json beside OUT/train_varlength and OUT/eval_varlength, so the manifest of a
-shard directory is looked for in that directory, then in its parent. The closed division must train on data
-tokenized with the MLPerf vocab: a manifest that records another vocab refuses the run before `run_start`.
+shard directory is looked for in that directory, then in its parent. The closed division must train on MLPerf's
+reference data: a manifest that records another vocab, or data not made by the reference pipeline
+(`prepare.py --mlperf-text`, recorded as "pipeline": "reference"), refuses the run before `run_start`.
 Without a manifest nothing is checked: the official MLPerf shards and data/make_synthetic_dataset.py's set
 come without one, and run.sub's containers mount only the shard directories (not their parent).
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 MLPERF_VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"  # the md5 the MLPerf reference README lists
+REFERENCE_PIPELINE = "reference"
 
 
 class ManifestError(ValueError):
@@ -29,23 +31,36 @@ def find_manifest(shard_dir: str | Path) -> Path | None:
     return None
 
 
-def vocab_md5(manifest: Path) -> str:
+def _load(manifest: Path) -> dict:
     try:
-        md5 = json.loads(manifest.read_text())["vocab"]["md5"]
+        content = json.loads(manifest.read_text())
+        md5 = content["vocab"]["md5"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{manifest}: unreadable manifest, no vocab md5 in it ({type(e).__name__}: {e})") from e
     if not isinstance(md5, str):
         raise ManifestError(f"{manifest}: vocab md5 {md5!r} is not a string")
-    return md5
+    return content
+
+
+def vocab_md5(manifest: Path) -> str:
+    return _load(manifest)["vocab"]["md5"]
 
 
 def check_data_for_division(division: str, *shard_dirs: str | Path) -> None:
-    """Raise ManifestError if a closed-division run would train or evaluate on data of a non-MLPerf vocab."""
+    """Raise ManifestError if a closed-division run would train or evaluate on data of a non-MLPerf vocab, or on
+    data the reference pipeline did not make (a manifest without "pipeline" predates it: not reference)."""
     if division != "closed":
-        return  # the open division may use any vocab
+        return  # the open division may use any data
     for manifest in dict.fromkeys(m for d in shard_dirs if (m := find_manifest(d)) is not None):
-        md5 = vocab_md5(manifest)
+        content = _load(manifest)
+        md5 = content["vocab"]["md5"]
         if md5 != MLPERF_VOCAB_MD5:
             raise ManifestError(
                 f"{manifest}: the data set was prepared with a vocab that is not the MLPerf vocab (md5 {md5}); "
                 "a closed-division run needs the MLPerf vocab (MLPERF_DIVISION=open to use this data)")
+        pipeline = content.get("pipeline")
+        if pipeline != REFERENCE_PIPELINE:
+            raise ManifestError(
+                f"{manifest}: the data set was not made by the reference pipeline (pipeline {pipeline!r}); a "
+                "closed-division run needs MLPerf's data: data/prepare.py --mlperf-text results4/, or NVIDIA's "
+                "prepared shards (they come without a manifest), or MLPERF_DIVISION=open to use this data")

@@ -5,14 +5,19 @@ All backends take q, k, v of shape (T, heads, head_dim) for the tokens of a `Seq
 A backend is a planner: called once per batch with the `SeqLayout`, it does its host-side work
 (index plans, grouping) and returns the `Attend` function every layer then calls.
 
-    loop     one SDPA per sequence; exact and the fastest on CPU (`bench/model.py`,
-             results/bench/model_cpu.json)
+    loop     one SDPA per sequence, on (1, H, L, D) inputs (4-D: the fused kernels, CPU flash included);
+             exact and the fastest on CPU (`bench/model.py`, results/bench/model_cpu.json)
     grouped  Baidu's length-grouped attention ([001] §IV-A-2): one padded SDPA per length
-             group (0,128], (128,256], (256,384], (384,512]; on CUDA each group on its own stream
+             group (0,128], (128,256], (256,384], (384,512], q, k and v each scattered once into one
+             buffer of the groups' blocks (`padding.GroupedLayout`); on CUDA each group on its own
+             stream, eagerly (under torch.compile all on the current stream)
     varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
     cudnn    cuDNN's fused attention on the same ragged layout (`cudnn_varlen.py`; Hopper kernels, not measured yet)
     padded   pad every sequence to the batch maximum, mask padded keys: the baseline
     auto     `varlen` when CUDA is available, else `loop`
+
+`grouped` and `loop` change their kernels' shapes with every batch, so the config refuses them with CUDA graphs
+(bert.config); `check_attention` refuses what cannot run on the device or in PRECISION's dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from bert.batch import SeqLayout
 from bert.model.cuda_varlen import flash_varlen
 from bert.model.cudnn_varlen import check_torch as check_cudnn_torch
 from bert.model.cudnn_varlen import cudnn_varlen
-from bert.model.padding import PadLayout, pad, unpad
+from bert.model.padding import GroupedLayout, PadLayout, pad, pad_groups, unpad, unpad_groups
+from bert.model.precision import compute_dtype
 
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
 Planner = Callable[[SeqLayout], Attend]
@@ -51,10 +57,11 @@ def plan_loop(seq: SeqLayout) -> Attend:
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
         # split, not slicing: its backward is one cat, where each slice's backward would write a full-size
-        # zero-filled (T, H, D) gradient per sequence. (L, H, D) -> (H, L, D): heads are SDPA's batch.
+        # zero-filled (T, H, D) gradient per sequence. (L, H, D) -> (1, H, L, D): SDPA's fused kernels (CUDA's,
+        # and the CPU's flash kernel) take 4-D inputs only, 3-D ones always run the math kernel
         parts = zip(*(t.split(lengths) for t in (q, k, v)))
-        outs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1),
-                                               dropout_p=dropout_p).transpose(0, 1) for qi, ki, vi in parts]
+        outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv), dropout_p=dropout_p)[0]
+                .transpose(0, 1) for qkv in parts]
         return torch.cat(outs)
 
     return attend
@@ -81,33 +88,42 @@ def _side_streams(device: torch.device, n: int) -> tuple[torch.cuda.Stream, ...]
     return tuple(torch.cuda.Stream(device) for _ in range(n))
 
 
-def plan_grouped(seq: SeqLayout) -> Attend:
-    layouts = [PadLayout.build(seq, ids) for ids in length_groups(seq.lengths)]
-    order = torch.cat([lay.tokens for lay in layouts])  # token index of each row of the concatenated outputs
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+def side_streams_wanted(device: torch.device) -> bool:
+    """Whether `grouped` runs its groups on CUDA side streams: eagerly only, since dynamo (torch 2.11) does not
+    trace stream switches and record_stream reliably; a compiled graph runs the groups on the current stream."""
+    return device.type == "cuda" and not torch.compiler.is_compiling()
 
-    def one_group(q: Tensor, k: Tensor, v: Tensor, lay: PadLayout, dropout_p: float) -> Tensor:
-        return unpad(masked_sdpa(pad(q, lay), pad(k, lay), pad(v, lay), lay.key_mask, dropout_p), lay)
+
+def plan_grouped(seq: SeqLayout) -> Attend:
+    layout = GroupedLayout.build(seq, length_groups(seq.lengths))
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        if q.is_cuda:
-            outs = _on_side_streams(layouts, lambda lay: one_group(q, k, v, lay, dropout_p), q.device)
+        # q, k and v each scattered once into one buffer of blocks: one (T, H, D) gradient each in the backward
+        groups = list(zip(*(pad_groups(t, layout) for t in (q, k, v)), layout.key_masks))  # (q, k, v, key_mask)
+        run = lambda *group: masked_sdpa(*group, dropout_p)  # noqa: E731
+        if side_streams_wanted(q.device):
+            outs = _on_side_streams(groups, run, q.device)
         else:
-            outs = [one_group(q, k, v, lay, dropout_p) for lay in layouts]
-        return torch.cat(outs).index_select(0, inverse)
+            outs = [run(*group) for group in groups]
+        return unpad_groups(outs, layout)
 
     return attend
 
 
-def _on_side_streams(layouts: list[PadLayout], run: Callable[[PadLayout], Tensor], device: torch.device) -> list:
-    """Run the groups concurrently, one CUDA stream each, ordered against the main stream by events."""
+def _on_side_streams(groups: Sequence[tuple[Tensor, ...]], run: Callable[..., Tensor], device: torch.device
+                     ) -> list[Tensor]:
+    """`run(*group)` for each group concurrently, one CUDA stream each, ordered against the main stream by events."""
     main = torch.cuda.current_stream(device)
-    streams = _side_streams(device, len(GROUP_EDGES) + 1)[: len(layouts)]
+    streams = _side_streams(device, len(GROUP_EDGES) + 1)[: len(groups)]
     outs = []
-    for lay, stream in zip(layouts, streams):
+    for group, stream in zip(groups, streams):
         stream.wait_stream(main)  # an event: q, k, v are written on the main stream
+        for t in group:
+            # allocated on the main stream and read on this one, here and in the backward (which autograd runs on
+            # the forward's stream): the allocator must not hand the memory on before this stream is done with it
+            t.record_stream(stream)
         with torch.cuda.stream(stream):
-            outs.append(run(lay))
+            outs.append(run(*group))
     for stream in streams:
         main.wait_stream(stream)  # an event: the next operator starts after every group is done
     for out in outs:
@@ -126,13 +142,21 @@ ATTENTION_CHOICES = ("auto", *BACKENDS)  # what the config accepts: a backend, o
 CUDA_ONLY = ("varlen", "cudnn")  # fused kernels on the concatenated tokens
 
 
-def check_attention(name: str, device: torch.device) -> None:
-    """Raise a one-line ValueError naming ATTENTION when the backend cannot run on `device` (before any work,
-    not at the first forward, which may be inside the timed run)."""
+HALF_ONLY = ("varlen", "cudnn")  # their kernels take fp16/bf16 q, k, v only (cuda_varlen.require_half)
+
+
+def check_attention(name: str, device: torch.device, precision: str | None = None) -> None:
+    """Raise a one-line ValueError naming ATTENTION when the backend cannot run on `device`, or, given PRECISION,
+    in its compute dtype (before any work, not at the first forward, which may be inside the timed run)."""
     if name in CUDA_ONLY and device.type != "cuda":
         raise ValueError(f"ATTENTION={name} needs a CUDA device (this run's is {device.type}): use ATTENTION=auto")
     if name == "cudnn":
         check_cudnn_torch()
+    backend = resolve_backend(name, device)
+    if precision is not None and backend in HALF_ONLY and compute_dtype(precision) == torch.float32:
+        which = name if backend == name else f"{name} ({backend} on {device.type})"
+        raise ValueError(f"ATTENTION={which} needs PRECISION=bf16, fp16 or fp8 (its kernels take half precision "
+                         f"only), not PRECISION={precision}: set PRECISION=bf16, or ATTENTION=padded for fp32")
 
 
 def resolve_backend(name: str, device: torch.device | str | None = None) -> str:

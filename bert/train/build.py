@@ -52,7 +52,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device)
-    check_attention(cfg.attention, device)
+    check_attention(cfg.attention, device, cfg.precision)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)
     if cfg.init_checkpoint:

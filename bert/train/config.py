@@ -45,9 +45,9 @@ def check_torch(version: str | None = None) -> None:
 def check_device(cfg: TrainConfig) -> None:
     """The driver's own device checks (`bert.train.build.build_model`), on the device it will pick: a GPU
     when there is one. A ValueError with one line naming the setting."""
-    if cfg.model.compile == "off" and cfg.model.precision != "fp8" and cfg.model.attention == "auto" and \
-            cfg.run.device == "auto":
-        return
+    if cfg.model.compile == "off" and cfg.model.precision not in ("fp8", "fp32") and cfg.model.attention == "auto" \
+            and cfg.run.device == "auto":
+        return  # nothing to refuse on any device (fp32: flash varlen, auto's choice on a GPU, refuses it)
     import torch
 
     from bert.dist.env import device_type
@@ -58,7 +58,7 @@ def check_device(cfg: TrainConfig) -> None:
     device = torch.device(device_type(cfg.run.device))
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device)
-    check_attention(cfg.model.attention, device)
+    check_attention(cfg.model.attention, device, cfg.model.precision)
 
 
 def main(argv: list[str] | None = None) -> int:
