@@ -21,7 +21,7 @@ def parallel_imap(
     here, so the caller reports it and exits non-zero.
     """
     total = len(items) if isinstance(items, list) else None
-    if workers <= 1:
+    if workers <= 1 or (total is not None and total <= 1):  # no fork for one item or none
         yield from map(fn, tqdm(items, total=total, desc=desc, unit=unit))
         return
     # fork: workers inherit sys.path (data/ modules are imported as top-level scripts) without re-importing.
