@@ -13,7 +13,8 @@
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
 #   model-attention  bench/model.py at batch 96: flash varlen against the last layer on every token
-#                    (LAST_LAYER_SUBSET=0: the subset's gain), with each variant's kernels timed by kind; cuDNN's
+#                    (LAST_LAYER_SUBSET=0: the subset's gain) and grouped attention (one scatter per q, k, v since
+#                    2026-11-25; 232 samples/s before), with each variant's kernels timed by kind; cuDNN's
 #                    ragged attention needs torch >= 2.14 (bert.model.cudnn_varlen.MIN_TORCH), the machines have 2.11
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
@@ -187,7 +188,7 @@ for name in "$@"; do
         compiled-master-fp8/varlen unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
     model-attention)
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
-        --variants unpadded/varlen full-last/varlen --profile --json "$WORK/model_cuda_attention.json" ;;
+        --variants unpadded/varlen full-last/varlen unpadded/grouped --profile --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \
