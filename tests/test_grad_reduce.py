@@ -472,3 +472,28 @@ def test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl(tmp_path):
     mp.spawn(nccl_hierarchical_worker, args=(str(tmp_path / "out"),), nprocs=1)
     out = torch.load(tmp_path / "out")
     assert out == {"exact": True, "streams": 1, "host_went_on": True, "caller_not_held": True}
+
+
+@pytest.mark.parametrize("backend,bound,call", [("nccl", torch.device("cuda", 0), "split_group"),
+                                                ("nccl", None, "new_subgroups_by_enumeration"),
+                                                ("gloo", None, "new_subgroups_by_enumeration")])
+def test_each_partition_is_one_communicator_split_on_a_bound_nccl_group(monkeypatch, backend, bound, call):
+    """At 128 x 8 the three partitions (nodes; one local rank across nodes; nodes again) were 128 + 8 + 128 world-wide
+    new_group calls, each an ncclCommSplit of the world communicator; on NCCL with the default group bound to a GPU
+    each partition is now one split. The calls are recorded, not made (no NCCL here)."""
+    import types
+
+    from bert.dist import hierarchical
+
+    calls = []
+
+    def record(name, result):
+        return lambda *a, **k: calls.append((name, k.get("split_ranks", a[0] if a else None))) or result
+
+    default_group = types.SimpleNamespace(bound_device_id=bound)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default_group)
+    monkeypatch.setattr(dist, "split_group", record("split_group", "mine"))
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", record("new_subgroups_by_enumeration", ("mine", [])))
+    parts = [[0, 1], [2, 3]]
+    assert hierarchical.own_subgroup(parts, None) == "mine" and calls == [(call, parts)]
