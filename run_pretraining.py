@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bert.config import ConfigError, TrainConfig, from_env_and_args
 from bert.data.format import ShardError
 from bert.dist import ps
-from bert.dist.env import DistEnv, compute_device, init_distributed, read_env
+from bert.dist.env import DistEnv, compute_device, init_distributed, raise_open_file_limit, read_env
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job = read_env()
+    raise_open_file_limit()  # before any group: parameter servers and their workers join one of W + S sockets
     try:
         server = ps.is_server(job, cfg.dist)
     except ValueError as e:  # a rank layout that cannot hold the parameter servers

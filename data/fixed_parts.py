@@ -56,6 +56,8 @@ def make_fixed_part(job: PartJob) -> PartStats:
         raise VocabError(f"{vocab.path}: {unk / tokens:.1%} of the tokens of {job.text} are [UNK]; wrong vocab?")
     ids = SpecialIds(vocab.cls_id, vocab.sep_id, vocab.mask_id, vocab.size)
     samples = create_instances(tokenized, job.cfg, ids, part_rng(job))
+    if not samples:  # an empty or blank file: a broken download or copy, not a part of no samples
+        raise CorpusError(f"{job.text}: no text to make samples of (empty or blank)")
     write_fixed_shard(job.fixed, samples, job.cfg.max_seq_length, job.cfg.max_predictions_per_seq)
     return PartStats(len(samples), tokens, time.perf_counter() - start, skipped=False)
 

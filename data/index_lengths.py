@@ -5,8 +5,10 @@
 NVIDIA's varlength shards have no `lengths`, so without this every rank reads every shard's input_ids to
 build its length index before run_start (bert.data.index.LengthIndex.scan: ~0.07 s per 36k-sample
 shard, ~5 CPU-minutes per rank for 4320 shards). With it, the scan reads one small file. The sidecar
-maps each shard's file name to its lengths (int16, int32 if a sequence is longer); the scan checks
-each listed shard's sample count against it. It is not a shard: shards are *.hdf5 / *.h5 only.
+maps each shard's file name to its lengths (int16, int32 if a sequence is longer), its size and its mtime (whole
+seconds); the scan checks each listed shard's sample count, size and mtime against them (a shard's own `lengths`
+dataset comes first), so copy shards with their times (`rsync -a`, `cp -p`) or run this on the copy. It is not a
+shard: shards are *.hdf5 / *.h5 only.
 Run it again after replacing shards (written atomically; shards that store `lengths` are left out).
 """
 
@@ -21,7 +23,7 @@ import numpy as np
 from parallel_map import parallel_imap
 
 from bert.data.format import ShardError, VarlenShard, atomic_output
-from bert.data.index import LENGTHS_SIDECAR, list_shards
+from bert.data.index import LENGTHS_SIDECAR, STAT_KEY, list_shards, shard_stat
 
 
 def shard_lengths(path: Path) -> np.ndarray | None:
@@ -36,15 +38,14 @@ def shard_lengths(path: Path) -> np.ndarray | None:
 def write_sidecar(directory: Path, workers: int) -> tuple[int, int]:
     """Write directory/lengths.npz unless no shard needs it: (shards listed in it, shards in the directory)."""
     paths = list_shards(directory)
-    arrays = {
-        path.name: lengths
-        for path, lengths in zip(paths, parallel_imap(shard_lengths, paths, workers, "lengths"))
-        if lengths is not None
-    }
+    arrays = {}
+    for path, lengths in zip(paths, parallel_imap(shard_lengths, paths, workers, "lengths")):
+        if lengths is not None:
+            arrays[path.name], arrays[path.name + STAT_KEY] = lengths, np.array(shard_stat(path), dtype=np.int64)
     if arrays:
         with atomic_output(directory / LENGTHS_SIDECAR) as tmp, tmp.open("wb") as f:
             np.savez(f, **arrays)  # a file object: np.savez would append ".npz" to the temporary's name
-    return len(arrays), len(paths)
+    return len(arrays) // 2, len(paths)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -197,8 +197,11 @@ def prepare(args: argparse.Namespace) -> dict:
         "pipeline": kind,
         "seconds": round(time.perf_counter() - started, 1),
     }
-    with atomic_output(out / "manifest.json") as tmp:
-        tmp.write_text(json.dumps(manifest, indent=1))
+    # A copy in each shard directory too: run.sub's containers mount those directories alone, and a closed run
+    # checks the manifest it finds there (bert.data.manifest). The one in OUT is written last (dataset complete).
+    for where in (out / "train_varlength", eval_dir, out):
+        with atomic_output(where / "manifest.json") as tmp:
+            tmp.write_text(json.dumps(manifest, indent=1))
     return manifest
 
 

@@ -200,3 +200,17 @@ def test_results4_needs_parts_and_eval_and_text_dir_refuses_it(tmp_path):
     (results4 / "eval.txt").write_text("An eval sentence.\n")
     (results4 / "part-00000-of-00500").rename(results4 / "part-00000-of-00500.txt")
     assert sorted(text_dir_documents(results4)) == ["A training sentence.\n", "An eval sentence.\n"]
+
+
+def test_an_empty_part_is_one_error_line_naming_it(tmp_path):
+    """A blank part (a broken download) stops prepare.py in one line naming the file, not with h5py's traceback about a
+    chunk larger than its data."""
+    results4 = tmp_path / "results4"
+    results4.mkdir()
+    (results4 / "eval.txt").write_text("An eval sentence.\nAnd another one.\n")
+    (results4 / "part-00000-of-00002").write_text("A training sentence.\nA second sentence.\n")
+    (results4 / "part-00001-of-00002").write_text("\n  \n")
+    run = _prepare("--mlperf-text", results4, "--out", tmp_path / "out", "--workers", "1")
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == \
+        f"error: {results4 / 'part-00001-of-00002'}: no text to make samples of (empty or blank)"

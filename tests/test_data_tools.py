@@ -7,6 +7,7 @@ reference pipeline.)"""
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -236,7 +237,10 @@ def test_length_sidecar_replaces_reading_input_ids(tmp_path, capsys):
         f"python data/index_lengths.py {tmp_path} writes them once"]
     assert index_lengths.main([str(tmp_path), "--workers", "1"]) == 0
     with np.load(tmp_path / "lengths.npz") as sidecar:
-        assert sorted(sidecar.files) == ["part_0.hdf5", "part_1.hdf5"] and sidecar["part_1.hdf5"].dtype == np.int16
+        assert sorted(sidecar.files) == ["part_0.hdf5", "part_0.hdf5:stat", "part_1.hdf5", "part_1.hdf5:stat"]
+        assert sidecar["part_1.hdf5"].dtype == np.int16
+        stat = (tmp_path / "part_1.hdf5").stat()
+        assert sidecar["part_1.hdf5:stat"].tolist() == [stat.st_size, int(stat.st_mtime)]
     capsys.readouterr()
     indexed = LengthIndex.scan(tmp_path)
     assert capsys.readouterr().err == ""
@@ -244,6 +248,23 @@ def test_length_sidecar_replaces_reading_input_ids(tmp_path, capsys):
     assert np.array_equal(indexed.offsets, scanned.offsets) and np.array_equal(indexed.lengths, scanned.lengths)
     assert indexed.lengths.tolist() == [3, 4, 5, 6, 7, 40, 40, 40, 7, 7]
     _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=40) for g in range(4)])  # rewritten: a row more
-    with pytest.raises(ShardError, match=f"^{tmp_path / 'part_1.hdf5'}: 4 samples, but {tmp_path / 'lengths.npz'} "
-                                         "lists 3 lengths for it"):
+    with pytest.raises(ShardError, match=f"^{tmp_path / 'part_1.hdf5'}: 4 samples .*, but "
+                                         f"{tmp_path / 'lengths.npz'} lists 3 lengths for it"):
+        LengthIndex.scan(tmp_path)
+    # as many rows, other lengths, and the same size in bytes (HDF5 pads its heaps): only the time tells
+    _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=39) for g in range(3)])
+    listed = (tmp_path / "part_1.hdf5").stat()
+    os.utime(tmp_path / "part_1.hdf5", (listed.st_atime, listed.st_mtime + 5))
+    with pytest.raises(ShardError, match=r"3 samples \(bytes, mtime .*\), but .* lists 3 lengths for it .* rerun"):
+        LengthIndex.scan(tmp_path)
+    write_varlength_shard(tmp_path / "part_1.hdf5", [tagged(g, length=39) for g in range(3)])  # now stores lengths
+    assert LengthIndex.scan(tmp_path).lengths.tolist() == [3, 4, 5, 6, 7, 39, 39, 39, 7, 7]  # its own come first
+    _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=40) for g in range(3)])
+    assert index_lengths.main([str(tmp_path), "--workers", "1"]) == 0
+    with np.load(tmp_path / "lengths.npz") as sidecar:  # a sidecar without the times: the row count still tells
+        bare = {name: sidecar[name] for name in sidecar.files if not name.endswith(":stat")}
+    with (tmp_path / "lengths.npz").open("wb") as f:
+        np.savez(f, **bare)
+    _nvidia_shard(tmp_path / "part_1.hdf5", [tagged(g, length=40) for g in range(4)])
+    with pytest.raises(ShardError, match="4 samples .* lists 3 lengths for it"):
         LengthIndex.scan(tmp_path)

@@ -53,6 +53,9 @@ def copy(prepared, tmp_path) -> Path:
 
 def test_shards_hold_every_fixed_sample_once_and_the_eval_set_is_held_out(prepared):
     manifest = json.loads((prepared / "manifest.json").read_text())
+    # copies where run.sub's containers look (they mount the shard directories alone)
+    assert all(json.loads((prepared / d / "manifest.json").read_text()) == manifest
+               for d in ("train_varlength", "eval_varlength"))
     shards = [VarlenShard(prepared / "train_varlength" / name) for name in manifest["train_files"]]
     sizes = [len(s) for s in shards]
     assert len(sizes) == 3 and max(sizes) - min(sizes) <= 1 and sum(sizes) == manifest["train_samples"]
@@ -212,7 +215,8 @@ def test_a_closed_run_refuses_data_of_another_vocab(other_vocab_data, tmp_path):
     closed, log = _driver(out, tmp_path, "closed")
     assert closed.returncode == 2, closed.stderr[-2000:]
     assert closed.stderr.strip().splitlines() == [
-        f"error: rank 0: {out / 'manifest.json'}: the data set was prepared with a vocab that is not the MLPerf vocab "
+        f"error: rank 0: {out / 'train_varlength' / 'manifest.json'}: the data set was prepared with a vocab that is "
+        "not the MLPerf vocab "
         "(md5 " + json.loads((out / "manifest.json").read_text())["vocab"]["md5"] + "); a closed-division run "
         "needs the MLPerf vocab (MLPERF_DIVISION=open to use this data)"]
     assert "run_start" not in log

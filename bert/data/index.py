@@ -6,7 +6,9 @@ build the same index from the same directory, which is what lets each of them pl
 rank's draw and the balancing assignment with no collective (design in `bert.data.plan`).
 
 A shard's lengths come from its `lengths` dataset (ours), else from the directory's `lengths.npz`
-(data/index_lengths.py writes it for NVIDIA's shards, which store none), else from its input_ids:
+(data/index_lengths.py writes it for NVIDIA's shards, which store none; it records each shard's size in bytes and
+its modification time (to the second) and its sample count, and a shard that no longer matches them is an error,
+not a stale index: copy shards with their times, `cp -p` or `rsync -a`, or rerun it), else from its input_ids:
 all of them read on every rank before run_start (~5 CPU-minutes for NVIDIA's 4320 shards).
 """
 
@@ -24,6 +26,7 @@ from bert.data.format import ShardError, VarlenShard
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
 LENGTHS_SIDECAR = "lengths.npz"  # shard file name -> its lengths, for shards without a `lengths` dataset
+STAT_KEY = ":stat"  # "<file name>:stat" -> (size in bytes, whole seconds of mtime) when the sidecar was written
 
 
 def list_shards(directory: str | os.PathLike) -> list[Path]:
@@ -88,26 +91,38 @@ class LengthIndex:
         return shard, ids - self.offsets[shard]
 
 
-def load_sidecar(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """The lengths data/index_lengths.py wrote for `directory`'s shards, by file name ({} without a sidecar)."""
+def shard_stat(path: Path) -> tuple[int, int]:
+    """(size in bytes, mtime in whole seconds): what the sidecar remembers of a shard. Whole seconds, as copies
+    that keep times (rsync -a, cp -p) may keep no more; the size alone hardly moves (HDF5's heaps are padded)."""
+    st = path.stat()
+    return st.st_size, int(st.st_mtime)
+
+
+def load_sidecar(directory: str | os.PathLike) -> dict[str, tuple[np.ndarray, tuple[int, int] | None]]:
+    """The lengths data/index_lengths.py wrote for `directory`'s shards, with each shard's `shard_stat` then, by file
+    name ({} without a sidecar)."""
     path = Path(directory) / LENGTHS_SIDECAR
     if not path.is_file():
         return {}
     try:
         with np.load(path) as arrays:
-            return {name: arrays[name] for name in arrays.files}
+            return {name: (arrays[name], tuple(map(int, arrays[name + STAT_KEY])) if name + STAT_KEY in arrays.files
+                           else None)
+                    for name in arrays.files if not name.endswith(STAT_KEY)}
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise ShardError(f"{path}: unreadable length sidecar ({e}); rerun python data/index_lengths.py") from e
 
 
-def _shard_lengths(path: Path, sidecar: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
+def _shard_lengths(path: Path, sidecar: dict[str, tuple[np.ndarray, tuple[int, int] | None]]
+                   ) -> tuple[np.ndarray, bool]:
     """A shard's lengths (int64), and whether they had to be computed from its input_ids."""
     with VarlenShard(path) as shard:
-        if path.name in sidecar:
-            lengths = sidecar[path.name]
-            if len(lengths) != len(shard):
-                raise ShardError(f"{path}: {len(shard)} samples, but {path.parent / LENGTHS_SIDECAR} lists "
-                                 f"{len(lengths)} lengths for it (rewritten since?); "
-                                 f"rerun python data/index_lengths.py {path.parent}")
-            return lengths.astype(np.int64), False
-        return shard.lengths(), not shard.has_length_index
+        if shard.has_length_index or path.name not in sidecar:
+            return shard.lengths(), not shard.has_length_index
+        lengths, then = sidecar[path.name]
+        now = shard_stat(path)
+        if len(lengths) != len(shard) or then not in (None, now):
+            raise ShardError(f"{path}: {len(shard)} samples (bytes, mtime {now}), but {path.parent / LENGTHS_SIDECAR} "
+                             f"lists {len(lengths)} lengths for it (bytes, mtime {then}): replaced or copied without "
+                             f"its times since? rerun python data/index_lengths.py {path.parent}")
+        return lengths.astype(np.int64), False

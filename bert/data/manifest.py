@@ -1,11 +1,13 @@
 """The data set's manifest.json (written by data/prepare.py) and what a closed-division run requires of it.
 
-prepare.py writes OUT/manifest.json beside OUT/train_varlength and OUT/eval_varlength, so the manifest of a
-shard directory is looked for in that directory, then in its parent. The closed division must train on MLPerf's
-reference data: a manifest that records another vocab, or data not made by the reference pipeline
-(`prepare.py --mlperf-text`, recorded as "pipeline": "reference"), refuses the run before `run_start`.
+prepare.py writes OUT/manifest.json beside OUT/train_varlength and OUT/eval_varlength, and a copy inside each of
+them (run.sub's containers mount the shard directories alone), so the manifest of a shard directory is looked for in
+that directory, then in its parent (data prepared before the copies: rerun prepare.py, which only adds them). The
+closed division must train on MLPerf's reference data: a manifest that records another vocab, or data not made by
+the reference pipeline (`prepare.py --mlperf-text`, recorded as "pipeline": "reference"), refuses the run before
+`run_start`.
 Without a manifest nothing is checked: the official MLPerf shards and data/make_synthetic_dataset.py's set
-come without one, and run.sub's containers mount only the shard directories (not their parent).
+come without one.
 """
 
 from __future__ import annotations
