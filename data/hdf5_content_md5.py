@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -92,13 +93,18 @@ def check_chk(list_path: Path, root: Path, workers: int) -> tuple[int, list[str]
     return len(entries), problems
 
 
+def chk_lines(files: list[Path], workers: int) -> Iterator[str]:
+    """hdf5_md5.py's line for each of `files`, sorted by name, as each is computed."""
+    files = sorted(files, key=lambda p: p.name)
+    for path, md5 in zip(files, parallel_imap(content_md5, files, workers, "content md5")):
+        yield f"{path.name}\t{md5}\n"
+
+
 def write_chk(list_path: Path, files: list[Path], workers: int) -> None:
     """Write the list of `files` (sorted by name), in hdf5_md5.py's line format."""
-    files = sorted(files, key=lambda p: p.name)
-    sums = parallel_imap(content_md5, files, workers, "content md5")
-    lines = [f"{path.name}\t{md5}\n" for path, md5 in zip(files, sums)]
+    lines = "".join(chk_lines(files, workers))
     with atomic_output(list_path) as tmp:
-        tmp.write_text("".join(lines))
+        tmp.write_text(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             write_chk(args.out, files, args.workers)
             print(f"{len(files)} files in {args.out}")
         else:
-            for path, md5 in zip(files, parallel_imap(content_md5, files, args.workers, "content md5")):
-                print(f"{path.name}\t{md5}", flush=True)
+            for line in chk_lines(files, args.workers):
+                print(line, end="", flush=True)
     except (FileNotFoundError, ShardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

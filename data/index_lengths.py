@@ -38,14 +38,15 @@ def shard_lengths(path: Path) -> np.ndarray | None:
 def write_sidecar(directory: Path, workers: int) -> tuple[int, int]:
     """Write directory/lengths.npz unless no shard needs it: (shards listed in it, shards in the directory)."""
     paths = list_shards(directory)
-    arrays = {}
+    arrays, listed = {}, 0
     for path, lengths in zip(paths, parallel_imap(shard_lengths, paths, workers, "lengths")):
         if lengths is not None:
             arrays[path.name], arrays[path.name + STAT_KEY] = lengths, np.array(shard_stat(path), dtype=np.int64)
+            listed += 1
     if arrays:
         with atomic_output(directory / LENGTHS_SIDECAR) as tmp, tmp.open("wb") as f:
             np.savez(f, **arrays)  # a file object: np.savez would append ".npz" to the temporary's name
-    return len(arrays) // 2, len(paths)
+    return listed, len(paths)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,8 +227,7 @@ def _input_texts(args: argparse.Namespace, cfg: PretrainingConfig, out: Path) ->
         print(f"mlperf text: {len(parts)} parts and {eval_text.name} in {args.mlperf_text}")
         return [*parts, eval_text]
     text = _text_stage(args, cfg, out)
-    texts = sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
-    return texts
+    return sorted(text.glob("part-*.txt")) + [text / EVAL_TEXT]
 
 
 def _output_dir(path: Path) -> Path:

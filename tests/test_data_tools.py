@@ -205,6 +205,8 @@ def test_verify_checks_nvidia_lists_without_our_checksums(tmp_path, capsys):
     assert hdf5_content_md5.main([str(data / "eval"), "--out", str(eval_chk), "--workers", "1"]) == 0
     assert eval_chk.read_text() == f"part_eval_10k.hdf5\t{nvidia_md5(data / 'eval' / 'part_eval_10k.hdf5')}\n"
     capsys.readouterr()
+    assert hdf5_content_md5.main([str(data / "train"), "--workers", "1"]) == 0  # without --out: the list printed
+    assert capsys.readouterr().out == train_chk.read_text()
     args = [str(data), "--chk", str(train_chk), "--chk", str(eval_chk), "--workers", "1"]
     assert verify.main(args) == 0  # no checksums.md5 under data/: not needed with --chk alone
     assert capsys.readouterr().out.splitlines() == [f"{data}: OK, 3 files match {train_chk}",

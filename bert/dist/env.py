@@ -105,7 +105,8 @@ def compute_device(env: DistEnv, want: str = "auto") -> torch.device:
 def raise_open_file_limit() -> int:
     """Lift this process's soft limit on open files to the hard one, and return it. A gloo group holds a socket per
     rank of the world (the stop flag's: 1024 at 128 nodes) and the reader keeps a quarter of the limit in shards
-    open; sites often start jobs at a soft limit of 1024, which srun passes on from the submitting shell."""
+    open; sites often start jobs at a soft limit of 1024, which srun passes on from the submitting shell. The driver
+    calls it first thing, before any group (the parameter servers' included)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -116,12 +117,10 @@ def raise_open_file_limit() -> int:
 
 
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: float, store: dist.Store | None = None) -> None:
-    """Join the process group (the open-file limit raised first). The timeout bounds how long survivors wait for
-    a dead rank. `store`: a rendezvous already made (the workers' part of a job with parameter servers,
-    `bert.dist.ps`)."""
+    """Join the process group. The timeout bounds how long survivors wait for a dead rank. `store`: a
+    rendezvous already made (the workers' part of a job with parameter servers, `bert.dist.ps`)."""
     if dist.is_initialized():
         return
-    raise_open_file_limit()
     backend = "nccl" if device.type == "cuda" else "gloo"
     # A single process still gets a (trivial) group so that DDP and its clipping hooks run unchanged.
     where = {"init_method": f"tcp://{env.master_addr}:{env.master_port}"} if env.distributed else {

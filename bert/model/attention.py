@@ -142,7 +142,7 @@ ATTENTION_CHOICES = ("auto", *BACKENDS)  # what the config accepts: a backend, o
 CUDA_ONLY = ("varlen", "cudnn")  # fused kernels on the concatenated tokens
 
 
-HALF_ONLY = ("varlen", "cudnn")  # their kernels take fp16/bf16 q, k, v only (cuda_varlen.require_half)
+HALF_ONLY = CUDA_ONLY  # the same fused kernels take fp16/bf16 q, k, v only (cuda_varlen.require_half)
 
 
 def check_attention(name: str, device: torch.device, precision: str | None = None) -> None:

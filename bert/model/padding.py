@@ -112,7 +112,7 @@ class GroupedLayout:
             raise ValueError(f"the groups {[list(g) for g in groups]} leave out some of the {len(lengths)} sequences")
         device = seq.cu_seqlens.device
         # one host-to-device copy per array, however many groups
-        flat_masks = to_device(np.concatenate(masks), device).split([r * w for r, w in shapes])
+        flat_masks = to_device(np.concatenate(masks), device).split([m.size for m in masks])
         key_masks = tuple(m.view(shape) for m, shape in zip(flat_masks, shapes))
         return cls(to_device(slots, device), key_masks, tuple(shapes))
 
