@@ -8,7 +8,8 @@
 #
 # Steps (seconds each took on one H100: README, "On one H100"):
 #   setup            install the carried wheels (.whl/: mlperf-logging, torchao), print the GPU and versions
-#   shards           random-token shards with the phase-2 length mix (data/make_random_shards.py), 200,000 samples
+#   shards           random-token shards with the phase-2 length mix (data/make_random_shards.py), SHARD_SAMPLES (200,000) samples:
+#                    a driver step reads 150 x 96 = 14,400 of them, so a short call can make fewer
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
@@ -51,23 +52,24 @@ CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
-# driver-<name>: bench/train_gpu.py flags on top of $CONFIG (bf16, MASTER_WEIGHTS=1, LAMB, 96 sequences)
+# driver-<name>: bench/train_gpu.py flags on top of $CONFIG (bf16, MASTER_WEIGHTS=1, LAMB, 96 sequences, COMPILE=default,
+# COMPILE_OPTIMIZER=1 since 2026-11-26: the eager rows say COMPILE=off)
 declare -A DRIVERS=(
-  [bf16]=""
-  [autocast]="--env MASTER_WEIGHTS=0"
-  [compiled]="--compile default --bench-repeats 0"
+  [bf16]="--compile off --env COMPILE_OPTIMIZER=0"
+  [autocast]="--compile off --env COMPILE_OPTIMIZER=0 --env MASTER_WEIGHTS=0"
+  [compiled]="--compile default --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   [compiled-opt]="--compile default --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # each layer its own graph (shared by the 24 layers): compile time, and does per-layer fusion keep the speed?
-  [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --bench-repeats 0"
+  [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # the candidate fastest bf16 run: graphs on the static buckets (all recorded in the warm-up), compiled LAMB
   [graphs-opt]="--compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
-  [graphs]="--compile reduce-overhead --static-tokens 512 --bench-repeats 0"
+  [graphs]="--compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # two or three buckets to record instead of about nine, at 8 % more tokens (the padding in 9 sequences of <= 512)
   [graphs4k]="--compile reduce-overhead --static-tokens 4096 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # float8 GEMMs on bf16 weights with fp32 masters (the submissions' layout); fp8-autocast is the 483 samples/s
   # run of fp32 weights under bf16 autocast (MASTER_WEIGHTS=1 was refused with fp8 then)
   [fp8]="--precision fp8 --static-tokens 512 --compile default --bench-repeats 0"
-  [fp8-eager]="--precision fp8 --static-tokens 512 --bench-repeats 0"
+  [fp8-eager]="--precision fp8 --static-tokens 512 --compile off --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
   [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"
   [fp8-ffn-qkv]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn-qkv --bench-repeats 0"
@@ -79,7 +81,7 @@ declare -A DRIVERS=(
   # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager;
   # refused (exit 2, seconds) on torch < 2.14, whose ragged backward is broken (bert.model.cudnn_varlen.MIN_TORCH)
   [cudnn]="--attention cudnn --static-tokens 512 --compile default --bench-repeats 0"
-  [cudnn-eager]="--attention cudnn --static-tokens 512 --bench-repeats 0"
+  [cudnn-eager]="--attention cudnn --static-tokens 512 --compile off --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # the whole bf16 stack, now that cuDNN attention compiles into the graphs (a custom op): graphs, compiled LAMB
   [cudnn-graphs-opt]="--attention cudnn --compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
 )
@@ -163,7 +165,7 @@ for name in "$@"; do
       if [[ $REHEARSE == 1 ]]; then
         step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 4000 --shards 4 --eval-samples 500
       else
-        step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples 200000 --shards 16
+        step shards 300 python3 data/make_random_shards.py --out "$SHARDS" --samples "${SHARD_SAMPLES:-200000}" --shards 16
       fi ;;
     tests)
       # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
