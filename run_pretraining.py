@@ -22,6 +22,7 @@ import traceback
 import torch.distributed as dist
 
 from bert.config import ConfigError, TrainConfig, from_env_and_args
+from bert.console import say
 from bert.data.format import ShardError
 from bert.dist import ps
 from bert.dist.env import DistEnv, compute_device, init_distributed, raise_open_file_limit, read_env
@@ -37,14 +38,14 @@ def report(rank: int | str, e: BaseException, suffix: str = "") -> None:
     if os.environ.get("DEBUG") == "1":
         traceback.print_exception(e)
     lines = str(e).strip().splitlines()
-    print(f"error: rank {rank}: {lines[0] if lines else type(e).__name__}{suffix}", file=sys.stderr, flush=True)
+    say(f"error: rank {rank}: {lines[0] if lines else type(e).__name__}{suffix}")
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_env_and_args(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     job = read_env()
     raise_open_file_limit()  # before any group: parameter servers and their workers join one of W + S sockets
@@ -72,7 +73,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     try:  # rank 0 alone writes the log, so it alone looks: another rank could see rank 0's first lines
         log_file = claim_log_file(cfg.log.mlperf_log, cfg.run.resume) if env.is_main else ""
     except ResultLogExists as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
     log = MLPerfLog(log_file, env.is_main)
     log.init_start(cfg.log.cache_cleared)

@@ -15,13 +15,13 @@ all of them read on every rank before run_start (~5 CPU-minutes for NVIDIA's 432
 from __future__ import annotations
 
 import os
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bert.console import say
 from bert.data.format import ShardError, VarlenShard
 
 SHARD_SUFFIXES = (".hdf5", ".h5")
@@ -60,9 +60,8 @@ class LengthIndex:
                 raise ShardError(f"{path}: a sample has {lengths.min()} tokens")
             per_shard.append(lengths)
         if tokens_read:
-            print(f"{directory}: {tokens_read} of {len(paths)} shards store no lengths, so their input_ids were read "
-                  f"to find them (on every rank); python data/index_lengths.py {directory} writes them once",
-                  file=sys.stderr, flush=True)
+            say(f"{directory}: {tokens_read} of {len(paths)} shards store no lengths, so their input_ids were read "
+                f"to find them (on every rank); python data/index_lengths.py {directory} writes them once")
         if not sum(map(len, per_shard)):
             raise ShardError(f"{directory}: all {len(paths)} shards are empty")
         return cls.from_lengths(paths, per_shard)

@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from bert.config import DistConfig
+from bert.console import say
 from bert.dist.env import DistEnv
 
 BUCKET, STOP = 0, 1
@@ -272,6 +273,5 @@ def serve(job: DistEnv, cfg: DistConfig) -> int:
     me = layout(job, cfg.ps_servers)
     _, group = join(job, me, cfg.dist_timeout_s)
     served = serve_loop(group, me)
-    print(f"ps server {me.index}: {served} buffers from {me.workers} workers, stopped cleanly", file=sys.stderr,
-          flush=True)
+    say(f"ps server {me.index}: {served} buffers from {me.workers} workers, stopped cleanly")
     return 0
