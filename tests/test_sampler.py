@@ -196,3 +196,28 @@ def test_plan_rejects_bad_settings():
     long = fake_index([3], lengths=[[100, 600, 50]])
     with pytest.raises(ValueError, match=r"shard0.hdf5: sample 1 has 600 tokens"):
         TrainPlan(long, 1, 1, 1, "stratified")
+
+
+@pytest.mark.parametrize("strategy", sorted(name for name, s in STRATEGIES.items() if s.stratified))
+def test_a_local_batch_that_draws_nothing_from_a_stratum_is_refused(strategy):
+    """Rounded to a local batch of 4, Wikipedia's (256,384] stratum (11.7 %) gets 0 of 4: its sequences would wait
+    for the epoch's tail and a run would never train on them. 5 is the smallest batch that draws from all four."""
+    lengths = np.repeat([100, 200, 300, 500], [373, 197, 117, 313])  # the phase-2 mix, 1,000 samples
+    index = fake_index([1000], lengths=[lengths])
+    with pytest.raises(ValueError, match=rf"BALANCE={strategy} with a local batch of 4 draws no sequence of length "
+                                         r"\(256,384\] \(11\.7% of the samples\).*at least 5 "):
+        TrainPlan(index, 2, 4, 2, strategy)
+    assert TrainPlan(index, 2, 5, 2, strategy).counts == (2, 1, 1, 1)
+    assert TrainPlan(index, 2, 4, 2, "none").counts is None  # unstratified draws keep the data's mix on average
+
+
+def test_epoch_ids_are_int32_where_they_fit():
+    """Every rank holds the epoch's layout: phase 2's 156.7 M ids take 0.63 GB as int32 against 1.25 as int64."""
+    from bert.data.streams import id_dtype
+
+    index = fake_index([300, 200, 250])
+    for strategy in ("none", "samsung"):
+        plan = TrainPlan(index, 4, 8, 2, strategy, seed=1, shuffle_buffer=20)
+        assert plan.epoch(0).dtype == np.int32 and plan.draw(100).dtype == np.int32
+        assert sorted(plan.epoch(1).tolist()) == list(range(750))
+    assert id_dtype(2**31 - 1) == np.int32 and id_dtype(2**31) == np.int64

@@ -1,8 +1,11 @@
 """Stratified sampling: every local batch holds a fixed count of sequences from each length stratum.
 
-Samsung ([000] §4.1, Figure 3; `SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT])
-fills each local batch of 16 with 6/3/2/5 sequences from the (0,128] / (128,256] / (256,384] /
-(384,512] strata. The whole technique is here:
+Samsung ([000] §4.1, Figure 3) fills each local batch with a fixed count of sequences from each of
+the (0,128] / (128,256] / (256,384] / (384,512] strata, in proportion to the data's histogram. The
+paper's text gives 5/2/3/6 of 16 for its data; Samsung's code draws 6/3/2/5
+(`SplitRandomSampler(batch_ratio=[6,3,2,5])` in [Samsung-BERT]), which is also what our phase-2 mix
+(`bert.lengths.WIKI_PHASE2`) rounds to. A stratum whose count rounds to 0 is refused
+(`bert.data.plan.check_every_stratum_drawn`; the paper warns of small batches in §6). The whole technique is here:
 
 * `stratum_of`: the stratum of each length;
 * `strata_counts`: the counts, from the data's own histogram by largest-remainder rounding of

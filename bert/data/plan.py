@@ -16,6 +16,8 @@ a step and its offset are arithmetic), which is what makes resuming exact and ch
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from bert.balance import Strategy, get_strategy, strata_counts, stratum_of
@@ -49,8 +51,10 @@ class TrainPlan:
         self.strata = self.counts = None
         if self.strategy.stratified:
             self.strata = self._strata(index)
-            # The counts follow the data's own histogram (Samsung [000] §4.1), e.g. 6/3/2/5 of 16.
-            self.counts = strata_counts(np.bincount(self.strata, minlength=len(EDGES)), EDGES, local_batch_size)
+            # The counts follow the data's own histogram (Samsung [000] §4.1): 6/3/2/5 of 16 on our phase-2 mix.
+            present = np.bincount(self.strata, minlength=len(EDGES))
+            self.counts = strata_counts(present, EDGES, local_batch_size)
+            check_every_stratum_drawn(present, self.counts, self.strategy.name, local_batch_size)
         self._epochs: dict[int, np.ndarray] = {}
 
     @staticmethod
@@ -99,3 +103,19 @@ class TrainPlan:
 
     def rank_ids(self, step: int, rank: int) -> np.ndarray:
         return self.assignment(step)[rank]
+
+
+def check_every_stratum_drawn(present: np.ndarray, counts: tuple[int, ...], strategy: str, local_batch: int) -> None:
+    """Refuse counts that draw nothing from a stratum the data holds: rounded to 0 of a small local batch, its
+    sequences would wait for the epoch's tail, which a run (a few percent of an epoch) never reaches, so it would
+    never train on them. Samsung warns of small batches ([000] §6)."""
+    missing = [k for k, (n, c) in enumerate(zip(present, counts)) if n and not c]
+    if not missing:
+        return
+    bounds, total = (0, *EDGES), present.sum()
+    share = ", ".join(f"({bounds[k]},{bounds[k + 1]}] ({present[k] / total:.1%} of the samples)" for k in missing)
+    enough = next(b for b in itertools.count(local_batch + 1)  # a batch of every sample draws them all
+                  if all(c or not n for n, c in zip(present, strata_counts(present, EDGES, b))))
+    raise ValueError(f"BALANCE={strategy} with a local batch of {local_batch} draws no sequence of length {share}: "
+                     f"it would never train on them; use a local batch of at least {enough} or another BALANCE")
+

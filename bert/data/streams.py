@@ -25,14 +25,21 @@ def epoch_rng(seed: int, epoch: int, *tags: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, *tags])
 
 
+def id_dtype(num_samples: int) -> type[np.signedinteger]:
+    """int32 ids where they fit: phase 2's 156.7 M samples laid out by every rank (1024 of them, 16 to a node) take
+    half the memory of int64 (1.25 GB an epoch) and the orders are the same."""
+    return np.int32 if num_samples < 2**31 else np.int64
+
+
 def pieces(offsets: np.ndarray, world: int) -> list[np.ndarray]:
     """Id ranges to deal out: whole shards, or equal row ranges of them when shards < ranks."""
     num_shards = len(offsets) - 1
     cuts = -(-world // num_shards)  # ceil
+    dtype = id_dtype(int(offsets[-1]))
     return [
         part
         for start, stop in zip(offsets[:-1], offsets[1:])
-        for part in np.array_split(np.arange(start, stop, dtype=np.int64), cuts)
+        for part in np.array_split(np.arange(start, stop, dtype=dtype), cuts)
     ]
 
 
@@ -43,6 +50,6 @@ def rank_streams(index: LengthIndex, world: int, seed: int, epoch: int, shuffle_
     streams = []
     for rank in range(world):
         mine = [parts[p] for p in order[rank::world]]
-        ids = np.concatenate(mine) if mine else np.zeros(0, dtype=np.int64)
+        ids = np.concatenate(mine) if mine else np.zeros(0, dtype=id_dtype(index.num_samples))
         streams.append(ids[shuffle_buffer_order(len(ids), shuffle_buffer, epoch_rng(seed, epoch, SAMPLES, rank))])
     return streams
