@@ -170,7 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
 
     def state_dict(self) -> dict:
-        """The unsharded optimizer's state_dict: same indices, full-shape tensors (a collective)."""
+        """The unsharded optimizer's state_dict: same indices, full-shape tensors on the host (a collective)."""
         inner = self.inner.state_dict()
         state = {i: dict(s) for i, s in inner["state"].items()}
         keys = sorted({k for i, s in state.items() for k, v in s.items()
@@ -183,8 +183,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 torch.cat(own, out=mine[:self.owned])
             all_gather_single(flat, mine, group=self.process_group)
             for i, (t, p) in enumerate(zip(flat[:self.total].split(self.sizes), self.params)):
-                if i in state:
-                    state[i][key] = t.view_as(p).clone()
+                if i in state:  # into host memory at once: a GPU would otherwise hold the whole state, 3x a shard's
+                    state[i][key] = t.view_as(p).to("cpu", copy=True)
         groups = [{**{k: v for k, v in outer.items() if k != "params"}, "params": g["params"]}
                   for outer, g in zip(self.param_groups, inner["param_groups"])]
         return {"state": state, "param_groups": groups}
