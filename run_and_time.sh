@@ -6,10 +6,12 @@
 # torchrun starts DGXNGPU + PS_SERVERS, and under Slurm --ntasks-per-node must be DGXNGPU + PS_SERVERS (run.sub).
 # run_pretraining.py reads every setting from the environment; $EXTRA_PARAMS is passed through untouched.
 # Prints STARTING/ENDING TIMING RUN lines and RESULT,bert,<seed>,<seconds>,<user>,<start>, and exits with the
-# driver's status: 0 reached the target or pre-empted after a checkpoint, 1 aborted, 2 bad config/path/data.
-# SIGTERM/SIGINT to this script is forwarded to the launcher (pre-emption: the driver checkpoints, exit 0); a
-# failure is one line per rank, tracebacks only with DEBUG=1; a driver that died without `run_stop` gets
-# `run_stop` aborted appended to $MLPERF_LOG.
+# driver's status: 0 reached the target, 1 aborted, 2 bad config/path/data, 3 pre-empted after a checkpoint (no
+# RESULT line: not a result; RESUME=1 with the same SEED continues it, run.sub's RESUME_FROM does).
+# SIGTERM/SIGINT to this script is forwarded to the launcher (pre-emption: the driver checkpoints and exits 0,
+# and tells this script so through $RUN_OUTCOME_FILE, bert/train/outcome.py); a failure is one line per rank,
+# tracebacks only with DEBUG=1; a driver that died without `run_stop` gets `run_stop` aborted appended to the log
+# it wrote ($MLPERF_LOG, or a continuation's result_<i>.txt.resumed-<n>).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -47,6 +49,9 @@ if [ -n "${SLURM_STEP_ID:-}" ] && [ "${SLURM_NTASKS:-0}" = "$nprocs" ]; then
 else
   launcher=torchrun
   [ "$DGXNNODES" = 1 ] || fail "DGXNNODES=$DGXNNODES: more than one node needs Slurm (sbatch run.sub)"
+  # a continuation draws the data of the run it continues: the loader refuses a checkpoint of another seed
+  [ "${RESUME:-0}" = 0 ] || [[ ${SEED:-} =~ ^[0-9]+$ ]] ||
+    fail "RESUME=1 continues a run: set SEED to its seed (the \"seed\" line of its log; run.sub's RESUME_FROM does)"
   export SEED=${SEED:-$RANDOM}
 fi
 
@@ -58,6 +63,10 @@ read -r -a extra <<<"${EXTRA_PARAMS:-}"
 main_task() {  # the timing lines come from one task only
   [ "${SLURM_PROCID:-0}" = 0 ] || [ "$launcher" = torchrun ]
 }
+
+RUN_OUTCOME_FILE=$(mktemp "${TMPDIR:-/tmp}/run_outcome.XXXXXX")  # rank 0's, on this node: the main task's
+export RUN_OUTCOME_FILE
+outcome() { sed -n "s/^$1=//p" "$RUN_OUTCOME_FILE" | tail -n 1; }
 
 start=$(date +%s)
 start_fmt=$(date +'%Y-%m-%d %r')
@@ -78,13 +87,23 @@ while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
 status=0
 wait "$pid" || status=$?
 trap - TERM INT
-if [ "$status" != 0 ] && [ -n "${MLPERF_LOG:-}" ] && main_task; then
-  "$PYTHON" -m bert.train.abort_log "$MLPERF_LOG" || true
+log=$(outcome log)
+log=${log:-${MLPERF_LOG:-}}
+if [ "$status" != 0 ] && [ -n "$log" ] && main_task; then
+  "$PYTHON" -m bert.train.abort_log "$log" || true
 fi
+if [ "$status" = 0 ] && [ "$(outcome status)" = preempted ]; then
+  status=3
+fi
+rm -f "$RUN_OUTCOME_FILE"
 
 end=$(date +%s)
 if main_task; then
   echo "ENDING TIMING RUN AT $(date +'%Y-%m-%d %r')"
-  echo "RESULT,bert,${SEED},$((end - start)),${USER:-$(id -un)},${start_fmt}"
+  if [ "$status" = 3 ]; then
+    echo "PREEMPTED,bert,${SEED},$((end - start)): checkpoint saved; not a result (RESUME=1 SEED=${SEED} continues it)"
+  else
+    echo "RESULT,bert,${SEED},$((end - start)),${USER:-$(id -un)},${start_fmt}"
+  fi
 fi
 exit "$status"

@@ -26,6 +26,7 @@ from bert.console import say
 from bert.data.format import ShardError
 from bert.dist import ps
 from bert.dist.env import DistEnv, compute_device, init_distributed, raise_open_file_limit, read_env
+from bert.train import outcome
 from bert.train.build import build_run, resume
 from bert.train.loop import ABORTED, PREEMPTED, SUCCESS, train
 from bert.train.mlperf_log import MLPerfLog, ResultLogExists, claim_log_file
@@ -75,6 +76,8 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     except ResultLogExists as e:
         say(f"error: {e}")
         return 2
+    if log_file:
+        outcome.record("log", log_file)
     log = MLPerfLog(log_file, env.is_main)
     log.init_start(cfg.log.cache_cleared)
     init_distributed(env, device, cfg.dist.dist_timeout_s, store=ps.connect_worker(job, cfg.dist))
@@ -83,6 +86,7 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
         run = build_run(cfg, env, device, log)
         if cfg.run.resume:
             resume(run)
+            run.progress.drop_after(run.state.step)
             log.resumed(run.state.step, run.state.samples)
             if env.is_main:
                 print(f"resume: continuing from step {run.state.step}; {log_file or 'the log'} is not a result "
@@ -108,6 +112,8 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
     compiled.report(run.progress)
     if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
         run.checkpoint()  # after run_stop: saving is not part of the timed run
+    if env.is_main:  # after the checkpoint: "preempted" says there is one to continue from
+        outcome.record("status", status)
     run.progress.close()
     run.loader.close()
     return 1 if status == ABORTED else 0

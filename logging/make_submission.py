@@ -3,7 +3,10 @@
     python logging/make_submission.py results/DGXA100_1x8x56x1/bert/result_*.txt \\
         --org MyOrg --system dgxa100_pytorch --out submission [--rcp-bypass]
 
-Builds, under OUT/<org>/ (which must not exist yet):
+First every log goes through verify_result.py's checks (its `--target`, `--eval-samples`, `--eval-start`,
+`--eval-every`): a run continued from a
+checkpoint, or one whose status disagrees with its accuracy, passes the official checkers but is not a result,
+and is refused here before anything is built. Then it builds, under OUT/<org>/ (which must not exist yet):
 
     systems/<system>.json                         every field the system-description checker requires
     results/<system>/bert/result_<k>.txt          the given logs, renumbered 0..n-1
@@ -30,7 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from result_log import read_events, values
+from result_log import LogError, read_events, values
+from verify_result import Expect, add_expect_args, expect_from, verify
 
 RULESET = "5.0.0"
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +103,27 @@ def tracked_files(repo: Path) -> list[Path]:
     return [Path(p) for p in out.stdout.split("\0") if p and not p.startswith("results/")]
 
 
+def refuse_non_results(logs: list[Path], expect: Expect) -> None:
+    """verify_result.py's checks on every log before anything is built: the official checkers let through a run
+    continued from a checkpoint (it times only the continuation) and a run whose status disagrees with its
+    accuracy, and copied in as result_<k>.txt its file name would no longer say so."""
+    problems = []
+    for log in logs:
+        try:
+            problems += [f"{log}: {problem}" for problem in verify(log, expect)]
+        except (OSError, LogError) as e:
+            problems.append(f"{log}: {e}")
+    if problems:
+        raise SystemExit("\n".join(f"make_submission: {p}" for p in problems) + f"\nmake_submission: "
+                         f"{len(problems)} problem(s) in the logs (python logging/verify_result.py checks them): "
+                         "no submission folder made")
+
+
 def build(args: argparse.Namespace) -> Path:
     org = args.out / args.org
     if org.exists():
         raise SystemExit(f"make_submission: {org} exists; choose another --out")
+    refuse_non_results(args.logs, expect_from(args))
     divisions = {v for log in args.logs for v in values(read_events(log), "submission_division")}
     if len(divisions) != 1:
         raise SystemExit(f"make_submission: the logs disagree on or lack submission_division: {sorted(divisions)}")
@@ -201,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accelerator", default="", help="accelerator model name")
     p.add_argument("--system-json", type=Path, help="JSON object whose fields override the generated ones")
     p.add_argument("--rcp-bypass", action="store_true", help="pass --rcp-bypass to the package checker")
+    add_expect_args(p)  # what verify_result.py checks the logs against
     args = p.parse_args(argv)
     org = build(args)
     print(f"submission folder: {org}")

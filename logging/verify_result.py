@@ -153,15 +153,24 @@ def _count(text: str) -> int:
     return int(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("logs", nargs="+", type=Path)
+def add_expect_args(p: argparse.ArgumentParser) -> None:
+    """What the logs are checked against (here and in make_submission.py): `expect_from` reads them back."""
     p.add_argument("--target", type=float, default=Expect.target, help="MLM accuracy target (default 0.720)")
     p.add_argument("--eval-samples", type=_count, default=Expect.eval_samples, help="eval-set size (default 10000)")
     p.add_argument("--eval-start", type=_count, help="samples at the first eval (default: logged, else the formula)")
     p.add_argument("--eval-every", type=_count, help="samples between evals (default: logged, else the formula)")
+
+
+def expect_from(args: argparse.Namespace) -> Expect:
+    return Expect(args.target, args.eval_samples, args.eval_start, args.eval_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="+", type=Path)
+    add_expect_args(p)
     args = p.parse_args(argv)
-    expect = Expect(args.target, args.eval_samples, args.eval_start, args.eval_every)
+    expect = expect_from(args)
     failed = 0
     for log in args.logs:
         try:

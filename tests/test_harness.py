@@ -143,7 +143,8 @@ def test_skip_checkpoint_writes_no_checkpoint(runs):
 def test_submission_from_ten_runs(runs, tmp_path):
     def make(out: str, *flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([PY, str(ROOT / "logging" / "make_submission.py"), *(str(r[3]) for r in runs),
-                               "--org", "HarnessTest", "--system", "cpu_test", "--out", str(tmp_path / out), *flags],
+                               "--org", "HarnessTest", "--system", "cpu_test", "--out", str(tmp_path / out),
+                               *verify_flags(SHORT_RUN), *flags],
                               capture_output=True, text=True, timeout=300)
 
     bypassed = make("bypass", "--rcp-bypass")

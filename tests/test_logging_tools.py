@@ -268,3 +268,24 @@ def test_plot_shows_the_logged_evals_and_the_metrics(tmp_path):
     wrong_key = subprocess.run([PY, str(ROOT / "logging" / "plot_run.py"), str(log), "--metrics", str(metrics),
                                 "--x-key", "step", "--out", str(tmp_path / "x.png")], capture_output=True, text=True)
     assert wrong_key.returncode != 0 and "'step'" in wrong_key.stderr
+
+
+@pytest.mark.parametrize("fault", ["resumed", "status"])
+def test_submission_refuses_a_log_that_is_not_a_result(fault, tmp_path):
+    """The official checkers pass a continuation of a pre-empted run (its log times only the continuation) and a
+    run whose status disagrees with its accuracy; verify_result.py does not, and make_submission asks it first."""
+    logs = ten_logs(tmp_path, evals=17)
+    if fault == "resumed":  # as bert.train.mlperf_log writes it, after init_start
+        lines = logs[3].read_text().splitlines(keepends=True)
+        record = {"namespace": "", "time_ms": T0 + 5, "event_type": "POINT_IN_TIME", "key": "resumed_from_checkpoint",
+                  "value": 120, "metadata": {"file": "gen.py", "lineno": 3, "samples": 53760}}
+        lines.insert(2, f":::MLLOG {json.dumps(record)}\n")
+        logs[3].write_text("".join(lines))
+        why = "not a result: resumed from a checkpoint at step 120"
+    else:
+        logs[3] = write_log(logs[3], [0.4 + 0.3 * k / 15 for k in range(16)] + [0.7207], status="aborted")
+        why = "status is 'aborted'"
+    out = make_submission(logs, tmp_path / "sub")
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert f"make_submission: {logs[3]}: " in out.stderr and why in out.stderr, out.stderr
+    assert "no submission folder made" in out.stderr and not (tmp_path / "sub").exists()

@@ -110,3 +110,22 @@ def test_a_resumed_run_appends_to_the_metrics_and_a_fresh_one_starts_them(tmp_pa
     assert steps() == [1, 2]
     run(False, 3)
     assert steps() == [3]
+
+
+def test_a_resume_forgets_the_records_past_its_checkpoint(tmp_path, capsys):
+    """Killed at step 9 with its last checkpoint at 6: steps 7-9 are trained and logged again by the continuation,
+    so metrics.jsonl would hold them twice and a plot of it would double back."""
+    first = progress_module.Progress(tmp_path, enabled=True)
+    for step in range(1, 10):
+        first.log(step=step, samples=8 * step, loss=1.0 / step)
+    first.log(compiled_after_run_start={})  # a record without a step stays
+    first._file.write('{"step": 10, "samp')  # cut short by the kill
+    first._file.close()
+    again = progress_module.Progress(tmp_path, enabled=True, resume=True)
+    again.drop_after(6)
+    for step in range(7, 9):
+        again.log(step=step, samples=8 * step, loss=0.5)
+    again._file.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records] == [1, 2, 3, 4, 5, 6, None, 7, 8]
+    assert [r["loss"] for r in records if r.get("step", 0) > 6] == [0.5, 0.5]

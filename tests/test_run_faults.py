@@ -31,7 +31,8 @@ RUN = {"BERT_CONFIG": "tiny", "INIT_CHECKPOINT": "", "BATCHSIZE": "16", "LR": "0
        "ATTENTION": "padded", "LOG_FREQ": "1", "SKIP_CHECKPOINT": "1", "EXTRA_PARAMS": "", "OMP_NUM_THREADS": "1",
        "DIST_TIMEOUT": "20"}
 # logs, progress, the resolved configuration (one line)
-NOISE = re.compile(r"^(:::MLLOG |STARTING TIMING RUN|ENDING TIMING RUN|RESULT,bert,|step=\d+ |resolved configuration )")
+NOISE = re.compile(r"^(:::MLLOG |STARTING TIMING RUN|ENDING TIMING RUN|RESULT,bert,|PREEMPTED,bert,|step=\d+ "
+                   r"|resolved configuration )")
 
 
 @pytest.fixture
@@ -142,7 +143,9 @@ def test_killed_rank_leaves_a_log_ending_in_run_stop_aborted(rank, synthetic_dat
 
 
 @pytest.mark.slow
-def test_sigterm_to_run_and_time_checkpoints_stops_the_workers_and_exits_0(synthetic_data, tmp_path, marker):
+def test_sigterm_to_run_and_time_checkpoints_stops_the_workers_and_exits_3(synthetic_data, tmp_path, marker):
+    """Pre-empted: every worker checkpoints and exits 0, and the script says it was a pre-emption, status 3 and no
+    RESULT line (run.sub stops its loop on it, where exit 0 made it start the next run)."""
     env = run_env(synthetic_data, tmp_path, marker)
     proc = start(env)
     wait_until(lambda: steps_done(tmp_path) >= 2, proc)
@@ -151,9 +154,11 @@ def test_sigterm_to_run_and_time_checkpoints_stops_the_workers_and_exits_0(synth
     proc.send_signal(signal.SIGTERM)  # the script's own pid, not its process group
     output = finish(proc)
 
-    assert proc.returncode == 0, output[-3000:]  # pre-empted after a checkpoint (run_pretraining.py's contract)
+    assert proc.returncode == 3, output[-3000:]  # pre-empted after a checkpoint
     assert not marked(env["FAULTS_TEST_MARKER"])  # no worker outlived the script
-    assert "ENDING TIMING RUN" in output and re.search(r"^RESULT,bert,7,\d+,", output, re.M)
+    assert "ENDING TIMING RUN" in output and not re.search(r"^RESULT,", output, re.M)
+    assert re.search(r"^PREEMPTED,bert,7,\d+: checkpoint saved; not a result \(RESUME=1 SEED=7 continues it\)$",
+                     output, re.M), output[-3000:]
     assert "Traceback" not in output and user_lines(output) == [], user_lines(output)
     latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
     assert int(latest.removeprefix("step_")) >= 2
@@ -303,3 +308,31 @@ def test_unreadable_sample_is_named_by_its_row(synthetic_data, tmp_path):
         f.read(np.arange(row))  # every row before it reads
         with pytest.raises(ShardError):
             f.read([row])
+
+
+def test_resume_without_the_runs_seed_is_refused_before_anything_starts(tmp_path):
+    """RESUME=1 with a fresh $RANDOM seed would have the loader refuse the checkpoint after init (another plan)."""
+    env = run_env(tmp_path / "data", tmp_path / "out", "none", RESUME="1")
+    env.pop("SEED")
+    out = subprocess.run([str(ROOT / "run_and_time.sh")], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "RESUME=1 continues a run: set SEED to its seed" in out.stderr, out.stderr
+    assert "STARTING TIMING RUN" not in out.stdout
+
+
+@pytest.mark.slow
+def test_a_failed_continuation_leaves_the_original_log_alone(synthetic_data, tmp_path, marker):
+    """RESUME=1 logs to result_0.txt.resumed-1. A continuation that fails (here: no checkpoint to continue from)
+    used to have run_and_time.sh close $MLPERF_LOG, the pre-empted original, open since its run_start, with a
+    run_stop dated at the continuation's failure; the script now closes the file the driver claimed."""
+    log = tmp_path / "result_0.txt"
+    log.write_text("".join(":::MLLOG " + json.dumps({"namespace": "", "time_ms": t, "event_type": "INTERVAL_START",
+                                                     "key": key, "value": None, "metadata": {"file": "x.py"}}) + "\n"
+                           for t, key in [(1, "init_start"), (2, "run_start")]))
+    original = log.read_bytes()
+    proc = start(run_env(synthetic_data, tmp_path, marker, RESUME="1"))
+    output = finish(proc)
+    assert proc.returncode == 2, output[-3000:]
+    assert log.read_bytes() == original, output[-3000:]
+    continuation = [e["key"] for e in events(tmp_path / "result_0.txt.resumed-1")]
+    assert "init_start" in continuation and "run_start" not in continuation  # failed in init: no checker takes it

@@ -91,6 +91,32 @@ def test_cancel_then_resume_from_finishes_the_experiment(tmp_path, synthetic_dat
     assert cc.returncode == 0, cc.stdout[-3000:] + cc.stderr[-3000:]
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+@needs_slurm
+@NEEDS_DRIVER
+def test_a_preempted_run_ends_the_job_instead_of_starting_the_next(tmp_path, synthetic_data):
+    """SIGTERM to the job's steps (Slurm's --signal, a pre-emption): the run checkpoints, run_and_time.sh exits 3,
+    and run.sub starts none of the remaining NEXP - 1 runs (they would only be cut by the time limit) and names
+    the RESUME_FROM that continues it. Its log stays open for that."""
+    env = config_env("config_CPU_1x2.sh", **{**SHORT_RUN, "CHECKPOINT_EVERY": "5"}, **data_env(synthetic_data),
+                     NEXP="2", LOGDIR=str(tmp_path / "results"))
+    results, output = tmp_path / "results" / "CPU_1x2" / "bert", tmp_path / "results" / "CPU_1x2" / "output" / "0"
+    submitted = sbatch(env, tmp_path / "job.out", "--parsable")
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    wait_for((output / "checkpoints" / "latest").is_file, "checkpoint")
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)  # the steps, not the batch script
+    wait_for(lambda: not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(),
+             "end of the job", 180)
+    job_output = (tmp_path / "job.out").read_text()
+    assert "run.sub: run 0 pre-empted after a checkpoint: result_0.txt is not a result; continue it with " \
+           "RESUME_FROM=0" in job_output, job_output[-4000:]
+    assert "result_1" not in job_output and not (results / "result_1.txt").exists()
+    assert "PREEMPTED,bert," in job_output and "RESULT,bert," not in job_output
+    assert "run_stop" not in [e["key"] for e in events(results / "result_0.txt")]  # open, to be continued
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"RESUME_FROM": "x"}, "$RESUME_FROM='x' must be an experiment index"),
     ({"RESUME_FROM": "0", "NEXP": "2"}, "RESUME_FROM continues one experiment: NEXP must be 1"),

@@ -69,7 +69,25 @@ class Progress:
         self._last_time, self._last_samples = time.perf_counter(), None
         if enabled:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(output_dir) / "metrics.jsonl", "a" if resume else "w")  # noqa: SIM115
+            self._path = Path(output_dir) / "metrics.jsonl"
+            self._file = open(self._path, "a" if resume else "w")  # noqa: SIM115
+
+    def drop_after(self, step: int) -> None:
+        """On resume from the checkpoint of `step`: forget the records of later steps, which a run killed past its
+        last checkpoint had logged and the continuation logs again (a line cut short by the kill goes too)."""
+        if not self.enabled:
+            return
+        self._file.close()
+        kept = []
+        for line in self._path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        self._path.write_text("".join(kept))
+        self._file = open(self._path, "a")  # noqa: SIM115
 
     def log(self, **record) -> None:
         """One record of host values. A record with `loss` is a training interval and gets samples_per_s;
