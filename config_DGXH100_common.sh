@@ -7,4 +7,8 @@ export PRECISION=bf16  # NVIDIA used FP8 (TransformerEngine); bf16 is the neares
 # too, both before run_start (about 80 s). One H200, batch 96 (README, "On one H200"): 800 samples/s against 763
 # with the model alone compiled, and 785 with CUDA graphs on 512-token buckets (the step is 96 % GPU-busy already).
 export COMPILE=${COMPILE:-default}
-export COMPILE_OPTIMIZER=${COMPILE_OPTIMIZER:-1}
+if [ "$COMPILE" = off ]; then  # the update is compiled with COMPILE's mode: none to compile it with
+  export COMPILE_OPTIMIZER=${COMPILE_OPTIMIZER:-0}
+else
+  export COMPILE_OPTIMIZER=${COMPILE_OPTIMIZER:-1}
+fi

@@ -66,6 +66,7 @@ main_task() {  # the timing lines come from one task only
 
 RUN_OUTCOME_FILE=$(mktemp "${TMPDIR:-/tmp}/run_outcome.XXXXXX")  # rank 0's, on this node: the main task's
 export RUN_OUTCOME_FILE
+trap 'rm -f "$RUN_OUTCOME_FILE"' EXIT
 outcome() { sed -n "s/^$1=//p" "$RUN_OUTCOME_FILE" | tail -n 1; }
 
 start=$(date +%s)
@@ -88,14 +89,14 @@ status=0
 wait "$pid" || status=$?
 trap - TERM INT
 log=$(outcome log)
-log=${log:-${MLPERF_LOG:-}}
+# A continuation that died before claiming its own file closes nothing: $MLPERF_LOG is the run it continues.
+[ "${RESUME:-0}" != 0 ] || log=${log:-${MLPERF_LOG:-}}
 if [ "$status" != 0 ] && [ -n "$log" ] && main_task; then
   "$PYTHON" -m bert.train.abort_log "$log" || true
 fi
 if [ "$status" = 0 ] && [ "$(outcome status)" = preempted ]; then
   status=3
 fi
-rm -f "$RUN_OUTCOME_FILE"
 
 end=$(date +%s)
 if main_task; then

@@ -76,8 +76,8 @@ declare -A DRIVERS=(
   # torchao's rowwise scaling (a scale per row, CUTLASS GEMMs), and with the weight-gradient GEMM kept in bf16
   [fp8-rowwise]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=rowwise --bench-repeats 0"
   [fp8-rowwise-gw-hp]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=rowwise-gw-hp --bench-repeats 0"
-  [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --bench-repeats 0"
-  [global-off]="--balance none"
+  [fp8-autocast]="--precision fp8 --static-tokens 512 --env MASTER_WEIGHTS=0 --compile default --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
+  [global-off]="--balance none --compile off --env COMPILE_OPTIMIZER=0"  # against driver-bf16 (eager)
   # cuDNN's ragged attention (Hopper kernels) on static shapes (its plans are cached per shape), compiled and eager;
   # refused (exit 2, seconds) on torch < 2.14, whose ragged backward is broken (bert.model.cudnn_varlen.MIN_TORCH)
   [cudnn]="--attention cudnn --static-tokens 512 --compile default --bench-repeats 0"

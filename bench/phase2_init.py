@@ -61,7 +61,7 @@ def run(name: str, env: dict[str, str], seconds: float, work: Path) -> dict:
     while proc.poll() is None and time.time() - start < seconds:
         time.sleep(1)
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # forwarded to the workers: they checkpoint and exit 0
+        proc.send_signal(signal.SIGTERM)  # forwarded to the workers: they checkpoint (run_and_time.sh exits 3)
     _, err = proc.communicate(timeout=300)
     lines = read_mllog(log.read_text())
     run_start = next(e["time_ms"] for e in lines if e["key"] == "run_start")

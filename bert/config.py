@@ -225,7 +225,7 @@ class TrainConfig:
                               f"cannot be sharded (OPTIMIZER_SHARDING=1 supports {', '.join(shardable)})")
         if self.optim.compile_optimizer and self.model.compile == "off":
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
-                              "step with (COMPILE=off)")
+                              "step with (COMPILE=off): set COMPILE_OPTIMIZER=0 with COMPILE=off")
         if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "

@@ -172,3 +172,16 @@ def test_bad_config_fails_before_training_naming_the_variable(unset, overrides, 
     assert out.returncode == 2
     assert culprit in out.stderr and out.stderr.count("\n") == 1, out.stderr  # one line, then exit 2
     assert "STARTING TIMING RUN" not in out.stdout
+
+
+@pytest.mark.parametrize("system", [s for s in PUBLISHED if s.startswith("DGXH100")])
+@pytest.mark.parametrize("compile_mode", [None, "off", "debug"])
+def test_h100_configs_compile_the_update_with_the_model_or_neither(system, compile_mode):
+    """The fastest measured step compiles both (800 samples/s on an H200); COMPILE=off alone must still parse,
+    which it did not while COMPILE_OPTIMIZER=1 stayed: the optimizer has no mode to be compiled with then."""
+    env = sourced(ROOT / f"config_{system}.sh", **({} if compile_mode is None else {"COMPILE": compile_mode}))
+    assert (env["COMPILE"], env["COMPILE_OPTIMIZER"]) == {None: ("default", "1"), "off": ("off", "0")}.get(
+        compile_mode, (compile_mode, "1"))
+    out = subprocess.run([sys.executable, "-m", "bert.train.config", "--check-env"], env=env, cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

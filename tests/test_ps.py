@@ -199,7 +199,8 @@ def metrics(out: Path) -> list[dict]:
 
 def short_run_env(data: Path, out: Path, reduce: str, gpus: int) -> dict[str, str]:
     """4 steps of tiny BERT, several DDP buckets per step, GRAD_CLIP=bucket; STEPS_THIS_JOB ends the job after
-    step 4 with a checkpoint and exit 0 in every process (no launcher kills a server still printing)."""
+    step 4 with a checkpoint and exit 0 in every process (no launcher kills a server still printing); rank 0 tells
+    run_and_time.sh, which ends as a pre-empted run does, status 3."""
     from test_harness import config_env, data_env
 
     return config_env("config_CPU_1x2.sh", **data_env(data), BERT_CONFIG="tiny", BATCHSIZE="8", LR="1e-3",
@@ -232,8 +233,9 @@ def test_driver_with_a_parameter_server_trains_like_flat(tmp_path, synthetic_dat
         (by_ps, ps_out), (by_flat, flat_out) = pool.map(run, ["ps", "flat"])
     assert served(by_ps.stderr, 2) >= 4 * 3  # several buckets in each of the 4 steps
     assert "ps server" not in by_flat.stderr
-    # both stop after step 4 with a checkpoint and exit 0: every process, the server too, exited 0
-    assert by_ps.returncode == by_flat.returncode == 0, by_ps.stderr[-3000:]
+    # both stop after step 4 with a checkpoint: every process, the server too, exited 0, and the script says 3
+    assert by_ps.returncode == by_flat.returncode == 3, by_ps.stderr[-3000:]
+    assert "launch:" not in by_ps.stderr and re.search(r"^PREEMPTED,bert,7,", by_ps.stdout, re.M)
     losses = [[m["loss"] for m in metrics(out)] for out in (ps_out, flat_out)]
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
     weights = [load_file(out / "checkpoints" / "step_00000004" / "model.safetensors") for out in (ps_out, flat_out)]
@@ -251,7 +253,8 @@ def test_slurm_step_with_a_server_task(tmp_path, synthetic_data):
     proc = subprocess.run(["srun", "-N1", "--ntasks=2", "--ntasks-per-node=2", "-l", str(ROOT / "run_and_time.sh")],
                           env={**short_run_env(synthetic_data, out, "ps", 1), "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-3000:]  # the job's steps done: task 0 says 3
+    assert re.search(r"^0: PREEMPTED,bert,7,", proc.stdout, re.M), proc.stdout[-3000:]
     assert served(proc.stderr, 1) >= 4 * 3  # srun -l: the line comes as "1: ps server 0: ..."
     assert len(metrics(out)) == 4 and json.loads((out / "config.json").read_text())["resolved"]["world_size"] == 1
 

@@ -205,7 +205,7 @@ def test_a_local_batch_that_draws_nothing_from_a_stratum_is_refused(strategy):
     lengths = np.repeat([100, 200, 300, 500], [373, 197, 117, 313])  # the phase-2 mix, 1,000 samples
     index = fake_index([1000], lengths=[lengths])
     with pytest.raises(ValueError, match=rf"BALANCE={strategy} with a local batch of 4 draws no sequence of length "
-                                         r"\(256,384\] \(11\.7% of the samples\).*at least 5 "):
+                                         r"\(256,384\] \(11\.7 % of the samples\).*at least 5 "):
         TrainPlan(index, 2, 4, 2, strategy)
     assert TrainPlan(index, 2, 5, 2, strategy).counts == (2, 1, 1, 1)
     assert TrainPlan(index, 2, 4, 2, "none").counts is None  # unstratified draws keep the data's mix on average
@@ -221,3 +221,12 @@ def test_epoch_ids_are_int32_where_they_fit():
         assert plan.epoch(0).dtype == np.int32 and plan.draw(100).dtype == np.int32
         assert sorted(plan.epoch(1).tolist()) == list(range(750))
     assert id_dtype(2**31 - 1) == np.int32 and id_dtype(2**31) == np.int64
+
+
+def test_a_rare_stratum_names_a_batch_that_draws_it_without_searching_every_size():
+    """Three sequences of 257-384 tokens among 3 x 10^8: a batch of 10^8 draws one; the search stops early."""
+    from bert.data.plan import check_every_stratum_drawn
+
+    present = np.array([10**8, 10**8, 3, 10**8])
+    with pytest.raises(ValueError, match=r"\(256,384\] \(1e-06 % of the samples\).*at least 100000001 "):
+        check_every_stratum_drawn(present, (6, 5, 0, 5), "samsung", 16)

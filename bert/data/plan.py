@@ -16,8 +16,6 @@ a step and its offset are arithmetic), which is what makes resuming exact and ch
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from bert.balance import Strategy, get_strategy, strata_counts, stratum_of
@@ -112,10 +110,14 @@ def check_every_stratum_drawn(present: np.ndarray, counts: tuple[int, ...], stra
     missing = [k for k, (n, c) in enumerate(zip(present, counts)) if n and not c]
     if not missing:
         return
-    bounds, total = (0, *EDGES), present.sum()
-    share = ", ".join(f"({bounds[k]},{bounds[k + 1]}] ({present[k] / total:.1%} of the samples)" for k in missing)
-    enough = next(b for b in itertools.count(local_batch + 1)  # a batch of every sample draws them all
-                  if all(c or not n for n, c in zip(present, strata_counts(present, EDGES, b))))
+    bounds, total = (0, *EDGES), int(present.sum())
+    share = ", ".join(f"({bounds[k]},{bounds[k + 1]}] ({100 * present[k] / total:.3g} % of the samples)"
+                      for k in missing)
+    # A batch of ceil(total / n) gives a stratum of n samples a quota of at least 1: it is enough; a smaller one may
+    # be, by the rounding of the others' remainders (a thousand tries at most: a rare stratum would take 10^8).
+    bound = max(-(-total // int(n)) for n in present if n)
+    enough = next((b for b in range(local_batch + 1, min(bound, local_batch + 1000))
+                   if all(c or not n for n, c in zip(present, strata_counts(present, EDGES, b)))), bound)
     raise ValueError(f"BALANCE={strategy} with a local batch of {local_batch} draws no sequence of length {share}: "
                      f"it would never train on them; use a local batch of at least {enough} or another BALANCE")
 

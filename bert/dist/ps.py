@@ -30,7 +30,6 @@ header (`disconnect`); a server returns once all workers have stopped.
 import os
 import queue
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
