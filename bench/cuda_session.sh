@@ -61,6 +61,8 @@ declare -A DRIVERS=(
   [compiled-opt]="--compile default --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # each layer its own graph (shared by the 24 layers): compile time, and does per-layer fusion keep the speed?
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
+  # GEMMs autotuned against Triton templates, whose epilogues can take the bias and GELU (a long compile)
+  [compiled-autotune]="--compile max-autotune-no-cudagraphs --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # the candidate fastest bf16 run: graphs on the static buckets (all recorded in the warm-up), compiled LAMB
   [graphs-opt]="--compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   [graphs]="--compile reduce-overhead --static-tokens 512 --env COMPILE_OPTIMIZER=0 --bench-repeats 0"

@@ -58,7 +58,7 @@ def test_compile_that_cannot_run_here_is_one_line_naming_the_setting(monkeypatch
     # with a C++ compiler the CPU runs every inductor mode but the one that only records CUDA graphs (max-autotune
     # records them on CUDA alone: on the CPU it is inductor's autotuning)
     monkeypatch.setattr("bert.model.compile._cxx_compiler", lambda: "/usr/bin/g++")
-    for name in ("default", "max-autotune"):
+    for name in ("default", "max-autotune", "max-autotune-no-cudagraphs"):
         check_compile(name, CPU)
     with pytest.raises(ValueError, match=r"^COMPILE=reduce-overhead captures CUDA graphs"):
         check_compile("reduce-overhead", CPU)

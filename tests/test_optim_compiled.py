@@ -146,7 +146,7 @@ def test_the_optimizer_is_compiled_without_cuda_graphs(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, backend, mode: seen.append((fn.__name__, backend, mode)) or fn)
     for name, mode in [("reduce-overhead", "default"), ("max-autotune", "max-autotune-no-cudagraphs"),
-                       ("default", "default")]:
+                       ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"), ("default", "default")]:
         seen.clear()
         compile_step(make("lamb", compiled=False)[1], name)
         compile_step(make("lamb", compiled=False, dtype=torch.bfloat16)[1], name)

@@ -1,11 +1,16 @@
-"""`torch.compile` of the model, chosen by `COMPILE` (off | default | max-autotune | reduce-overhead | debug).
+"""`torch.compile` of the model, chosen by `COMPILE` (off | default | max-autotune | max-autotune-no-cudagraphs |
+reduce-overhead | debug).
 
 The model is compiled in place (`nn.Module.compile`), so its type, its parameter names (checkpoints,
 weight decay groups) and DDP wrapping are unchanged. `dynamic=True` keeps one compiled graph over
 every token count T and masked count M (a training batch has a fixed number of sequences but not a
 fixed T): on an H100 with bf16 it gave 769 samples/s against 585 eager (issue 9). `reduce-overhead`
 adds inductor's CUDA graphs: forward and backward are captured and replayed, one recording per distinct
-shape (recording is cheap, compiling is not, so the graph stays dynamic). With `STATIC_TOKENS`
+shape (recording is cheap, compiling is not, so the graph stays dynamic). `max-autotune-no-cudagraphs` times
+Triton GEMM templates against cuBLAS for every GEMM shape and keeps the faster, so a template that wins can take
+a bias and GELU into its epilogue (one pass less over the FFN's activations); its compile is much longer, and on
+one H200 the compiled step was 96 % GPU-busy already, so it is kernels, not launches, that it could save (not
+measured yet: `driver-compiled-autotune` in bench/cuda_session.sh). With `STATIC_TOKENS`
 (`bert.static_shapes`) a run sees a few shapes, so a few recordings serve every step. `debug` captures
 the same graphs (dynamo, AOT autograd) but runs them eagerly (torch's `aot_eager` backend): no code
 generation, so it is quick, and it is how the CPU tests check that capture leaves the results unchanged.
@@ -41,6 +46,7 @@ COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backe
     "off": None,
     "default": ("inductor", "default"),
     "max-autotune": ("inductor", "max-autotune"),
+    "max-autotune-no-cudagraphs": ("inductor", "max-autotune-no-cudagraphs"),
     "reduce-overhead": ("inductor", "reduce-overhead"),
     "debug": ("aot_eager", None),
 }
