@@ -1,8 +1,8 @@
 # MLPerf BERT harness on NVIDIA's PyTorch container (CUDA, NCCL and a CUDA build of torch included).
 #   docker build -t mlperf-bert .
-#   docker run --gpus all --ipc=host --ulimit memlock=-1 -v <data>:/workspace/data_phase2 ... mlperf-bert \
-#     bash -c 'source config_DGXA100_1x8x56x1.sh && ./run_and_time.sh'
-# run.sub uses the same image through pyxis: CONT=mlperf-bert (or a registry path) sbatch ... run.sub
+#   docker run ... mlperf-bert bash -c 'source config_DGXA100_1x8x56x1.sh && ./run_and_time.sh'
+#   (the whole command, with the mounts and the -e paths the configs need inside: README, "Running on a real cluster")
+# run.sub uses the same image through pyxis: CONT=<registry>#<path>:<tag> or a .sqsh file (enroot import)
 # 25.12: torch 2.10.0a0, CUDA 13.1 (NVIDIA's release notes). The harness needs torch >= 2.10 (checked below);
 # 25.01's torch 2.6 fails its tests. The GPU measurements in the README ran torch 2.11.0+cu130 with torchao 0.18.0.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3

@@ -73,6 +73,28 @@ def test_container_flags_and_paths(tmp_path):
         ["result_0.txt", "result_1.txt"]
 
 
+def test_a_path_is_seen_through_the_mount_that_holds_it(tmp_path):
+    """Whole path components: an eval set in /x/bert_eval is not inside the data mount /x/bert (a prefix match
+    sent it to /workspace/data_phase2_eval, and a LOGDIR of /x/bert_results wrote the logs inside the container,
+    where the checks in the same container found them while the host's result file stayed empty). A checkpoint
+    folder inside the data folder is seen through its own, deeper mount."""
+    base = tmp_path / "bert"
+    host = {"DATADIR_PHASE2": str(base), "EVALDIR": f"{base}_eval", "CHECKPOINTDIR_PHASE1": f"{base}/phase1/"}
+    env = {**recording_srun(tmp_path), "CONT": "registry/mlperf-bert:1", "NEXP": "1", "LOGDIR": f"{base}_results",
+           "SLURM_JOB_ID": "78", "SLURM_SUBMIT_DIR": str(ROOT), "CLEAR_CACHES": "0",
+           "INIT_CHECKPOINT": f"{base}/phase1/model.ckpt-28252.safetensors",
+           "BERT_CONFIG": f"{base}_configs/bert_config.json", **host}  # in no mount: the run sees it as it is
+    script = f'source "{ROOT}/config_DGXA100_1x8x56x1.sh" && exec bash "{ROOT}/run.sub"'
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    run = next(c for c in recorded_calls(tmp_path) if c["argv"][-1] == "/workspace/bert/run_and_time.sh")
+    assert run["env"]["DATADIR_PHASE2"] == "/workspace/data_phase2"
+    assert run["env"]["EVALDIR"] == "/workspace/evaldata"
+    assert run["env"]["MLPERF_LOG"] == "/results/DGXA100_1x8x56x1/bert/result_0.txt"
+    assert run["env"]["INIT_CHECKPOINT"] == "/workspace/phase1/model.ckpt-28252.safetensors"
+    assert run["env"]["BERT_CONFIG"] == f"{base}_configs/bert_config.json"
+
+
 def test_parameter_servers_are_extra_tasks_on_every_node(tmp_path):
     """GRAD_REDUCE=ps: every node runs DGXNGPU + PS_SERVERS tasks (bert/dist/ps.py): 2 nodes x (8 + 2) here, on the
     host's Python (no CONT)."""
