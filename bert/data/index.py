@@ -44,7 +44,7 @@ def list_shards(directory: str | os.PathLike) -> list[Path]:
 class LengthIndex:
     paths: tuple[Path, ...]
     offsets: np.ndarray  # (num_shards + 1,) int64, prefix sums of the shard sizes
-    lengths: np.ndarray  # (num_samples,) int64, tokens per sample
+    lengths: np.ndarray  # (num_samples,) int32, tokens per sample (0.63 GB for phase 2's 156.7 M, on every rank)
 
     @classmethod
     def scan(cls, directory: str | os.PathLike) -> LengthIndex:
@@ -71,7 +71,7 @@ class LengthIndex:
         sizes = [len(lengths) for lengths in per_shard]
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(sizes)
-        return cls(tuple(paths), offsets, np.concatenate(per_shard).astype(np.int64))
+        return cls(tuple(paths), offsets, np.concatenate(per_shard).astype(np.int32))
 
     @property
     def num_samples(self) -> int:
