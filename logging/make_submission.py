@@ -4,9 +4,9 @@
         --org MyOrg --system dgxa100_pytorch --out submission [--rcp-bypass]
 
 First every log goes through verify_result.py's checks (its `--target`, `--eval-samples`, `--eval-start`,
-`--eval-every`): a run continued from a
-checkpoint, or one whose status disagrees with its accuracy, passes the official checkers but is not a result,
-and is refused here before anything is built. Then it builds, under OUT/<org>/ (which must not exist yet):
+`--eval-every`): a run continued from a checkpoint, or one whose status disagrees with its accuracy, passes the
+official checkers but is not a result, and is refused here before anything is built. Then it builds, under
+OUT/<org>/ (which must not exist yet):
 
     systems/<system>.json                         every field the system-description checker requires
     results/<system>/bert/result_<k>.txt          the given logs, renumbered 0..n-1
@@ -33,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from result_log import LogError, read_events, values
-from verify_result import Expect, add_expect_args, expect_from, verify
+from result_log import read_events, values
+from verify_result import Expect, add_expect_args, expect_from, problems_of
 
 RULESET = "5.0.0"
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,12 +107,7 @@ def refuse_non_results(logs: list[Path], expect: Expect) -> None:
     """verify_result.py's checks on every log before anything is built: the official checkers let through a run
     continued from a checkpoint (it times only the continuation) and a run whose status disagrees with its
     accuracy, and copied in as result_<k>.txt its file name would no longer say so."""
-    problems = []
-    for log in logs:
-        try:
-            problems += [f"{log}: {problem}" for problem in verify(log, expect)]
-        except (OSError, LogError) as e:
-            problems.append(f"{log}: {e}")
+    problems = [f"{log}: {problem}" for log in logs for problem in problems_of(log, expect)]
     if problems:
         raise SystemExit("\n".join(f"make_submission: {p}" for p in problems) + f"\nmake_submission: "
                          f"{len(problems)} problem(s) in the logs (python logging/verify_result.py checks them): "

@@ -145,6 +145,14 @@ def verify(path: str | Path, expect: Expect) -> list[str]:
             + check_cadence(events, gbs, expect.eval_start, expect.eval_every))
 
 
+def problems_of(path: str | Path, expect: Expect) -> list[str]:
+    """`verify`'s problems, or the one that kept the log from being read."""
+    try:
+        return verify(path, expect)
+    except (OSError, LogError) as e:
+        return [str(e)]
+
+
 def _count(text: str) -> int:
     """A sample count as the shell configs write it: 150000 or 1.5e5."""
     value = float(text)
@@ -173,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     expect = expect_from(args)
     failed = 0
     for log in args.logs:
-        try:
-            problems = verify(log, expect)
-        except (OSError, LogError) as e:
-            problems = [str(e)]
+        problems = problems_of(log, expect)
         for problem in problems:
             print(f"FAIL {log}: {problem}")
         if not problems:

@@ -114,7 +114,8 @@ def load_sidecar(directory: str | os.PathLike) -> dict[str, tuple[np.ndarray, tu
 
 def _shard_lengths(path: Path, sidecar: dict[str, tuple[np.ndarray, tuple[int, int] | None]]
                    ) -> tuple[np.ndarray, bool]:
-    """A shard's lengths (int64), and whether they had to be computed from its input_ids."""
+    """A shard's lengths (as stored: `from_lengths` makes them int32), and whether they had to be computed from its
+    input_ids."""
     with VarlenShard(path) as shard:
         if shard.has_length_index or path.name not in sidecar:
             return shard.lengths(), not shard.has_length_index
@@ -124,4 +125,4 @@ def _shard_lengths(path: Path, sidecar: dict[str, tuple[np.ndarray, tuple[int, i
             raise ShardError(f"{path}: {len(shard)} samples (bytes, mtime {now}), but {path.parent / LENGTHS_SIDECAR} "
                              f"lists {len(lengths)} lengths for it (bytes, mtime {then}): replaced or copied without "
                              f"its times since? rerun python data/index_lengths.py {path.parent}")
-        return lengths.astype(np.int64), False
+        return lengths, False

@@ -50,6 +50,6 @@ def rank_streams(index: LengthIndex, world: int, seed: int, epoch: int, shuffle_
     streams = []
     for rank in range(world):
         mine = [parts[p] for p in order[rank::world]]
-        ids = np.concatenate(mine) if mine else np.zeros(0, dtype=id_dtype(index.num_samples))
+        ids = np.concatenate(mine) if mine else parts[0][:0]  # no ids, of the ids' dtype
         streams.append(ids[shuffle_buffer_order(len(ids), shuffle_buffer, epoch_rng(seed, epoch, SAMPLES, rank))])
     return streams

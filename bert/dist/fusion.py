@@ -4,8 +4,7 @@ DDP cannot make them: a DDP bucket holds whole parameters, and BERT-large's word
 (30528 x 1024 fp32, 125 MB) is five times the default 25 MB bucket, so DDP's buckets, once rebuilt in
 gradient-ready order, range from 32 MiB (one encoder layer) to 121 MiB (`bench/comm.py` prints the spread).
 Herring instead lays all gradients out in one flat buffer and cuts it into B slices of equal size, splitting a
-parameter across slices when the
-cut falls inside it. `FusedDataParallel` does that, in place of DDP:
+parameter across slices when the cut falls inside it. `FusedDataParallel` does that, in place of DDP:
 
     layout   parameters are placed in the order their gradients became ready in the first backward
              on rank 0, which rank 0 broadcasts (Herring's "without negotiation", Fig. 3-4); until then
