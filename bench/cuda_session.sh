@@ -59,8 +59,12 @@ declare -A DRIVERS=(
   [autocast]="--compile off --env COMPILE_OPTIMIZER=0 --env MASTER_WEIGHTS=0"
   [compiled]="--compile default --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   [compiled-opt]="--compile default --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
+  # LAMB over flat buffers of whole rows (bert.optim.flat): a few passes over one buffer instead of foreach lists
+  [compiled-flat]="--compile default --env COMPILE_OPTIMIZER=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
   # each layer its own graph (shared by the 24 layers): compile time, and does per-layer fusion keep the speed?
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
+  # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)
+  [compiled-cdt]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --bench-repeats 0"
   # GEMMs autotuned against Triton templates, whose epilogues can take the bias and GELU (a long compile)
   [compiled-autotune]="--compile max-autotune-no-cudagraphs --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # the candidate fastest bf16 run: graphs on the static buckets (all recorded in the warm-up), compiled LAMB
@@ -172,7 +176,7 @@ for name in "$@"; do
     tests)
       # xdist: a test that kills its process (a segfault in a CUDA graph) costs one worker, not the report
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
-        tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py \
+        tests/test_compile.py tests/test_fp8.py tests/test_optim_compiled.py tests/test_master_weights.py tests/test_flat_lamb.py \
         tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
         tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \

@@ -128,6 +128,9 @@ class OptimConfig:
                                   env="COMPILE_OPTIMIZER")
     master_weights: bool = opt(False, "the model's weights in the compute dtype (PRECISION, autocast off), fp32 "
                                "masters and state in the optimizer (bert.optim.master)", env="MASTER_WEIGHTS")
+    optimizer_layout: str = opt("tensors", "LAMB over a list of tensors, or over flat buffers of whole rows "
+                                "(MASTER_WEIGHTS=1 only; bert.optim.flat)", env="OPTIMIZER_LAYOUT",
+                                registry="bert.optim.flat:LAYOUTS")
 
 
 @dataclass
@@ -271,6 +274,11 @@ class TrainConfig:
         if self.optim.master_weights and self.optim.optimizer_sharding:
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with OPTIMIZER_SHARDING=1 "
                               "(the sharded update keeps no fp32 masters)")
+        optim = self.optim
+        if optim.optimizer_layout == "flat" and not (optim.master_weights and optim.optimizer == "lamb"):
+            raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", "flat", "needs MASTER_WEIGHTS=1 and "
+                              f"OPTIMIZER=lamb (MASTER_WEIGHTS={int(optim.master_weights)}, "
+                              f"OPTIMIZER={optim.optimizer}): the flat buffers are the fp32 masters'")
         if environ is not None:
             check_node_size(self.dist, environ)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run

@@ -15,6 +15,7 @@ from torch import nn
 
 from bert.config import OptimConfig
 from bert.optim.apex_lamb import apex_lamb
+from bert.optim.flat import FlatLamb
 from bert.optim.lamb import Lamb
 from bert.optim.param_groups import decay_groups
 from bert.optim.schedule import WarmupPolyDecay
@@ -91,6 +92,9 @@ def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dt
     build = functools.partial(OPTIMIZERS[cfg.optimizer], lr=lr, betas=(cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),
                               eps=cfg.opt_epsilon, on_cuda=on_cuda, compiled=cfg.compile_optimizer,
                               skip_on_device=skip_on_device)
+    if cfg.optimizer_layout == "flat":  # LAMB over flat buffers of the masters (the config allows no other)
+        build = functools.partial(FlatLamb, lr=lr, betas=(cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2),
+                                  eps=cfg.opt_epsilon)
     if cfg.master_weights:
         from bert.optim.master import MasterWeights
 

@@ -39,7 +39,13 @@ def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Opt
         raise ValueError(f"COMPILE_OPTIMIZER=1 needs a COMPILE mode to compile the step with, not COMPILE={name}")
     backend, mode = COMPILE_MODES[name]
     mode = WITHOUT_CUDA_GRAPHS.get(mode, mode)
-    if isinstance(optimizer, MasterWeights):  # GradScaler calls its step, which checks for overflow first
+    if isinstance(optimizer, MasterWeights) and optimizer.layout and backend == "inductor":
+        # OPTIMIZER_LAYOUT=flat: torch 2.11's inductor fails on the flat update on CUDA, in the loop reordering
+        # it tries when fusing (scheduler.reorder_loops_by_dep_pair: `assert isinstance(snode, SchedulerNode)`, seen
+        # on an H100 and an H200; inductor never reorders loops on the CPU). The mode's options without it.
+        options = {**torch._inductor.list_mode_options(mode), "loop_ordering_after_fusion": False}
+        optimizer.update_masters = torch.compile(optimizer.update_masters, backend=backend, options=options)
+    elif isinstance(optimizer, MasterWeights):  # GradScaler calls its step, which checks for overflow first
         optimizer.update_masters = torch.compile(optimizer.update_masters, backend=backend, mode=mode)
     else:
         optimizer.step = torch.compile(optimizer.step, backend=backend, mode=mode)  # what GradScaler.step calls

@@ -21,6 +21,9 @@ every weight down at every forward (and LayerNorm's inputs back up) -- about 11 
                  this optimizer's groups
               5. the masters are copied into the model's weights (foreach copy: round to nearest)
               No host sync: an overflowed fp16 step is skipped on the device.
+    flat      OPTIMIZER_LAYOUT=flat (bert.optim.flat): the masters, the fp32 gradients and the model's weights
+              are views of three buffers of one layout, so steps 1, 2 and 5 are a pass each over one buffer,
+              the clip's norm is one buffer's, and the inner LAMB works on whole rows
 
 The skip without a host sync: GradScaler leaves its inf flag on the device, and reading it on the host
 (`.item()`) would make the host wait for the whole backward every step, so the next step's launches could
@@ -64,6 +67,7 @@ import torch
 from torch import Tensor
 
 from bert.dist.clip import clip_after_allreduce
+from bert.optim.flat import FlatLayout, check_every_gradient, move_into
 from bert.optim.lamb import Lamb
 
 Groups = list[dict]
@@ -97,6 +101,12 @@ class MasterWeights(torch.optim.Optimizer):
             master_groups.append({**g, "params": self.masters[i:i + k]})
             i += k
         self.inner = build_inner(master_groups)
+        # OPTIMIZER_LAYOUT=flat (bert.optim.flat): the inner optimizer has moved the masters into one buffer; the
+        # model's weights go into one of the same layout, so the copy back is one pass over it
+        self.layout: FlatLayout | None = getattr(self.inner, "layout", None)
+        self.low = move_into(self.params, self.layout, compute_dtype) if self.layout else None
+        if self.layout:
+            self.inner.weights.grad = self.inner.grad  # the `after` clip's norm over the one flat gradient
         self.clip_after = clip_after
         self.compute_dtype = compute_dtype
         # what `step` runs after its host-side checks; COMPILE_OPTIMIZER=1 replaces it by its compiled form
@@ -115,7 +125,7 @@ class MasterWeights(torch.optim.Optimizer):
                 return
             found_inf = None
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
-        if not pairs:
+        if not pairs or (self.layout and not check_every_gradient(self.params)):
             return
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
@@ -132,25 +142,30 @@ class MasterWeights(torch.optim.Optimizer):
         between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
         whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
         change nothing (step 2 on the device); `step` has told the inner optimizer the same flag."""
-        if inv_scale is None:  # bf16: a gradient per master, nothing to unscale or zero
-            grads = [torch.empty_like(m) for m in masters]
-            torch._foreach_copy_(grads, [p.grad for p in params])
+        if self.layout:  # OPTIMIZER_LAYOUT=flat: the inner optimizer's flat gradient (every master has one)
+            flat, grads = self.inner.grad, self.inner.grad_views
+        elif inv_scale is None:  # bf16: a gradient per master, nothing to unscale or zero
+            flat, grads = None, [torch.empty_like(m) for m in masters]
         else:  # fp16: views of one flat gradient, so that the unscale and the zeroing are one kernel each
             sizes = [m.numel() for m in masters]
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
             grads = [g.view_as(m) for g, m in zip(flat.split(sizes), masters)]
-            torch._foreach_copy_(grads, [p.grad for p in params])
+        torch._foreach_copy_(grads, [p.grad for p in params])
+        if inv_scale is not None:
             flat.mul_(inv_scale)
             if found_inf is not None:
                 flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
         for m, g in zip(masters, grads):
             m.grad = g
-        if self.clip_after is not None:
-            clip_after_allreduce(masters, self.clip_after)
+        if self.clip_after is not None:  # flat: the norm of the one buffer (its padding is zero)
+            clip_after_allreduce([self.inner.weights] if self.layout else masters, self.clip_after)
         self.inner.step()  # reads `found_inf`, set by `step`
         for m in masters:
             m.grad = None
-        torch._foreach_copy_(params, masters)
+        if self.low is not None:
+            self.low.copy_(self.inner.weights)
+        else:
+            torch._foreach_copy_(params, masters)
 
     @property
     def host_lr(self) -> bool:

@@ -1,0 +1,217 @@
+"""`OPTIMIZER_LAYOUT=flat`: LAMB over flat buffers, every tensor starting on a row of CHUNK elements.
+
+The foreach LAMB (bert.optim.lamb) makes each pass over BERT-large's ~400 tensors, from 1,024 to 31 M
+elements. Compiled (COMPILE_OPTIMIZER=1), that update took 7.6 ms of the H200's 122 ms step for about 13 GB of
+memory traffic, which the card moves in under 3 ms. Here the fp32 masters, the moments m and v and the fp32
+gradients are each one buffer of shape [rows, CHUNK], each tensor padded with zeros to whole rows, so a step is
+
+    pass 1, over the rows   m and v updated, u formed, and each row's sums of p^2 and u^2
+    per tensor              its rows' sums added (a float64 running sum: a fixed order), trust r = ||p|| / ||u||
+    pass 2, pointwise       p = p - lr r u, r gathered by the row's tensor (u formed again, not stored)
+
+plus the gradients' cast up and the weights' copy back, one flat pass each (bert.optim.master). The padding
+stays zero: g = 0 there, so m = v = 0, u = 0 / (0 + eps) + wd 0 = 0, and p does not move.
+
+The arithmetic per element is Lamb's, op for op (bias corrections, lerp, addcmul, sqrt, the found_inf skip);
+only the norms sum in another order, so the weights agree with Lamb's within fp32 rounding, not bit for bit
+(tests/test_flat_lamb.py).
+
+Checkpoints: the state is laid out per tensor as Lamb's (`exp_avg` and `exp_avg_sq` are views of the flat
+moments, `step` one device counter per group), so a checkpoint moves between the layouts; loading copies the
+values into the flat buffers.
+
+Built inside MasterWeights only (the config refuses OPTIMIZER_LAYOUT=flat without MASTER_WEIGHTS=1 and LAMB):
+the masters become views of `weights`, MasterWeights casts the model's gradients straight into `grad_views`,
+and the model's low-precision weights are views of one buffer of the same layout. Every tensor must have a
+gradient at every step: one without would still move by its weight decay and its moments.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from bert.optim.lamb import Lamb, _bias_corrections
+
+CHUNK = 2048  # a row: whole rows keep tensors apart; 1,024-element biases waste half a row each (0.1 % in all)
+LAYOUTS = ("tensors", "flat")  # OPTIMIZER_LAYOUT's choices
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor of a list lives in a flat buffer of `rows` x `chunk` elements: from row `starts[i]`,
+    over `counts[i]` rows, its elements first and zeros after."""
+
+    numels: tuple[int, ...]
+    chunk: int = CHUNK
+
+    @property
+    def counts(self) -> list[int]:
+        return [-(-n // self.chunk) for n in self.numels]
+
+    @property
+    def starts(self) -> list[int]:
+        starts, row = [], 0
+        for count in self.counts:
+            starts.append(row)
+            row += count
+        return starts
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    def buffer(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A zero buffer of this layout, flat, on `like`'s device."""
+        return torch.zeros(self.rows * self.chunk, dtype=dtype or like.dtype, device=like.device)
+
+    def views(self, flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+        """Each tensor's view of `flat` (a buffer of this layout), with its shape."""
+        return [flat[start * self.chunk:start * self.chunk + n].view(shape)
+                for start, n, shape in zip(self.starts, self.numels, shapes, strict=True)]
+
+
+def move_into(tensors: Sequence[Tensor], layout: FlatLayout, dtype: torch.dtype) -> Tensor:
+    """A buffer of `layout` in `dtype` holding `tensors` (cast), each of which becomes a view of it, in place
+    (`.data`: the same tensor objects, so optimizer groups, modules and hooks keep them). Returns the buffer."""
+    flat = layout.buffer(tensors[0], dtype)
+    with torch.no_grad():
+        for t, view in zip(tensors, layout.views(flat, [t.shape for t in tensors]), strict=True):
+            view.copy_(t)
+            t.data = view
+    return flat
+
+
+def check_every_gradient(params: Sequence[Tensor]) -> bool:
+    """Whether the step has gradients to apply: all of them (True) or none (False); a few missing is an error."""
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if missing and len(missing) < len(params):
+        raise ValueError(f"OPTIMIZER_LAYOUT=flat updates every tensor at once, but tensor {missing[0]} of "
+                         f"{len(params)} has no gradient this step (it would move by its weight decay): use "
+                         "OPTIMIZER_LAYOUT=tensors")
+    return not missing
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One param group's share of the buffers: rows [first, last); per tensor of the group, where its rows begin
+    and end (relative to `first`); per row, the tensor it holds."""
+
+    first: int
+    last: int
+    begins: Tensor
+    ends: Tensor
+    owner: Tensor
+
+
+def tensor_sums(row_sums: Tensor, part: _Part) -> Tensor:
+    """Each tensor's sum of its rows' sums: differences of a float64 running sum, in a fixed order (no atomics) and
+    in ops inductor generates itself. Each difference is exact to ~1e-16 of the running total: BERT-large's
+    weights sum to ~1e5 squared, its smallest decayed tensor (token types) to ~1, so ~1e-11 of it, far below
+    fp32's rounding."""
+    running = torch.nn.functional.pad(row_sums.double().cumsum(0), (1, 0))
+    return (running[part.ends] - running[part.begins]).float()
+
+
+class FlatLamb(Lamb):
+    """LAMB as `Lamb(capturable=True)` computes it, over fp32 tensors it moves into flat buffers (module doc)."""
+
+    def __init__(self, params, lr: Tensor | float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, chunk: int = CHUNK):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True)
+        tensors = [p for g in self.param_groups for p in g["params"]]
+        if not tensors or any(t.dtype != torch.float32 for t in tensors):
+            raise ValueError("OPTIMIZER_LAYOUT=flat updates fp32 tensors (MasterWeights' masters)")
+        self.layout = FlatLayout(tuple(t.numel() for t in tensors), chunk)
+        self.weights = move_into(tensors, self.layout, torch.float32)
+        self.exp_avg, self.exp_avg_sq, self.grad = (self.layout.buffer(self.weights) for _ in range(3))
+        shapes = [t.shape for t in tensors]
+        self.grad_views = self.layout.views(self.grad, shapes)  # what MasterWeights casts the gradients into
+        self._moments = dict(zip(tensors, zip(self.layout.views(self.exp_avg, shapes),
+                                              self.layout.views(self.exp_avg_sq, shapes))))
+        self.parts, starts, counts, i = [], self.layout.starts, self.layout.counts, 0
+        for group in self.param_groups:
+            k = len(group["params"])
+            device, rows = self.weights.device, counts[i:i + k]
+            ends = list(itertools.accumulate(rows))
+            owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(rows, device=device))
+            self.parts.append(_Part(starts[i], starts[i] + ends[-1], torch.tensor([0, *ends[:-1]], device=device),
+                                    torch.tensor(ends, device=device), owner))
+            i += k
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("FlatLamb.step does not take a closure")
+        if not check_every_gradient([p for g in self.param_groups for p in g["params"]]):
+            return
+        found_inf = getattr(self, "found_inf", None)  # set under fp16 by bert.optim.master (bert.optim.lamb's doc)
+        for group, part in zip(self.param_groups, self.parts):
+            self._update_rows(group, part, found_inf)
+
+    def _rows(self, flat: Tensor, part: _Part) -> Tensor:
+        return flat[part.first * self.layout.chunk:part.last * self.layout.chunk].view(-1, self.layout.chunk)
+
+    def _counter(self, group: dict) -> Tensor:
+        """The group's update count, one fp32 device tensor shared by its tensors' states (Lamb's layout), which
+        are made on the first step: the moments as views of the flat buffers."""
+        params = group["params"]
+        if not self.state[params[0]]:
+            t = torch.zeros((), dtype=torch.float32, device=self.weights.device)
+            for p in params:
+                m, v = self._moments[p]
+                self.state[p].update(step=t, exp_avg=m, exp_avg_sq=v)
+        return self.state[params[0]]["step"]
+
+    def _update_rows(self, group: dict, part: _Part, found_inf: Tensor | None) -> None:
+        b1, b2 = group["betas"]
+        p, g, m, v = (self._rows(flat, part) for flat in (self.weights, self.grad, self.exp_avg, self.exp_avg_sq))
+        t = self._counter(group)
+        lr = torch.as_tensor(group["lr"], device=p.device)
+        if found_inf is None:
+            t.add_(1)
+            corrected = t
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2)
+        else:  # Lamb's skip without a host sync: every factor that moves a value is 0 where found_inf is 1
+            take = found_inf == 0
+            t.add_(take.float())
+            corrected = t.clamp(min=1)
+            m.lerp_(g, torch.where(take, 1.0 - b1, 0.0))
+            v.mul_(torch.where(take, b2, 1.0))
+            lr = lr * take
+        v.addcmul_(g, g, value=1.0 - b2)
+        c1, sqrt_c2 = _bias_corrections(b1, b2, corrected)
+        update = m / (v.sqrt() / sqrt_c2 + group["eps"]) / c1
+        if group["weight_decay"] != 0.0:
+            update = update.add(p, alpha=group["weight_decay"])
+            p_norm = tensor_sums(p.square().sum(1), part).sqrt()
+            u_norm = tensor_sums(update.square().sum(1), part).sqrt()
+            trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
+            p.add_(update * (-lr * trust)[part.owner][:, None])
+        else:
+            p.add_(update * -lr)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load (per tensor, as Lamb's), then the moments copied into the flat buffers and the states
+        pointed back at their views; a tensor without saved state starts from zero moments, as in Lamb."""
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+            for group in self.param_groups:
+                saved = [p for p in group["params"] if self.state[p]]
+                if not saved:
+                    continue
+                t = torch.as_tensor(self.state[saved[0]]["step"], dtype=torch.float32,
+                                    device=self.weights.device).clone()
+                for p in group["params"]:
+                    m, v = self._moments[p]
+                    if self.state[p]:
+                        m.copy_(self.state[p]["exp_avg"])
+                        v.copy_(self.state[p]["exp_avg_sq"])
+                    self.state[p].update(step=t, exp_avg=m, exp_avg_sq=v)
