@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bert.balance import STRATEGIES, get_strategy, strata_counts, stratum_of
+from bert.balance import STRATEGIES, get_strategy, strata_counts, stratify, stratum_of
 from bert.balance.greedy import assign_greedy
 from bert.balance.stratify import stratified_steps
 from bert.lengths import WIKI_PHASE2
@@ -225,3 +225,17 @@ def test_stratification_changes_the_draw_and_never_the_dealing():
             lengths = rng.integers(1, 513, size=(8, 6))
             got, want = (STRATEGIES[n].assign(lengths, 4) for n in (stratified, plain))
             assert np.array_equal(got, want), (stratified, plain)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_interleave_is_the_stable_sort_of_chunk_number_then_rank(chunk: int) -> None:
+    """Against the order the docstring defines, computed by sorting every id's (chunk number, rank) key: streams
+    of equal and unequal lengths, shorter than one chunk, and empty."""
+    rng = np.random.default_rng(chunk)
+    cases = [[40, 40, 40], [41, 40, 57], [2, 40, 0], [0, 0], [chunk] * 4, [5 * chunk + 1, 3 * chunk, 7]]
+    for lengths in cases:
+        streams = [rng.permutation(1000)[:n].astype(np.int32) for n in lengths]
+        keys = np.concatenate([np.arange(len(s)) // chunk * len(streams) + r for r, s in enumerate(streams)])
+        expected = np.concatenate(streams)[np.argsort(keys, kind="stable")]
+        got = stratify.interleave(streams, chunk)
+        assert got.dtype == np.int32 and np.array_equal(got, expected), lengths

@@ -17,6 +17,7 @@ import torch
 from test_master_weights import STEPS, batches
 from test_master_weights import build as build_run
 from test_master_weights import config as config_mw
+from test_optim_compiled import train
 from torch import nn
 
 from bert.config import from_flat
@@ -57,23 +58,6 @@ def build(layout: str, precision: str = "bf16", clip: str = "after", row: int = 
                                   eps=cfg.opt_epsilon, chunk=row)
         opt = MasterWeights(decay_groups(model, cfg.weight_decay_rate), inner, dtype, C if clip == "after" else None)
     return model, opt, build_schedule(opt, cfg)
-
-
-def train(model, opt, schedule, steps: int, start: int = 0, scaler=None, overflow_at: int = -1) -> None:
-    """Random gradients of order 1, in the compute dtype (an inf in one at step `overflow_at`)."""
-    for k in range(start, start + steps):
-        gen = torch.Generator().manual_seed(k)
-        for p in model.parameters():
-            p.grad = (torch.randn(p.shape, generator=gen) * (scaler.get_scale() if scaler else 1.0)).to(p.dtype)
-        if k == overflow_at:
-            next(model.parameters()).grad[0, 0] = float("inf")
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        schedule.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def assert_same_update(flat, tensors, tol: float = 2e-6) -> None:
@@ -127,8 +111,8 @@ def test_flat_steps_equal_the_per_tensor_lamb(clip):
     assert isinstance(opt.inner, FlatLamb) and opt.layout.counts == [5, 1, 2, 6, 1, 1, 1, 2]
     before = [m.clone() for m in opt.masters]
     for k in range(4):
-        train(model, opt, schedule, 1, start=k)
-        train(ref_model, ref, ref_schedule, 1, start=k)
+        train(model, opt, schedule, 1, seed=k)
+        train(ref_model, ref, ref_schedule, 1, seed=k)
         assert_same_update(opt, ref)
     assert all((m - b).abs().max() > 1e-3 for m, b in zip(opt.masters, before))  # every tensor trained
     assert all(p.abs().max() == 0 for p in padding(opt))
@@ -154,7 +138,7 @@ def test_fp16_overflow_changes_nothing_and_the_next_steps_match():
     for k in range(4):
         kept = [m.clone() for m in runs[0][1].masters]
         for (_, opt, schedule), scaler in zip(runs, scalers):
-            train(_model_of(opt), opt, schedule, 1, start=k, scaler=scaler, overflow_at=1)
+            train(_model_of(opt), opt, schedule, 1, seed=k, scaler=scaler, overflow_at=0 if k == 1 else -1)
         if k == 1:
             assert all(torch.equal(a, b) for a, b in zip(runs[0][1].masters, kept))
         assert_same_update(runs[0][1], runs[1][1])
@@ -183,7 +167,7 @@ def test_a_checkpoint_moves_between_the_layouts():
     load_weights(back, flat.masters)
     assert_same_update(back, flat, tol=0.0)
     for opt, schedule in ((flat, flat_schedule), (tensors, tensors_schedule), (back, back_schedule)):
-        train(_model_of(opt), opt, schedule, 2, start=3)
+        train(_model_of(opt), opt, schedule, 2, seed=3)
     assert_same_update(back, flat, tol=0.0)
     assert_same_update(back, tensors)
     assert all(p.abs().max() == 0 for p in padding(back))

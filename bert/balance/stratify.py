@@ -71,10 +71,24 @@ def interleave(streams: Sequence[np.ndarray], chunk: int) -> np.ndarray:
 
     While every stream has chunks left, chunk j of rank r lands at position (j*W + r)*chunk,
     i.e. in rank r's row; exhausted streams drop out and the others close up.
+
+    The rounds every stream fills are a transposed copy, written straight into the result; only the rest (the
+    rounds after the shortest stream runs out: a few chunks per rank where streams differ by a few ids) is
+    ordered by sorting those keys. Sorting all of phase 2's keys at 1024 ranks held ~5 GB of int64 keys and
+    indices for 0.63 GB of ids.
     """
     world = len(streams)
-    keys = [np.arange(len(s)) // chunk * world + r for r, s in enumerate(streams)]
-    return np.concatenate(streams)[np.argsort(np.concatenate(keys), kind="stable")]
+    full = min((len(s) for s in streams), default=0) // chunk  # rounds with a whole chunk from every rank
+    dtype = np.result_type(*streams) if streams else np.int64
+    out = np.empty(sum(len(s) for s in streams), dtype=dtype)
+    head = out[: full * world * chunk].reshape(full, world, chunk)
+    for r, s in enumerate(streams):
+        head[:, r, :] = s[: full * chunk].reshape(full, chunk)
+    tails = [s[full * chunk :] for s in streams]
+    keys = [np.arange(len(t)) // chunk * world + r for r, t in enumerate(tails)]
+    if tails:
+        out[full * world * chunk :] = np.concatenate(tails)[np.argsort(np.concatenate(keys), kind="stable")]
+    return out
 
 
 def stratified_steps(
