@@ -92,7 +92,8 @@ def test_selector_choices_are_the_registries():
     ({"OPTIMIZER_SHARDING": "maybe"}, "$OPTIMIZER_SHARDING"),
     ({"OPTIMIZER_LAYOUT": "flt"}, "$OPTIMIZER_LAYOUT"),
     ({"OPTIMIZER_LAYOUT": "flat"}, "$OPTIMIZER_LAYOUT"),  # needs the masters
-    ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"}, "$OPTIMIZER_LAYOUT"),
+    ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"},
+     "$OPTIMIZER_LAYOUT"),
     ({"OPTIMIZER_SHARDING": "1", "GRAD_COMM_DTYPE": "bf16"}, "$GRAD_COMM_DTYPE"),
     ({"MLPERF_DIVISION": "closd"}, "$MLPERF_DIVISION"),
     ({"BATCHSIZE": "inf"}, "$BATCHSIZE"),

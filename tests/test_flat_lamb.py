@@ -21,7 +21,7 @@ from test_optim_compiled import train
 from torch import nn
 
 from bert.config import from_flat
-from bert.optim import build_optimizer, build_schedule
+from bert.optim import Lamb, build_optimizer, build_schedule
 from bert.optim.compiled import compile_step, warm_up_step
 from bert.optim.flat import FlatLamb, FlatLayout, _Part, tensor_sums
 from bert.optim.master import MasterWeights
@@ -173,6 +173,38 @@ def test_a_checkpoint_moves_between_the_layouts():
     assert all(p.abs().max() == 0 for p in padding(back))
 
 
+def test_its_own_state_dict_loads_back_unchanged():
+    """torch's load keeps tensors of the right dtype and device as they are, so this state_dict's moments are
+    views of the buffers they are loaded into."""
+    model, opt, schedule = build("flat")
+    train(model, opt, schedule, 2)
+    before = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(opt.state_dict())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], before["state"][i][k]) for i in after for k in after[i])
+    assert opt.inner.exp_avg.abs().max() > 0
+
+
+def test_used_alone_it_is_lamb_on_the_parameters_gradients():
+    """Outside MasterWeights (rows of 8, an empty group): the same steps as Lamb(capturable=True) from each
+    parameter's own .grad."""
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 7), torch.randn(3)]
+    flat_params, ref_params = ([w.clone() for w in weights] for _ in range(2))
+    groups = lambda ps: [{"params": ps[:1], "weight_decay": 0.1}, {"params": []},  # noqa: E731
+                         {"params": ps[1:], "weight_decay": 0.0}]
+    flat = FlatLamb(groups(flat_params), lr=torch.tensor(0.1), chunk=ROW)
+    ref = Lamb(groups(ref_params), lr=torch.tensor(0.1), capturable=True)
+    for k in range(3):
+        for a, b in zip(flat_params, ref_params):
+            a.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(k))
+            b.grad = a.grad.clone()
+        flat.step()
+        ref.step()
+        assert all((a - b).abs().max() < 1e-6 for a, b in zip(flat_params, ref_params))
+    assert all((a - w).abs().max() > 0.1 for a, w in zip(flat_params, weights))
+
+
 def test_an_empty_state_loads_as_a_fresh_one():
     model, opt, schedule = build("flat")
     fresh = opt.state_dict()
@@ -281,7 +313,9 @@ def test_the_flat_update_is_compiled_without_inductors_loop_reordering(monkeypat
     compile_step(build("flat")[1], name)
     compile_step(build("tensors")[1], name)
     flat, tensors = calls
-    assert flat == {"backend": "inductor", "options": {"loop_ordering_after_fusion": False,
+    reindexing = ({"loop_reindexing_after_fusion": False} if hasattr(torch._inductor.config,
+                                                                     "loop_reindexing_after_fusion") else {})
+    assert flat == {"backend": "inductor", "options": {"loop_ordering_after_fusion": False, **reindexing,
                                                        **({"max_autotune": True, "coordinate_descent_tuning": True}
                                                           if autotune else {})}}
     assert tensors == {"backend": "inductor", "mode": "max-autotune-no-cudagraphs" if autotune else "default"}

@@ -17,7 +17,7 @@ def test_rows_time_the_update_and_compare_the_masters(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["tensors-eager"]["max_master_diff_vs_eager_tensors"] == 0.0  # itself
-    assert 0.0 < rows["flat-eager"]["max_master_diff_vs_eager_tensors"] < 1e-6  # another order of sums, same update
+    assert rows["flat-eager"]["max_master_diff_vs_eager_tensors"] < 1e-6  # another order of sums, same update
     assert all(r["ms_per_step"] > 0 and r["params"] > 1e6 for r in rows.values())
     assert "flat-eager" in run.stdout.splitlines()[-1] or "flat-eager" in run.stdout  # the table
 

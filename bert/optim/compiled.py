@@ -44,6 +44,8 @@ def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Opt
         # it tries when fusing (scheduler.reorder_loops_by_dep_pair: `assert isinstance(snode, SchedulerNode)`, seen
         # on an H100 and an H200; inductor never reorders loops on the CPU). The mode's options without it.
         options = {**torch._inductor.list_mode_options(mode), "loop_ordering_after_fusion": False}
+        if hasattr(torch._inductor.config, "loop_reindexing_after_fusion"):  # torch >= 2.12 reorders through it too
+            options["loop_reindexing_after_fusion"] = False
         optimizer.update_masters = torch.compile(optimizer.update_masters, backend=backend, options=options)
     elif isinstance(optimizer, MasterWeights):  # GradScaler calls its step, which checks for overflow first
         optimizer.update_masters = torch.compile(optimizer.update_masters, backend=backend, mode=mode)

@@ -20,10 +20,12 @@ Checkpoints: the state is laid out per tensor as Lamb's (`exp_avg` and `exp_avg_
 moments, `step` one device counter per group), so a checkpoint moves between the layouts; loading copies the
 values into the flat buffers.
 
-Built inside MasterWeights only (the config refuses OPTIMIZER_LAYOUT=flat without MASTER_WEIGHTS=1 and LAMB):
-the masters become views of `weights`, MasterWeights casts the model's gradients straight into `grad_views`,
-and the model's low-precision weights are views of one buffer of the same layout. Every tensor must have a
-gradient at every step: one without would still move by its weight decay and its moments.
+Built inside MasterWeights (the config refuses OPTIMIZER_LAYOUT=flat without MASTER_WEIGHTS=1 and LAMB): the
+masters become views of `weights`, MasterWeights casts the model's gradients straight into `grad_views`
+(`grads_in_place`; used alone, `step` copies each `.grad` there first), and the model's low-precision weights are
+views of one buffer of the same layout. Every tensor must have a gradient at every step: one without would still
+move by its weight decay and its moments. Memory: the fp32 gradient buffer is kept between steps (4 bytes a
+parameter, 1.35 GB for BERT-large), where the per-tensor update makes its fp32 gradients during the step only.
 """
 
 from __future__ import annotations
@@ -133,25 +135,33 @@ class FlatLamb(Lamb):
         self.grad_views = self.layout.views(self.grad, shapes)  # what MasterWeights casts the gradients into
         self._moments = dict(zip(tensors, zip(self.layout.views(self.exp_avg, shapes),
                                               self.layout.views(self.exp_avg_sq, shapes))))
-        self.parts, starts, counts, i = [], self.layout.starts, self.layout.counts, 0
+        # False: `step` first copies each tensor's .grad into `grad_views`; MasterWeights writes them there itself
+        self.grads_in_place = False
+        self.parts: list[_Part | None] = []  # None for an empty group
+        starts, counts, i = self.layout.starts, self.layout.counts, 0
         for group in self.param_groups:
             k = len(group["params"])
             device, rows = self.weights.device, counts[i:i + k]
             ends = list(itertools.accumulate(rows))
-            owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(rows, device=device))
+            owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(rows, dtype=torch.int64,
+                                                                                         device=device))
             self.parts.append(_Part(starts[i], starts[i] + ends[-1], torch.tensor([0, *ends[:-1]], device=device),
-                                    torch.tensor(ends, device=device), owner))
+                                    torch.tensor(ends, device=device), owner) if k else None)
             i += k
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("FlatLamb.step does not take a closure")
-        if not check_every_gradient([p for g in self.param_groups for p in g["params"]]):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not check_every_gradient(params):
             return
+        if not self.grads_in_place:
+            torch._foreach_copy_(self.grad_views, [p.grad for p in params])
         found_inf = getattr(self, "found_inf", None)  # set under fp16 by bert.optim.master (bert.optim.lamb's doc)
         for group, part in zip(self.param_groups, self.parts):
-            self._update_rows(group, part, found_inf)
+            if part is not None:
+                self._update_rows(group, part, found_inf)
 
     def _rows(self, flat: Tensor, part: _Part) -> Tensor:
         return flat[part.first * self.layout.chunk:part.last * self.layout.chunk].view(-1, self.layout.chunk)
@@ -201,17 +211,17 @@ class FlatLamb(Lamb):
         pointed back at their views; a tensor without saved state starts from zero moments, as in Lamb."""
         super().load_state_dict(state_dict)
         with torch.no_grad():
-            self.exp_avg.zero_()
-            self.exp_avg_sq.zero_()
             for group in self.param_groups:
                 saved = [p for p in group["params"] if self.state[p]]
-                if not saved:
-                    continue
-                t = torch.as_tensor(self.state[saved[0]]["step"], dtype=torch.float32,
-                                    device=self.weights.device).clone()
-                for p in group["params"]:
-                    m, v = self._moments[p]
-                    if self.state[p]:
-                        m.copy_(self.state[p]["exp_avg"])
-                        v.copy_(self.state[p]["exp_avg_sq"])
-                    self.state[p].update(step=t, exp_avg=m, exp_avg_sq=v)
+                for p in group["params"]:  # tensor by tensor: a state_dict of this optimizer holds our own views
+                    for view, key in zip(self._moments[p], ("exp_avg", "exp_avg_sq")):
+                        if self.state[p]:
+                            view.copy_(self.state[p][key])
+                        else:
+                            view.zero_()
+                if saved:
+                    t = torch.as_tensor(self.state[saved[0]]["step"], dtype=torch.float32,
+                                        device=self.weights.device).clone()
+                    for p in group["params"]:
+                        m, v = self._moments[p]
+                        self.state[p].update(step=t, exp_avg=m, exp_avg_sq=v)

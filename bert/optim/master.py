@@ -107,6 +107,7 @@ class MasterWeights(torch.optim.Optimizer):
         self.low = move_into(self.params, self.layout, compute_dtype) if self.layout else None
         if self.layout:
             self.inner.weights.grad = self.inner.grad  # the `after` clip's norm over the one flat gradient
+            self.inner.grads_in_place = True  # `_update_masters` casts the gradients into its `grad_views`
         self.clip_after = clip_after
         self.compute_dtype = compute_dtype
         # what `step` runs after its host-side checks; COMPILE_OPTIMIZER=1 replaces it by its compiled form
