@@ -74,7 +74,10 @@ declare -A DRIVERS=(
   [graphs4k]="--compile reduce-overhead --static-tokens 4096 --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # float8 GEMMs on bf16 weights with fp32 masters (the submissions' layout); fp8-autocast is the 483 samples/s
   # run of fp32 weights under bf16 autocast (MASTER_WEIGHTS=1 was refused with fp8 then)
-  [fp8]="--precision fp8 --static-tokens 512 --compile default --bench-repeats 0"
+  [fp8]="--precision fp8 --static-tokens 512 --compile default --bench-repeats 0 --window-steps 60"
+  # ours: delayed scaling (the previous step's amax), no torchao, casts free to fuse into their producers; a
+  # 60-step window so that the profile's kernel table comes back within the step's time
+  [fp8-delayed]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --bench-repeats 0 --window-steps 60"
   [fp8-eager]="--precision fp8 --static-tokens 512 --compile off --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
   [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"

@@ -79,8 +79,9 @@ class ModelConfig:
     fp8_linears: str = opt("all", "with PRECISION=fp8, which of each encoder layer's linears run in float8 (all: QKV, "
                            "attention output, both FFN; ffn; ffn-qkv)", env="FP8_LINEARS",
                            registry="bert.model.fp8:FP8_LINEAR_SETS")
-    fp8_recipe: str = opt("tensorwise", "with PRECISION=fp8, torchao's scaling recipe (tensorwise; rowwise; "
-                          "rowwise-gw-hp: rowwise, the weight-gradient GEMM in bf16)", env="FP8_RECIPE",
+    fp8_recipe: str = opt("tensorwise", "with PRECISION=fp8, the scaling recipe: torchao's (tensorwise; rowwise; "
+                          "rowwise-gw-hp: rowwise, the weight-gradient GEMM in bf16) or ours, delayed (the previous "
+                          "step's amax, no torchao; bert.model.fp8_delayed)", env="FP8_RECIPE",
                           registry="bert.model.fp8:FP8_RECIPES")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",

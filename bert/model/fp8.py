@@ -32,6 +32,9 @@ How: torchao's float8 training (`convert_to_float8_training` with a module filte
                    casts it needs (the input, T x K, and the output gradient, T x N, each scaled along the token
                    axis) are not made; its most accurate recipe. For BERT-large's K = 1024 those casts may cost
                    what the GEMM saves (`bench/fp8_linear.py` times tensorwise and rowwise per linear).
+    delayed        ours (bert.model.fp8_delayed), no torchao: per-tensor scales from the previous step's amax
+                   (TransformerEngine's default recipe), so a cast needs no reduction over its own tensor first
+                   and can fuse into the kernel that makes it; e4m3 activations and weights, e5m2 gradients
 torchao's float8 is meant to be compiled (the casts and amax reductions fuse into a few kernels), so it composes
 with COMPILE; eager works but is slower than bf16.
 
@@ -64,6 +67,7 @@ import re
 import torch
 from torch import nn
 
+from bert.model.fp8_delayed import convert_to_delayed_fp8
 from bert.release import major_minor
 
 TORCHAO = {(2, 10): "0.16.0", (2, 11): "0.18.0"}  # torch (major, minor) -> the torchao release built for it
@@ -73,6 +77,7 @@ FP8_RECIPES: dict[str, str | None] = {  # FP8_RECIPE -> torchao's recipe name (N
     "tensorwise": None,
     "rowwise": "rowwise",
     "rowwise-gw-hp": "rowwise_with_gw_hp",
+    "delayed": None,  # ours, without torchao (bert.model.fp8_delayed)
 }
 FP8_LINEAR_SETS: dict[str, tuple[str, ...]] = {  # FP8_LINEARS -> the linears of each encoder layer in float8
     "all": ("attention.self.qkv", "attention.output.dense", "intermediate.dense", "output.dense"),
@@ -88,8 +93,9 @@ def fp8_pattern(linears: str = "all") -> re.Pattern:
 
 
 
-def check_fp8(precision: str, device: torch.device) -> None:
-    """Raise a one-line ValueError naming PRECISION=fp8 when float8 training cannot run on `device`."""
+def check_fp8(precision: str, device: torch.device, recipe: str = "tensorwise") -> None:
+    """Raise a one-line ValueError naming PRECISION=fp8 when float8 training cannot run on `device` (with FP8_RECIPE
+    `recipe`: all but `delayed` need torchao)."""
     if precision != "fp8":
         return
     if device.type != "cuda":
@@ -101,6 +107,8 @@ def check_fp8(precision: str, device: torch.device) -> None:
         raise ValueError(f"PRECISION=fp8 needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer "
                          f"(float8 tensor cores); {torch.cuda.get_device_name(device)} is {capability[0]}."
                          f"{capability[1]}: use PRECISION=bf16")
+    if recipe == "delayed":
+        return
     try:
         import torchao.float8  # noqa: F401
     except ImportError as e:
@@ -141,10 +149,16 @@ def float8_config(emulate: bool = False, recipe: str = "tensorwise"):
 def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all", recipe: str = "tensorwise"
                    ) -> list[str]:
     """Swap the encoder's linear layers of set `linears` (FP8_LINEARS) for torchao `Float8Linear`s scaled by
-    `recipe` (FP8_RECIPE) in place (after `check_fp8`, before compiling and DDP); returns the names swapped."""
+    `recipe` (FP8_RECIPE), or ours for `delayed` (bert.model.fp8_delayed), in place (after `check_fp8`, before
+    compiling and DDP); returns the names swapped."""
+    swapped: list[str] = []
+    if recipe == "delayed":
+        swapped = convert_to_delayed_fp8(model, lambda module, name: is_fp8_linear(module, name, linears))
+        if not swapped:
+            raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
+        return swapped
     from torchao.float8 import convert_to_float8_training
 
-    swapped: list[str] = []
 
     def keep(module: nn.Module, name: str) -> bool:
         if is_fp8_linear(module, name, linears):
@@ -162,7 +176,7 @@ def apply_precision(model: nn.Module, precision: str, device: torch.device, fp8_
                     fp8_recipe: str = "tensorwise") -> nn.Module:
     """PRECISION's change to the model itself: fp8 swaps the encoder linears (those of FP8_LINEARS, scaled by
     FP8_RECIPE); the others change nothing here (autocast does their work)."""
-    check_fp8(precision, device)
+    check_fp8(precision, device, fp8_recipe)
     if precision == "fp8":
         convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
     return model

@@ -51,7 +51,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     what a bare-encoder INIT_CHECKPOINT leaves in the heads. COMPILE compiles
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
-    check_fp8(cfg.precision, device)
+    check_fp8(cfg.precision, device, cfg.fp8_recipe)
     check_attention(cfg.attention, device, cfg.precision)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)

@@ -57,7 +57,7 @@ def check_device(cfg: TrainConfig) -> None:
 
     device = torch.device(device_type(cfg.run.device))
     check_compile(cfg.model.compile, device)
-    check_fp8(cfg.model.precision, device)
+    check_fp8(cfg.model.precision, device, cfg.model.fp8_recipe)
     check_attention(cfg.model.attention, device, cfg.model.precision)
 
 
