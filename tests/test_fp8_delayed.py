@@ -14,7 +14,7 @@ from test_fp8 import ENCODER_LINEARS, tiny_model
 from torch import nn
 
 from bert.model.fp8 import FP8_RECIPES, check_fp8, convert_to_fp8
-from bert.model.fp8_delayed import DelayedFloat8Linear
+from bert.model.fp8_delayed import START, DelayedFloat8Linear
 from bert.synthetic import random_batch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -53,6 +53,50 @@ def test_forward_and_backward_match_a_float64_reference_of_delayed_scaling(amax_
     assert float(lin.amax_input) == float(x.abs().max()) and float(lin.amax_grad) == float(grad.abs().max())
     exact = x.detach().double() @ w.double().T + b
     assert (y.double() - exact).abs().max() > 1e-3  # it did round to float8
+
+
+def test_amaxes_start_at_scale_one_and_only_a_training_step_records_them():
+    """TransformerEngine's start (each format's max: scale 1); an eval or no-grad forward leaves the input's amax;
+    a non-finite gradient leaves the gradient's (its scale would be 0, the next step NaN)."""
+    lin = layer(16, 16)
+    assert (float(lin.amax_input), float(lin.amax_grad)) == (448.0, 57344.0)
+    x = torch.randn(16, 16) * 5
+    with torch.no_grad():
+        lin(x)
+    lin.eval()
+    lin(x)
+    assert float(lin.amax_input) == 448.0
+    lin.train()
+    y = lin(x.requires_grad_())
+    assert float(lin.amax_input) == float(x.abs().max())
+    grad = torch.ones_like(y)
+    grad[0, 0] = float("inf")
+    y.backward(grad)
+    assert float(lin.amax_grad) == 57344.0
+    lin(x).backward(torch.full((16, 16), 0.25))
+    assert float(lin.amax_grad) == 0.25
+
+
+def test_under_autocast_it_computes_in_autocasts_dtype_as_a_linear_does():
+    lin, plain = layer(16, 32), nn.Linear(16, 32)
+    x = torch.randn(8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, expected = lin(x), plain(x)
+    assert y.dtype == expected.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+
+
+def test_the_amaxes_stay_fp32_when_the_model_is_cast():
+    lin = layer(16, 16).to(torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16 and lin.amax_input.dtype == lin.amax_grad.dtype == torch.float32
+
+
+def test_ddp_leaves_each_ranks_amaxes_alone(world_of_one):
+    from bert.config import DistConfig
+    from bert.dist.ddp import apply_ddp
+
+    assert apply_ddp(tiny_model(), DistConfig()).broadcast_buffers is False
 
 
 def test_a_zero_input_gives_zeros_not_nan():
@@ -103,4 +147,30 @@ def test_a_bf16_model_trains_close_to_bf16_and_compiles():
         losses.append(float(loss))
         amaxes.append([float(b) for n, b in model.named_buffers() if "amax" in n])
     assert abs(losses[1] - losses[0]) < 0.03 * losses[0]
-    assert losses[2] == losses[1] and amaxes[2] == amaxes[1] and all(a != 1.0 for a in amaxes[1])
+    assert losses[2] == losses[1] and amaxes[2] == amaxes[1] and not set(amaxes[1]) & set(START.values())
+
+
+def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synthetic_data, tmp_path):
+    """`build_run` as the driver builds PRECISION=fp8 FP8_RECIPE=delayed MASTER_WEIGHTS=1 (allowed on the CPU, whose
+    `torch._scaled_mm` is real float8): the encoder's linears swapped, bf16 weights, fp32 masters; three steps
+    with finite losses that move the weights, and the amax buffers set by them."""
+    from test_loop import make_run
+
+    from bert.optim.master import MasterWeights
+    from bert.train.loop import train_step
+
+    run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
+                   static_tokens=128, attention="varlen" if torch.cuda.is_available() else "loop")
+    model = run.ddp.module
+    swapped = [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
+    assert len(swapped) == 4 * model.config.num_hidden_layers and isinstance(run.optimizer, MasterWeights)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    batches = iter(run.loader)
+    try:
+        losses = [float(train_step(run, batches)) for _ in range(3)]
+    finally:
+        run.loader.close()
+    assert all(loss == loss and 0 < loss < 20 for loss in losses)
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()) if p.requires_grad)
+    assert all(float(m.amax_grad) != 1.0 and float(m.amax_input) != 1.0 for m in swapped)

@@ -14,7 +14,9 @@ from bert.dist.fusion import FusedDataParallel
 
 def _ddp(model: torch.nn.Module, cfg: DistConfig) -> DDP:
     # device_ids=None: batches arrive on the device already, and DDP must not re-build the Batch dataclass.
-    return DDP(model, device_ids=None, bucket_cap_mb=cfg.bucket_cap_mb,
+    # broadcast_buffers=False: the only buffers are FP8_RECIPE=delayed's amaxes, each rank's own (rank 0's would
+    # saturate the others' larger values), and broadcasting them would cost a collective before every forward
+    return DDP(model, device_ids=None, bucket_cap_mb=cfg.bucket_cap_mb, broadcast_buffers=False,
                gradient_as_bucket_view=True)  # .grad becomes its bucket view: no second copy in memory; as Samsung
 
 

@@ -49,8 +49,10 @@ the accepted datatypes"; section "Numerical formats" at d73e20f179). So PRECISIO
 divisions; reference convergence points are fp32 or bf16, so an fp8 run must still converge within the RCP.
 The rowwise recipes' scales are per row, which we read as blocks of one row (the rules do not name rows).
 
-Nothing falls back silently: no CUDA device, compute capability below 8.9 (float8 tensor cores: Ada, Hopper,
-Blackwell), or torchao not installed is a one-line `ValueError` naming PRECISION=fp8, raised before any work
+Nothing falls back silently: no CUDA device (FP8_RECIPE=delayed excepted: the CPU runs its float8 GEMMs,
+slowly, which is how the CPU tests and `bench/cuda_session.sh`'s rehearsal check it), compute capability below
+8.9 (float8 tensor cores: Ada, Hopper, Blackwell), or torchao not installed (FP8_RECIPE=delayed excepted) is a
+one-line `ValueError` naming PRECISION=fp8, raised before any work
 (`bert.train.build.build_model`, and `python -m bert.train.config --check-env --check-device` in
 `run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it: 0.18.0 for torch
 >= 2.11, 0.16.0 for 2.10 (0.17 and 0.18 skip their C++ extensions below 2.11), each run under the CPU suite
@@ -98,6 +100,8 @@ def check_fp8(precision: str, device: torch.device, recipe: str = "tensorwise") 
     `recipe`: all but `delayed` need torchao)."""
     if precision != "fp8":
         return
+    if device.type != "cuda" and recipe == "delayed":
+        return  # torch._scaled_mm runs on the CPU too (slowly): real float8 GEMMs, for tests and rehearsals
     if device.type != "cuda":
         raise ValueError(f"PRECISION=fp8 needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}."
                          f"{MIN_CAPABILITY[1]} or newer (float8 tensor cores); this run's device is {device.type}: "

@@ -15,9 +15,12 @@ in the same pass. The weights, small, are scaled by their current amax.
 `torch._scaled_mm` takes its first operand row-major and its second column-major: the backward GEMMs read the
 saved float8 tensors transposed (copies of one byte per element). The amax history is one step long and lives in
 two 0-dim buffers per layer (`amax_input`, `amax_grad`; not saved in checkpoints: a resumed run starts them
-again). They start at 1 (a first step saturates what exceeds that): the untimed compile warm-up's forward and
-backward on its synthetic batch (bert.train.warmup) set them before the first timed step. Each rank keeps its
-own (TransformerEngine reduces them across the ranks; here the gradients are averaged after the GEMMs anyway).
+again). They start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's
+forward and backward on its synthetic batch (bert.train.warmup) set them before the first timed step. Only a
+training forward (train mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank
+keeps its own: DDP does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks,
+here the gradients are averaged after the GEMMs anyway). Under autocast the input is cast to autocast's dtype
+first, as nn.Linear's is, so the output has that dtype.
 
 Parameters and names are nn.Linear's, so checkpoints, weight-decay groups, master weights and DDP are unchanged.
 No torchao: this needs only `torch._scaled_mm` (CUDA of compute capability >= 8.9; the CPU runs it too, which is
@@ -30,6 +33,9 @@ import torch
 from torch import Tensor, nn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The amaxes a layer starts from: each format's max, i.e. scale 1, as TransformerEngine starts (1 would clip the
+# first step's activations to +-1; a run compiled first calibrates them in its warm-up)
+START = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}
 
 
 def scaled_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -40,6 +46,13 @@ def scaled_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Te
     limit = torch.finfo(dtype).max
     scale = limit / amax.float().clamp(min=1e-12)
     return (t.float() * scale).clamp(-limit, limit).to(dtype), scale.reciprocal()
+
+
+def record_amax(history: Tensor, t: Tensor) -> None:
+    """`t`'s amax into `history` (the next step's scale), unless it is not finite: one overflowed gradient would
+    otherwise give the next step a scale of 0 and NaN everywhere; the old amax is kept instead."""
+    amax = t.detach().abs().amax().float()
+    history.copy_(torch.where(torch.isfinite(amax), amax, history))
 
 
 def _column_major(t: Tensor) -> Tensor:
@@ -54,16 +67,16 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, amax_input: Tensor, amax_grad: Tensor) -> Tensor:
         x_q, inv_x = scaled_cast(x, amax_input, E4M3)
         w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
-        ctx.save_for_backward(x_q, w_q, inv_x, inv_w, amax_grad)  # amax_grad: written in backward
-        ctx.dtypes = (x.dtype, w.dtype)
+        ctx.save_for_backward(x_q, w_q, inv_x, inv_w)
+        ctx.amax_grad, ctx.dtypes = amax_grad, (x.dtype, w.dtype)  # not saved: written in backward
         return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x_q, w_q, inv_x, inv_w, amax_grad = ctx.saved_tensors
+        x_q, w_q, inv_x, inv_w = ctx.saved_tensors
         grad = grad.contiguous()
-        g_q, inv_g = scaled_cast(grad, amax_grad, E5M2)
-        amax_grad.copy_(grad.abs().amax())  # the next step's scale
+        g_q, inv_g = scaled_cast(grad, ctx.amax_grad, E5M2)
+        record_amax(ctx.amax_grad, grad)  # the next step's scale
         dx = torch._scaled_mm(g_q, _column_major(w_q), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype)
         dw = torch._scaled_mm(g_q.t().contiguous(), _column_major(x_q), scale_a=inv_g, scale_b=inv_x,
                               out_dtype=grad.dtype)
@@ -76,22 +89,35 @@ class DelayedFloat8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.register_buffer("amax_input", torch.ones((), device=device), persistent=False)
-        self.register_buffer("amax_grad", torch.ones((), device=device), persistent=False)
+        self.register_buffer("amax_input", torch.full((), START[E4M3], device=device), persistent=False)
+        self.register_buffer("amax_grad", torch.full((), START[E5M2], device=device), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> DelayedFloat8Linear:
         """The same Parameter objects (names, optimizer groups and hooks keep them), float8 GEMMs."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
         new.weight, new.bias = linear.weight, linear.bias
-        new.amax_input, new.amax_grad = (torch.ones((), device=linear.weight.device) for _ in range(2))
+        device = linear.weight.device
+        new.amax_input, new.amax_grad = torch.full((), START[E4M3], device=device), torch.full((), START[E5M2],
+                                                                                              device=device)
         return new
 
+    def _apply(self, fn, recurse: bool = True):
+        """`.to(dtype)` and the like leave the amaxes fp32 (a bf16 amax, rounded down, would saturate)."""
+        super()._apply(fn, recurse)
+        for name in ("amax_input", "amax_grad"):
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, getattr(self, name).float())
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).contiguous()  # _scaled_mm's first operand: row-major
+        if torch.is_autocast_enabled(flat.device.type):  # as nn.Linear under autocast: its dtype in and out
+            flat = flat.to(torch.get_autocast_dtype(flat.device.type))
         y = _Float8Matmul.apply(flat, self.weight, self.amax_input, self.amax_grad)
-        with torch.no_grad():
-            self.amax_input.copy_(flat.detach().abs().amax())  # the next step's scale
+        if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
+            with torch.no_grad():
+                record_amax(self.amax_input, flat)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
