@@ -112,7 +112,8 @@ class DelayedFloat8Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()  # _scaled_mm's first operand: row-major
-        if torch.is_autocast_enabled(flat.device.type):  # as nn.Linear under autocast: its dtype in and out
+        # as nn.Linear under autocast: its dtype in and out (torch 2.11 raises for a device autocast lacks: meta)
+        if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
             flat = flat.to(torch.get_autocast_dtype(flat.device.type))
         y = _Float8Matmul.apply(flat, self.weight, self.amax_input, self.amax_grad)
         if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
