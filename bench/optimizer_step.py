@@ -68,12 +68,11 @@ def run_variant(name: str, device: str, steps: int, model_name: str) -> dict:
         opt = build_optimizer(model, cfg, torch.bfloat16)
         return model, opt, build_schedule(opt, cfg)
 
-    runs = [build(layout, compiled), build("tensors", False)]
+    runs = [build(layout, compiled), build("tensors", False)]  # the variant, and the eager per-tensor reference
     gen = torch.Generator(device=device).manual_seed(1)
-    for (model, _, _), other in zip(runs[:1], runs[1:]):
-        for p, q in zip(model.parameters(), other[0].parameters()):
-            p.grad = torch.randn(p.shape, generator=gen, device=device).to(p.dtype)
-            q.grad = p.grad.clone()
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):  # the same gradients, kept for every step
+        p.grad = torch.randn(p.shape, generator=gen, device=device).to(p.dtype)
+        q.grad = p.grad.clone()
     compile_s = 0.0
     if compiled:
         compile_step(runs[0][1], "default")

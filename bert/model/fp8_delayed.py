@@ -89,6 +89,10 @@ class DelayedFloat8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._start_amaxes(device)
+
+    def _start_amaxes(self, device) -> None:
+        """The input's and the gradient's amax history, at their start (START), fp32 on `device`."""
         self.register_buffer("amax_input", torch.full((), START[E4M3], device=device), persistent=False)
         self.register_buffer("amax_grad", torch.full((), START[E5M2], device=device), persistent=False)
 
@@ -97,9 +101,7 @@ class DelayedFloat8Linear(nn.Linear):
         """The same Parameter objects (names, optimizer groups and hooks keep them), float8 GEMMs."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
         new.weight, new.bias = linear.weight, linear.bias
-        device = linear.weight.device
-        new.amax_input, new.amax_grad = torch.full((), START[E4M3], device=device), torch.full((), START[E5M2],
-                                                                                              device=device)
+        new._start_amaxes(linear.weight.device)
         return new
 
     def _apply(self, fn, recurse: bool = True):
