@@ -21,6 +21,7 @@ from bert.train.profile import (
     WINDOW,
     StepProfiler,
     Timed,
+    allocator_counts,
     covered_us,
     device_records,
     format_table,
@@ -122,6 +123,21 @@ def test_the_table_gives_what_the_allocator_holds_beside_the_peak():
     s = summarize([Timed("nvjet_a", 1000, start_us=0)], steps=1, wall_s=0.001)
     s.update(first=1, last=1, device="cuda", peak_memory_gib=7.5, reserved_memory_gib=30.25)
     assert "peak memory 7.5 GiB (30.2 GiB reserved)" in format_table(s)
+
+
+def test_the_table_gives_the_allocators_calls_to_the_driver_in_the_window():
+    """A retry (a failed cudaMalloc: the cache freed, the device synchronized) would idle the GPU: the table counts
+    the window's cudaMalloc, cudaFree and retries from the allocator's counters, which an older torch may lack."""
+    stats = {"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 1, "allocated_bytes.all.peak": 9}
+    assert allocator_counts(stats) == {"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 1}
+    assert allocator_counts({}) == dict.fromkeys(("num_device_alloc", "num_device_free", "num_alloc_retries"), 0)
+    s = summarize([Timed("nvjet_a", 1000, start_us=0)], steps=1, wall_s=0.001)
+    s.update(first=1, last=1, device="cuda", allocator={"num_device_alloc": 3, "num_device_free": 0,
+                                                         "num_alloc_retries": 2})
+    assert ("allocator in the window: 3 cudaMalloc, 0 cudaFree, 2 retries (cache freed, device synchronized)"
+            in format_table(s))
+    s.pop("allocator")
+    assert "allocator" not in format_table(s)  # the CPU's windows count nothing
 
 
 def test_a_window_of_matmuls_and_a_layer_norm_is_measured_as_that_work(tmp_path, one_thread):
@@ -228,6 +244,8 @@ def test_cuda_kernels_of_a_bert_layer_fall_into_their_kinds(tmp_path):
     assert kinds["gemm"] > kinds.get("other", 0.0), s["top"]
     assert s["peak_memory_gib"] > 0 and 0 < s["busy_share"] <= 1.05
     assert s["reserved_memory_gib"] >= s["peak_memory_gib"]
+    assert set(s["allocator"]) == {"num_device_alloc", "num_device_free", "num_alloc_retries"}
+    assert all(n >= 0 for n in s["allocator"].values())
 
 
 def test_compile_activity_inside_the_window_is_reported(tmp_path, one_thread):

@@ -151,6 +151,26 @@ def compile_report(before: dict | None, after: dict | None) -> dict | None:
             "in_window": {g: c for g, c in moved.items() if c}}
 
 
+# The caching allocator's calls to the driver, counted over the window: a steady step reuses its blocks and makes none.
+# Token counts change every step, so blocks may not fit: a cudaMalloc that fails makes the allocator free its cache,
+# synchronizing the device, and retry. One of those per step would leave the GPU idle while the host waits.
+ALLOCATOR_COUNTS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
+                    "num_alloc_retries": "retries (cache freed, device synchronized)"}
+
+
+def allocator_counts(stats: dict) -> dict[str, int]:
+    """ALLOCATOR_COUNTS' counters from `torch.cuda.memory_stats()` (0 where this torch lacks one)."""
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
+
+
+def allocator_line(moved: dict[str, int] | None) -> str:
+    """What the allocator did in the window, as one line of the table ("" when nothing was counted)."""
+    if moved is None:
+        return ""
+    counts = ", ".join(f"{moved.get(key, 0)} {name}" for key, name in ALLOCATOR_COUNTS.items())
+    return f"  allocator in the window: {counts}"
+
+
 def format_table(summary: dict) -> str:
     lines = [f"profile: steps {summary['first']}-{summary['last']} on {summary['device']}: "
              f"{summary['wall_ms_per_step']:.1f} ms per step, device busy {summary['busy_ms_per_step']:.1f} ms "
@@ -162,6 +182,8 @@ def format_table(summary: dict) -> str:
               for k in summary["kinds"]]
     lines += [f"  top: {t['ms_per_step']:7.2f} ms x{t['calls_per_step']:<5.0f} {t['kind']:<20} {t['name']}"
               for t in summary["top"]]
+    if summary.get("allocator") is not None:
+        lines.append(allocator_line(summary["allocator"]))
     compiled = summary.get("compile")
     if compiled and (compiled["unique_graphs"] or compiled["graph_breaks"] or compiled["in_window"]):
         skips = compiled.get("cudagraph_skips", 0)
@@ -196,6 +218,7 @@ class StepProfiler:
         self._started = 0.0
         self._done = 0
         self._counters: dict | None = None
+        self._allocations: dict[str, int] | None = None
 
     @contextmanager
     def step(self, number: int) -> Iterator[None]:
@@ -216,6 +239,7 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)  # the window's peak, not the warm-up's or the compile's
+            self._allocations = allocator_counts(torch.cuda.memory_stats(self.device))
         self._counters = compile_counters()
         self._prof = torch.profiler.profile(activities=activities)
         self._prof.__enter__()
@@ -239,6 +263,8 @@ class StepProfiler:
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             # a CUDA graph's replay allocates nothing: its pool shows in what the allocator holds, not in the peak
             summary["reserved_memory_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            after = allocator_counts(torch.cuda.memory_stats(self.device))
+            summary["allocator"] = {k: after[k] - (self._allocations or {}).get(k, 0) for k in after}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=1) + "\n")
         prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))
