@@ -14,7 +14,7 @@ from test_fp8 import ENCODER_LINEARS, tiny_model
 from torch import nn
 
 from bert.model.fp8 import FP8_RECIPES, check_fp8, convert_to_fp8
-from bert.model.fp8_delayed import START, DelayedFloat8Linear
+from bert.model.fp8_delayed import START, AmaxState, DelayedFloat8Linear
 from bert.synthetic import random_batch
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -50,9 +50,24 @@ def test_forward_and_backward_match_a_float64_reference_of_delayed_scaling(amax_
     torch.testing.assert_close(lin.weight.grad.double(), g_q.T @ x_q, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(lin.bias.grad, grad.sum(0))
     # the next step's scales: this step's amax
-    assert float(lin.amax_input) == float(x.abs().max()) and float(lin.amax_grad) == float(grad.abs().max())
+    assert float(lin.amax_input) == float(x.detach().abs().max()) and float(lin.amax_grad) == float(grad.abs().max())
     exact = x.detach().double() @ w.double().T + b
     assert (y.double() - exact).abs().max() > 1e-3  # it did round to float8
+
+
+def test_the_forward_saves_the_backwards_float8_operands_already_transposed():
+    """The backward's GEMMs take x_q and w_q column-major: the forward saves x_q^T and w_q^T row-major, made beside
+    its casts (where compiled they can share the cast's pass), so the backward copies no saved tensor. The
+    values are the casts' own: the float64 test above checks the gradients made from them."""
+    lin = layer(fin=32, fout=48)
+    lin.amax_input.fill_(2.0)
+    x = torch.randn(16, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lin(x)
+    eight = [t for t in saved if t.dtype == E4M3]
+    assert [(tuple(t.shape), t.is_contiguous()) for t in eight] == [((32, 16), True), ((32, 48), True)]
+    torch.testing.assert_close(eight[0].t().float(), (x.detach() * (448 / 2.0)).clamp(-448, 448).to(E4M3).float())
 
 
 def test_amaxes_start_at_scale_one_and_only_a_training_step_records_them():
@@ -174,3 +189,77 @@ def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synth
     assert all(loss == loss and 0 < loss < 20 for loss in losses)
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()) if p.requires_grad)
     assert all(float(m.amax_grad) != 1.0 and float(m.amax_input) != 1.0 for m in swapped)
+    run.checkpoint()  # each rank's file holds its amaxes (resume is exact: test_a_resumed_run_continues_...)
+    saved = torch.load(next(tmp_path.glob("**/checkpoints/step_*/rank_00000.pt")), weights_only=False)["fp8_amaxes"]
+    assert len(saved) == 2 * len(swapped) and torch.equal(saved["bert.encoder.layer.0.output.dense.amax_grad"],
+                                                          model.bert.encoder.layer[0].output.dense.amax_grad)
+
+
+def two_layers() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    for i in (0, 2):
+        model[i] = DelayedFloat8Linear.from_linear(model[i])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(16, 32, generator=g) * (1 + 2 * torch.rand(1, generator=g))).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_resumed_run_continues_with_the_amaxes_its_rank_recorded(tmp_path):
+    """Resume is exact under FP8_RECIPE=delayed: the amaxes (each rank's own, not in the model's state_dict) go in
+    the rank's checkpoint file, so 2 steps, a checkpoint and 2 more equal the 2 more run from the checkpoint, bit
+    for bit. Loaded without them (restarted at scale 1) the next steps differ: what the part saves matters."""
+    from bert.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = two_layers()
+    train_steps(model, opt, 2, seed=1)
+    where = save_checkpoint(tmp_path, 2, model, {"optimizer": opt}, 0, {"fp8_amaxes": AmaxState(model)})
+    saved = torch.load(where / "rank_00000.pt", weights_only=False)["fp8_amaxes"]
+    assert sorted(saved) == ["0.amax_grad", "0.amax_input", "2.amax_grad", "2.amax_input"]
+    assert not set(map(float, saved.values())) & set(START.values())
+    whole = train_steps(model, opt, 2, seed=2)
+    resumed, opt2 = two_layers()
+    load_checkpoint(where, resumed, {"optimizer": opt2}, 0, {"fp8_amaxes": AmaxState(resumed)})
+    assert all(torch.equal(a, b) for a, b in zip(train_steps(resumed, opt2, 2, seed=2), whole, strict=True))
+    restarted, opt3 = two_layers()
+    load_checkpoint(where, restarted, {"optimizer": opt3}, 0, {})
+    assert not all(torch.equal(a, b) for a, b in zip(train_steps(restarted, opt3, 2, seed=2), whole, strict=True))
+
+
+def test_the_amaxes_load_by_module_name_and_a_checkpoint_without_them_leaves_their_start(tmp_path):
+    """A compiled model's names (`_orig_mod.`) load into the plain one; a model without float8 layers (a bf16 run
+    resuming an fp8 checkpoint) takes nothing; a checkpoint written before the amaxes were saved leaves them at
+    their start, while a missing loader position is still an error."""
+    from bert.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model, _ = two_layers()
+    for i, amax in enumerate(b for n, b in model.named_buffers() if "amax" in n):
+        amax.fill_(i + 1.5)
+    state = AmaxState(torch.compile(model)).state_dict()
+    assert sorted(state) == ["0.amax_grad", "0.amax_input", "2.amax_grad", "2.amax_input"]
+    plain, _ = two_layers()
+    AmaxState(plain).load_state_dict(state)
+    assert [float(b) for n, b in plain.named_buffers() if "amax" in n] == [1.5, 2.5, 3.5, 4.5]
+    AmaxState(nn.Linear(2, 2)).load_state_dict(state)
+
+    class Position:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    where = save_checkpoint(tmp_path, 1, plain, {}, 0, {"loader": Position()})  # no fp8_amaxes in the file
+    fresh, _ = two_layers()
+    load_checkpoint(where, fresh, {}, 0, {"loader": Position(), "fp8_amaxes": AmaxState(fresh)})
+    assert {float(b) for n, b in fresh.named_buffers() if "amax" in n} == set(START.values())
+    with pytest.raises(KeyError, match="other"):
+        load_checkpoint(where, fresh, {}, 0, {"other": Position()})

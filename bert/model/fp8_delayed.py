@@ -12,15 +12,21 @@ in the same pass. The weights, small, are scaled by their current amax.
               dw = (g_q^T @ x_q) / (s_g s_x)
     scales    s = max / amax: e4m3's max 448, e5m2's 57,344; a value beyond saturates (clamped, not inf)
 
-`torch._scaled_mm` takes its first operand row-major and its second column-major: the backward GEMMs read the
-saved float8 tensors transposed (copies of one byte per element). The amax history is one step long and lives in
-two 0-dim buffers per layer (`amax_input`, `amax_grad`; not saved in checkpoints: a resumed run starts them
-again). They start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's
-forward and backward on its synthetic batch (bert.train.warmup) set them before the first timed step. Only a
-training forward (train mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank
-keeps its own: DDP does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks,
-here the gradients are averaged after the GEMMs anyway). Under autocast the input is cast to autocast's dtype
-first, as nn.Linear's is, so the output has that dtype.
+`torch._scaled_mm` takes its first operand row-major and its second column-major, so the backward's GEMMs read
+x_q and w_q transposed. The forward saves those transposed copies, made beside the casts: compiled, the kernel that
+casts x can write both layouts in one pass over it (TransformerEngine's cast-transpose), where a copy made in the
+backward, another graph, would read the saved tensor again (a byte per element of every linear's input). The
+output gradient's cast and its transposed copy are in the backward's graph together already.
+
+The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
+start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
+backward on its synthetic batch (bert.train.warmup) set them before the first timed step. Only a training forward
+(train mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank keeps its own: DDP
+does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks, here the gradients are
+averaged after the GEMMs anyway). So they are not in the model's state_dict (the weights file and its exports stay
+nn.Linear's) but in each rank's own checkpoint file (`AmaxState`, bert.train.checkpoint): a resumed run scales its
+first step as the run it continues would have. Under autocast the input is cast to autocast's dtype first, as
+nn.Linear's is, so the output has that dtype.
 
 Parameters and names are nn.Linear's, so checkpoints, weight-decay groups, master weights and DDP are unchanged.
 No torchao: this needs only `torch._scaled_mm` (CUDA of compute capability >= 8.9; the CPU runs it too, which is
@@ -55,11 +61,6 @@ def record_amax(history: Tensor, t: Tensor) -> None:
     history.copy_(torch.where(torch.isfinite(amax), amax, history))
 
 
-def _column_major(t: Tensor) -> Tensor:
-    """The same matrix laid out column by column (what `_scaled_mm` wants of its second operand)."""
-    return t.t().contiguous().t()
-
-
 class _Float8Matmul(torch.autograd.Function):
     """x @ w^T in float8, the output gradient's amax recorded for the next step (module doc)."""
 
@@ -67,19 +68,20 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, amax_input: Tensor, amax_grad: Tensor) -> Tensor:
         x_q, inv_x = scaled_cast(x, amax_input, E4M3)
         w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
-        ctx.save_for_backward(x_q, w_q, inv_x, inv_w)
+        # the backward's operands in its GEMMs' layouts (module doc): x_q^T and w_q^T, row-major
+        ctx.save_for_backward(x_q.t().contiguous(), w_q.t().contiguous(), inv_x, inv_w)
         ctx.amax_grad, ctx.dtypes = amax_grad, (x.dtype, w.dtype)  # not saved: written in backward
         return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x_q, w_q, inv_x, inv_w = ctx.saved_tensors
+        x_qt, w_qt, inv_x, inv_w = ctx.saved_tensors
         grad = grad.contiguous()
         g_q, inv_g = scaled_cast(grad, ctx.amax_grad, E5M2)
         record_amax(ctx.amax_grad, grad)  # the next step's scale
-        dx = torch._scaled_mm(g_q, _column_major(w_q), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype)
-        dw = torch._scaled_mm(g_q.t().contiguous(), _column_major(x_q), scale_a=inv_g, scale_b=inv_x,
-                              out_dtype=grad.dtype)
+        # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
+        dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype)
+        dw = torch._scaled_mm(g_q.t().contiguous(), x_qt.t(), scale_a=inv_g, scale_b=inv_x, out_dtype=grad.dtype)
         x_dtype, w_dtype = ctx.dtypes
         return dx.to(x_dtype), dw.to(w_dtype), None, None
 
@@ -124,6 +126,31 @@ class DelayedFloat8Linear(nn.Linear):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class AmaxState:
+    """Every DelayedFloat8Linear's amaxes in `model`, as a checkpoint part of each rank's own (module doc). Loading
+    copies those both sides have, by module name (a compiled wrapper's `_orig_mod.` dropped): a checkpoint of a run
+    without them (bf16, another FP8_LINEARS, one written before they were saved) leaves the rest at their start."""
+
+    missing_ok = True  # bert.train.checkpoint: a checkpoint may predate this part
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def _buffers(self) -> dict[str, Tensor]:
+        return {f"{name}.{key}".replace("_orig_mod.", ""): getattr(module, key)
+                for name, module in self.model.named_modules() if isinstance(module, DelayedFloat8Linear)
+                for key in ("amax_input", "amax_grad")}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: amax.detach().to("cpu", copy=True) for name, amax in self._buffers().items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, amax in self._buffers().items():
+                if name in state:
+                    amax.copy_(state[name])
 
 
 def convert_to_delayed_fp8(model: nn.Module, keep) -> list[str]:

@@ -114,5 +114,4 @@ def resume(run: Run) -> None:
     where = latest_checkpoint(run.cfg.run.output_dir)
     if where is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {run.cfg.run.output_dir}/checkpoints")
-    parts = {"optimizer": run.optimizer, "schedule": run.schedule, "scaler": run.scaler, "state": run.state}
-    load_checkpoint(where, run.ddp.module, parts, run.env.rank, {"loader": run.loader})
+    load_checkpoint(where, run.ddp.module, run.shared_parts(), run.env.rank, run.rank_parts())

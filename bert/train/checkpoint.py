@@ -3,7 +3,8 @@
     <output_dir>/checkpoints/step_00001200/model.safetensors   rank 0: the weights, fp32 (the masters under
                                                                MASTER_WEIGHTS=1)
                                           /train_state.pt      rank 0: optimizer, schedule, scaler, counters
-                                          /rank_00003.pt       every rank: its sampler position and RNG
+                                          /rank_00003.pt       every rank: its sampler position, RNG and
+                                                               float8 amaxes (FP8_RECIPE=delayed)
     <output_dir>/checkpoints/latest                            the name of the newest complete checkpoint
 
 `latest` is written by rank 0 after a barrier, so a job killed mid-save leaves the previous
@@ -132,7 +133,8 @@ def load_checkpoint(where: Path, model: nn.Module, parts: dict[str, Any], rank: 
         else:
             values[key] = state
     for key, part in rank_parts.items():
-        part.load_state_dict(own[key])
+        if key in own or not getattr(part, "missing_ok", False):  # a part the checkpoint may predate keeps its start
+            part.load_state_dict(own[key])
     if not grown:
         _set_rng_state(own["rng"])
     return values

@@ -20,6 +20,7 @@ from bert.config import TrainConfig
 from bert.data.eval_set import EvalSet
 from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
+from bert.model.fp8_delayed import AmaxState
 from bert.optim import WarmupPolyDecay
 from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
@@ -71,9 +72,16 @@ class Run:
         return self.cfg.global_batch_size_per_rank * self.env.world_size
 
     def checkpoint(self) -> None:
-        parts = {"optimizer": self.optimizer, "schedule": self.schedule, "scaler": self.scaler, "state": self.state}
-        save_checkpoint(self.cfg.run.output_dir, self.state.step, self.ddp.module, parts, self.env.rank,
-                        {"loader": self.loader})
+        save_checkpoint(self.cfg.run.output_dir, self.state.step, self.ddp.module, self.shared_parts(), self.env.rank,
+                        self.rank_parts())
+
+    def shared_parts(self) -> dict[str, Any]:
+        """What rank 0 checkpoints for every rank (besides the weights)."""
+        return {"optimizer": self.optimizer, "schedule": self.schedule, "scaler": self.scaler, "state": self.state}
+
+    def rank_parts(self) -> dict[str, Any]:
+        """What each rank checkpoints of its own: the loader's position and the float8 amaxes it recorded."""
+        return {"loader": self.loader, "fp8_amaxes": AmaxState(self.ddp.module)}
 
 
 def eval_schedule(run: Run) -> EvalSchedule:
