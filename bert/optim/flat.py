@@ -153,10 +153,10 @@ class FlatLamb(Lamb):
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("FlatLamb.step does not take a closure")
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not check_every_gradient(params):
-            return
-        if not self.grads_in_place:
+        if not self.grads_in_place:  # in place, MasterWeights has checked the model's gradients and cast them in
+            params = [p for g in self.param_groups for p in g["params"]]
+            if not check_every_gradient(params):
+                return
             torch._foreach_copy_(self.grad_views, [p.grad for p in params])
         found_inf = getattr(self, "found_inf", None)  # set under fp16 by bert.optim.master (bert.optim.lamb's doc)
         for group, part in zip(self.param_groups, self.parts):

@@ -156,17 +156,20 @@ class MasterWeights(torch.optim.Optimizer):
             flat.mul_(inv_scale)
             if found_inf is not None:
                 flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
+        if self.layout:  # the inner FlatLamb reads its one flat gradient: no per-tensor .grad (~400 host setattrs)
+            if self.clip_after is not None:  # the norm of the one buffer (its padding is zero)
+                clip_after_allreduce([self.inner.weights], self.clip_after)
+            self.inner.step()  # reads `found_inf`, set by `step`
+            self.low.copy_(self.inner.weights)
+            return
         for m, g in zip(masters, grads):
             m.grad = g
-        if self.clip_after is not None:  # flat: the norm of the one buffer (its padding is zero)
-            clip_after_allreduce([self.inner.weights] if self.layout else masters, self.clip_after)
-        self.inner.step()  # reads `found_inf`, set by `step`
+        if self.clip_after is not None:
+            clip_after_allreduce(masters, self.clip_after)
+        self.inner.step()
         for m in masters:
             m.grad = None
-        if self.low is not None:
-            self.low.copy_(self.inner.weights)
-        else:
-            torch._foreach_copy_(params, masters)
+        torch._foreach_copy_(params, masters)
 
     @property
     def host_lr(self) -> bool:
