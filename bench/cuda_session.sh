@@ -65,6 +65,12 @@ declare -A DRIVERS=(
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)
   [compiled-cdt]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --bench-repeats 0"
+  # inductor's wrapper in C++: its ~1,000 kernel launches a step leave Python (launched from Python, they share
+  # the GIL with the loader's thread; the H100's compiled step idled 7.3 of 135.5 ms)
+  [compiled-cpp]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_CPP_WRAPPER=1 --bench-repeats 0"
+  # the allocator maps growing segments instead of caching fixed blocks: the H100 held 63 GiB for a 28.9 GiB peak as
+  # token counts change every step (the profile counts the allocator's calls to the driver and retries in the window)
+  [compiled-expseg]="--compile default --env COMPILE_OPTIMIZER=1 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --bench-repeats 0"
   # GEMMs autotuned against Triton templates, whose epilogues can take the bias and GELU (a long compile)
   [compiled-autotune]="--compile max-autotune-no-cudagraphs --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # the candidate fastest bf16 run: graphs on the static buckets (all recorded in the warm-up), compiled LAMB
@@ -153,6 +159,18 @@ skip() {  # name why
   if [[ ${DRY_RUN:-0} != 1 ]]; then echo "$1 skipped" >>"$WORK/steps.txt"; fi
 }
 
+# Every name checked before the first step: a typo found at its turn would come after device time spent on the rest.
+STEPS=(setup shards tests host-syncs model model-compiled model-attention model-graphs model-optimizer fp8-linear)
+for name in "$@"; do
+  if [[ $name == driver-* ]]; then
+    [[ -v DRIVERS[${name#driver-}] ]] ||
+      { echo "cuda_session.sh: no driver setting named ${name#driver-} (${!DRIVERS[*]})" >&2; exit 2; }
+  elif [[ " ${STEPS[*]} " != *" $name "* ]]; then
+    echo "cuda_session.sh: unknown step $name" >&2
+    exit 2
+  fi
+done
+
 for name in "$@"; do
   if [[ $REHEARSE == 1 && $name != shards && $name != driver-* ]]; then
     skip "$name" "REHEARSE=1 runs the shards and driver steps only"
@@ -212,7 +230,6 @@ for name in "$@"; do
       step fp8-linear 300 python3 bench/fp8_linear.py --device cuda --json "$WORK/fp8_linear_cuda.json" ;;
     driver-*)
       key=${name#driver-}
-      [[ -v DRIVERS[$key] ]] || { echo "cuda_session.sh: no driver setting named $key (${!DRIVERS[*]})" >&2; exit 2; }
       flags=${DRIVERS[$key]} limit=${DRIVER_LIMIT:-420} device=cuda
       if [[ $REHEARSE == 1 ]]; then
         # FP8_RECIPE=delayed runs on the CPU, but torch's CPU float8 GEMMs take ~30 s a step for BERT tiny

@@ -117,10 +117,15 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             assert name == "setup" and words[:2] == ["bash", "-c"], name
 
 
-def test_an_unknown_step_or_driver_setting_stops_the_script(tmp_path):
+def test_an_unknown_step_or_driver_setting_stops_the_script_before_any_step_runs(tmp_path):
+    """Named after valid steps, a typo still stops the call before the first of them spends device time (a
+    `driver-compiled-expseg` named in the README before its row existed would have, after setup and shards)."""
     for step, words in (("modle", "unknown step modle"), ("driver-bf61", "no driver setting named bf61")):
-        out = run_dry(tmp_path, step)
+        out = run_dry(tmp_path, "setup", "shards", "driver-bf16", step)
         assert out.returncode == 2 and words in out.stderr
+        assert "DRY " not in out.stdout and "==" not in out.stdout
+    script_steps = re.search(r"^STEPS=\((.*)\)$", SCRIPT.read_text(), flags=re.M).group(1).split()
+    assert sorted(script_steps) == sorted(STEPS)
 
 
 def test_bench_model_refuses_a_variant_it_would_not_build(capsys):
