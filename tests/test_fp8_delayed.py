@@ -68,6 +68,15 @@ def test_the_forward_saves_the_backwards_float8_operands_already_transposed():
     eight = [t for t in saved if t.dtype == E4M3]
     assert [(tuple(t.shape), t.is_contiguous()) for t in eight] == [((32, 16), True), ((32, 48), True)]
     torch.testing.assert_close(eight[0].t().float(), (x.detach() * (448 / 2.0)).clamp(-448, 448).to(E4M3).float())
+    # only what a gradient needs: x^T for the weight's, w^T for the input's
+    for x_grad, w_grad, shapes in ((False, True, [(32, 16)]), (True, False, [(32, 48)])):
+        lin.weight.requires_grad_(w_grad)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = lin(x.detach().requires_grad_(x_grad))
+        assert [tuple(t.shape) for t in saved if t.dtype == E4M3] == shapes
+        y.sum().backward()
+    lin.weight.requires_grad_(True)
 
 
 def test_amaxes_start_at_scale_one_and_only_a_training_step_records_them():
@@ -263,3 +272,37 @@ def test_the_amaxes_load_by_module_name_and_a_checkpoint_without_them_leaves_the
     assert {float(b) for n, b in fresh.named_buffers() if "amax" in n} == set(START.values())
     with pytest.raises(KeyError, match="other"):
         load_checkpoint(where, fresh, {}, 0, {"other": Position()})
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_the_compile_warm_up_calibrates_a_new_runs_amaxes_and_keeps_a_resumed_ones(world_of_one, synthetic_data,
+                                                                                  tmp_path, monkeypatch, resumed):
+    """The driver's compile warm-up runs a training forward and backward on a synthetic batch, which records amaxes
+    (test_a_bf16_model_trains_close_to_bf16_and_compiles: compiled as eager): a new run keeps them (its first step
+    is not scaled by the start values), a resumed run gets the ones its checkpoint restored back (a review found
+    the warm-up overwriting them after `resume`). The warm-up itself is stood in for by one that records 7.0
+    everywhere: compiling the model on the CPU takes a minute."""
+    from test_loop import make_run
+
+    import bert.train.warmup as warmup
+    from bert.train.mlperf_log import MLPerfLog
+
+    def records(model, batch, autocast) -> float:
+        for name, amax in model.named_buffers():
+            if "amax" in name:
+                amax.fill_(7.0)
+        return 0.0
+
+    monkeypatch.setattr(warmup, "warm_up", records)
+    run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
+                   static_tokens=128, attention="loop", compile="debug", resume=resumed)
+    try:
+        amaxes = AmaxState(run.ddp.module)
+        restored = {name: torch.tensor(0.25 + i) for i, name in enumerate(amaxes.state_dict())}
+        amaxes.load_state_dict(restored)
+        warmup.compile_before_run(run, MLPerfLog("", enabled=False), torch.device("cpu"))
+    finally:
+        run.loader.close()
+    after = amaxes.state_dict()
+    assert len(after) == 8 * run.ddp.module.config.num_hidden_layers
+    assert all(torch.equal(after[name], restored[name] if resumed else torch.tensor(7.0)) for name in restored)

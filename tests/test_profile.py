@@ -134,8 +134,8 @@ def test_the_table_gives_the_allocators_calls_to_the_driver_in_the_window():
     s = summarize([Timed("nvjet_a", 1000, start_us=0)], steps=1, wall_s=0.001)
     s.update(first=1, last=1, device="cuda", allocator={"num_device_alloc": 3, "num_device_free": 0,
                                                          "num_alloc_retries": 2})
-    assert ("allocator in the window: 3 cudaMalloc, 0 cudaFree, 2 retries (cache freed, device synchronized)"
-            in format_table(s))
+    assert ("allocator in the window: 3 device allocations, 0 device frees, 2 retries (cache freed, device "
+            "synchronized)" in format_table(s))
     s.pop("allocator")
     assert "allocator" not in format_table(s)  # the CPU's windows count nothing
 

@@ -13,14 +13,16 @@ in the same pass. The weights, small, are scaled by their current amax.
     scales    s = max / amax: e4m3's max 448, e5m2's 57,344; a value beyond saturates (clamped, not inf)
 
 `torch._scaled_mm` takes its first operand row-major and its second column-major, so the backward's GEMMs read
-x_q and w_q transposed. The forward saves those transposed copies, made beside the casts: compiled, the kernel that
-casts x can write both layouts in one pass over it (TransformerEngine's cast-transpose), where a copy made in the
-backward, another graph, would read the saved tensor again (a byte per element of every linear's input). The
-output gradient's cast and its transposed copy are in the backward's graph together already.
+x_q and w_q transposed. The forward saves those transposed copies (only the ones a gradient needs), made beside
+the casts: compiled, the kernel that casts x can write both layouts in one pass over it (TransformerEngine's
+cast-transpose), where a copy made in the backward, another graph, would read the saved tensor again (a byte per
+element of every linear's input; whether inductor does fuse them is not measured yet). The output gradient's cast
+and its transposed copy are in the backward's graph together already.
 
 The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
 start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
-backward on its synthetic batch (bert.train.warmup) set them before the first timed step. Only a training forward
+backward on its synthetic batch (bert.train.warmup) set them before the first timed step (a resumed run's are
+put back after it). Only a training forward
 (train mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank keeps its own: DDP
 does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks, here the gradients are
 averaged after the GEMMs anyway). So they are not in the model's state_dict (the weights file and its exports stay
@@ -68,8 +70,11 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, amax_input: Tensor, amax_grad: Tensor) -> Tensor:
         x_q, inv_x = scaled_cast(x, amax_input, E4M3)
         w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
-        # the backward's operands in its GEMMs' layouts (module doc): x_q^T and w_q^T, row-major
-        ctx.save_for_backward(x_q.t().contiguous(), w_q.t().contiguous(), inv_x, inv_w)
+        # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
+        # neither in an eval or no-grad forward
+        needs_dx, needs_dw = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x_q.t().contiguous() if needs_dw else None, w_q.t().contiguous() if needs_dx else None,
+                              inv_x, inv_w)
         ctx.amax_grad, ctx.dtypes = amax_grad, (x.dtype, w.dtype)  # not saved: written in backward
         return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=x.dtype)
 
@@ -80,10 +85,14 @@ class _Float8Matmul(torch.autograd.Function):
         g_q, inv_g = scaled_cast(grad, ctx.amax_grad, E5M2)
         record_amax(ctx.amax_grad, grad)  # the next step's scale
         # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
-        dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype)
-        dw = torch._scaled_mm(g_q.t().contiguous(), x_qt.t(), scale_a=inv_g, scale_b=inv_x, out_dtype=grad.dtype)
         x_dtype, w_dtype = ctx.dtypes
-        return dx.to(x_dtype), dw.to(w_dtype), None, None
+        dx = dw = None
+        if w_qt is not None:
+            dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype).to(x_dtype)
+        if x_qt is not None:
+            dw = torch._scaled_mm(g_q.t().contiguous(), x_qt.t(), scale_a=inv_g, scale_b=inv_x,
+                                  out_dtype=grad.dtype).to(w_dtype)
+        return dx, dw, None, None
 
 
 class DelayedFloat8Linear(nn.Linear):

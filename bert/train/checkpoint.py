@@ -12,7 +12,8 @@ checkpoint as the one to resume from. Every file is flushed to disk (fsync) by i
 then by rank 0 the folder (every rank's entry) and the pointer, before and after its rename: on Lustre `close()`
 leaves data in the page cache while a rename is committed at once, so a node lost after the rename would
 otherwise leave `latest` naming truncated files.
-A rank the saving job did not have (a job continued on more GPUs) takes rank 0's loader state and keeps its RNG.
+A rank the saving job did not have (a job continued on more GPUs) takes rank 0's per-rank parts (the loader's
+position, the float8 amaxes) and keeps its RNG.
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def compile_report(before: dict | None, after: dict | None) -> dict | None:
 # The caching allocator's calls to the driver, counted over the window: a steady step reuses its blocks and makes none.
 # Token counts change every step, so blocks may not fit: a cudaMalloc that fails makes the allocator free its cache,
 # synchronizing the device, and retry. One of those per step would leave the GPU idle while the host waits.
-ALLOCATOR_COUNTS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
+# (Under expandable segments the first two count its cuMemMap / cuMemUnmap calls.)
+ALLOCATOR_COUNTS = {"num_device_alloc": "device allocations", "num_device_free": "device frees",
                     "num_alloc_retries": "retries (cache freed, device synchronized)"}
 
 

@@ -39,6 +39,7 @@ from bert.batch import Batch
 from bert.config import TrainConfig
 from bert.model import BertConfig
 from bert.model.compile import CUDA_GRAPH_MODES
+from bert.model.fp8_delayed import AmaxState
 from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
@@ -179,7 +180,13 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         return None
     batches = warmup_batches(run, device)
     calls = 2 if model_cfg.compile in CUDA_GRAPH_MODES else 1
+    # FP8_RECIPE=delayed: the warm-up's training forward and backward record their amaxes, which calibrate a new
+    # run's first step; a resumed run keeps the ones its checkpoint restored (resume is exact)
+    amaxes = AmaxState(run.ddp.module)
+    restored = amaxes.state_dict() if run.cfg.run.resume else None
     seconds = sum(warm_up(training_entry(run), batch, run.autocast) for batch in batches for _ in range(calls))
+    if restored is not None:
+        amaxes.load_state_dict(restored)
     eval_batches = eval_warmup_batches(run, device)
     eval_seconds = sum(warm_up_eval(run.ddp.module, batch, run.autocast) for batch in eval_batches
                        for _ in range(calls))
