@@ -65,6 +65,9 @@ declare -A DRIVERS=(
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)
   [compiled-cdt]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --bench-repeats 0"
+  # the training batches read in a child process: a reading thread holds the interpreter lock the step's Python
+  # launches need (bench/loader_gil.py: launches 2.2x slower beside it on the CPU)
+  [compiled-proc]="--compile default --env COMPILE_OPTIMIZER=1 --env LOADER_WORKER=process --bench-repeats 0"
   # inductor's wrapper in C++: its ~1,000 kernel launches a step leave Python (launched from Python, they share
   # the GIL with the loader's thread; the H100's compiled step idled 7.3 of 135.5 ms)
   [compiled-cpp]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_CPP_WRAPPER=1 --bench-repeats 0"

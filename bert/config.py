@@ -64,6 +64,10 @@ class DataConfig:
     balance: str = opt("none", "load-balance strategy", env="BALANCE", registry="bert.balance:STRATEGIES")
     shuffle_buffer: int = opt(10000, "samples in the shuffle buffer (TPU [004] §3.5)", env="SHUFFLE_BUFFER",
                               low=0, high=10**9)
+    loader_worker: str = opt("thread", "where training batches are read and collated: a thread of the trainer, or a "
+                             "child process, which shares no interpreter lock with the step's kernel launches "
+                             "(bert.data.process_prefetch)", env="LOADER_WORKER",
+                             registry="bert.data.process_prefetch:LOADER_WORKERS")
 
 
 @dataclass

@@ -91,6 +91,7 @@ def test_selector_choices_are_the_registries():
     ({"PRECISION": "bf61"}, "$PRECISION"),
     ({"OPTIMIZER_SHARDING": "maybe"}, "$OPTIMIZER_SHARDING"),
     ({"OPTIMIZER_LAYOUT": "flt"}, "$OPTIMIZER_LAYOUT"),
+    ({"LOADER_WORKER": "procces"}, "$LOADER_WORKER"),
     ({"OPTIMIZER_LAYOUT": "flat"}, "$OPTIMIZER_LAYOUT"),  # needs the masters
     ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"},
      "$OPTIMIZER_LAYOUT"),

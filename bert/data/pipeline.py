@@ -7,8 +7,9 @@
 Epochs, strata and remainders are defined in `bert.data.epoch`; the plan shared by all
 ranks in `bert.data.plan`. A step's batch is this rank's row of the balanced assignment,
 read from the shards in assignment order and collated on the CPU in a background thread
-(`bert.data.prefetch`), so `SeqLayout.lengths`/`max_seqlen` are host values and the
-training step never waits on the device to learn them. On CUDA the batch is pinned by the
+(`bert.data.prefetch`) or, with LOADER_WORKER=process, a child process
+(`bert.data.process_prefetch`), so `SeqLayout.lengths`/`max_seqlen` are host values and the
+training step never waits on the device to learn them. On CUDA the batch is pinned by a
 thread and copied with `non_blocking=True` on the consumer's current stream, which orders
 the copy before the step's kernels with no host synchronisation.
 """
@@ -27,6 +28,7 @@ from bert.data.index import LengthIndex
 from bert.data.limits import SampleLimits
 from bert.data.plan import TrainPlan
 from bert.data.prefetch import Prefetcher
+from bert.data.process_prefetch import LOADER_WORKERS, ProcessPrefetcher
 from bert.data.reader import SampleReader
 from bert.static_shapes import pad_static
 
@@ -48,6 +50,7 @@ class TrainLoader:
         prefetch: int = 2,
         static_tokens: int = 0,
         limits: SampleLimits | None = None,
+        worker: str = "thread",
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
@@ -60,8 +63,11 @@ class TrainLoader:
         self.rank, self.device, self.prefetch = rank, torch.device(device), prefetch
         self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.step = 0  # batches handed to the caller so far
+        if worker not in LOADER_WORKERS:
+            raise ValueError(f"LOADER_WORKER={worker!r}: one of {', '.join(LOADER_WORKERS)}")
+        self.worker = worker  # where batches are read and collated: a thread, or a child process
         self._reader = SampleReader(self.plan.index)
-        self._worker: Prefetcher | None = None
+        self._worker: Prefetcher | ProcessPrefetcher | None = None
 
     @property
     def sample_lengths(self) -> np.ndarray:
@@ -76,22 +82,27 @@ class TrainLoader:
     def plan_ahead(self) -> None:
         """Lay out the epoch of the next batch now, in the untimed initialisation. Its first batch would do it in
         the prefetch thread: every rank orders the whole training set, about 40 s for phase 2's 156.7 M samples
-        (one core, 1024 ranks), which at 128 nodes is as long as the timed run. Only the length index is read."""
+        (one core, 1024 ranks), which at 128 nodes is as long as the timed run. Only the length index is read.
+        LOADER_WORKER=process: the child process is forked now too, with the epoch laid out; it reads no sample
+        before the first batch is asked for (bert.data.process_prefetch)."""
         self.plan.draw(self.step)
+        if self.worker == "process":
+            self._started()
 
     def _batch(self, step: int) -> Batch:
         ids = self.plan.rank_ids(step, self.rank)
         batch = collate(self._reader.read(ids))
         if self.limits is not None:
             self.limits.check(batch, self.plan.index, ids)
-        # Padded here, in the background thread and before pinning: on the device the new cu_seqlens would be
-        # a pageable host-to-device copy, which waits for the stream, in every training step.
+        # Padded here, in the background (thread or process) and before pinning: on the device the new cu_seqlens
+        # would be a pageable host-to-device copy, which waits for the stream, in every training step.
         return pad_static(batch, self.static_tokens)
 
     def _started(self) -> Prefetcher:
         if self._worker is None:
             pin = self.device.type == "cuda" and torch.cuda.is_available()
-            self._worker = Prefetcher(self._batch, self.step, self.prefetch, pin)
+            kind = ProcessPrefetcher if self.worker == "process" else Prefetcher
+            self._worker = kind(self._batch, self.step, self.prefetch, pin)
         return self._worker
 
     def __iter__(self) -> TrainLoader:

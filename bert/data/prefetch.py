@@ -1,11 +1,11 @@
 """Build batches ahead of the training step in a background thread (Baidu [001] §IV-B).
 
-A thread, not a process: per step the work is small (plan a few thousand ints, read one
-local batch of rows, concatenate ~8k tokens: about a millisecond, see
-bench/input_pipeline.py) next to a training step, and numpy/h5py do their bulk copies
-outside the interpreter loop. A thread also shares memory with the training loop, so the
-batch it pins is the one copied to the device: no pickling, no shared-memory segments,
-no second pinning pass as with worker processes.
+A thread (LOADER_WORKER=thread, the default) shares memory with the training loop, so the batch it pins is the
+one copied to the device: no pickling, no shared-memory segments, no second process. But it shares the interpreter
+lock too, which h5py holds while it reads: under balancing a batch is a row or two from each of many shards, about
+0.8 ms a sample on the 2-core VM, and beside such a thread the training thread's kernel launches took twice as long
+(bench/loader_gil.py). LOADER_WORKER=process (bert.data.process_prefetch) reads in a child process instead, and
+uses this thread only to pin what the child sends.
 """
 
 from __future__ import annotations

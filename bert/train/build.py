@@ -93,7 +93,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                                                                           data.max_seq_length))
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
-                         static_tokens=cfg.model.static_tokens, limits=limits)
+                         static_tokens=cfg.model.static_tokens, limits=limits, worker=data.loader_worker)
     # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
     eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
                        static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
