@@ -107,15 +107,17 @@ def train_worker(cfg: TrainConfig, job: DistEnv) -> int:
         log.run_stop(run.state.samples, run.eval_samples, success=False)
         report(env.rank, e, "; run aborted")
         os._exit(2 if isinstance(e, ShardError) else 1)  # skip process-group teardown: it can block on a dead peer
-    if status != PREEMPTED:
-        log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
-    compiled.report(run.progress)
-    if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
-        run.checkpoint()  # after run_stop: saving is not part of the timed run
-    if env.is_main:  # after the checkpoint: "preempted" says there is one to continue from
-        outcome.record("status", status)
-    run.progress.close()
-    run.loader.close()
+    try:
+        if status != PREEMPTED:
+            log.run_stop(run.state.samples, run.eval_samples, success=status == SUCCESS)
+        compiled.report(run.progress)
+        if not cfg.run.skip_checkpoint or status == PREEMPTED:  # a pre-empted job continues from it
+            run.checkpoint()  # after run_stop: saving is not part of the timed run
+        if env.is_main:  # after the checkpoint: "preempted" says there is one to continue from
+            outcome.record("status", status)
+        run.progress.close()
+    finally:
+        run.loader.close()  # LOADER_WORKER=process: its child too, also when saving failed
     return 1 if status == ABORTED else 0
 
 

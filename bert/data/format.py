@@ -176,7 +176,9 @@ def write_fixed_shard(
 # Each open file's HDF5 metadata cache, fixed at this size. HDF5's own starts at 2 MiB and grows up to 32 MiB when
 # its hit rate is low, which a reader's pattern makes it: a row or two from each of thousands of shards, each row's
 # variable-length data in a global-heap collection the cache keeps. 400 shards read at random grew a reader by
-# 1.3 GB, 64 KiB each by 0.11 GB, in the same CPU time (bench/reader_memory.py). None: HDF5's default.
+# 1.3 GB, 64 KiB each by 0.11 GB, in the same CPU time (bench/reader_memory.py). None: HDF5's default. Our shards'
+# collections are 64 KiB, so the cache holds about one: rows read again soon from one shard cost ~20 % more (a
+# review), which at thousands of shards a rank seldom does.
 METADATA_CACHE_BYTES: int | None = 64 * 1024
 
 
@@ -188,7 +190,11 @@ def _open(path: Path) -> h5py.File:
     except OSError as e:  # truncated files and non-hdf5 files both land here
         raise ShardError(f"{path}: not a readable hdf5 file (truncated or corrupt?): {e}") from e
     if METADATA_CACHE_BYTES is not None:
-        f.id.set_mdc_config(fixed_cache(f.id.get_mdc_config(), METADATA_CACHE_BYTES))
+        try:
+            f.id.set_mdc_config(fixed_cache(f.id.get_mdc_config(), METADATA_CACHE_BYTES))
+        except Exception as e:
+            f.close()
+            raise ShardError(f"{path}: cannot set its HDF5 metadata cache: {e}") from e
     return f
 
 

@@ -54,6 +54,8 @@ class TrainLoader:
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        if worker not in LOADER_WORKERS:  # before the scan of the shards
+            raise ValueError(f"LOADER_WORKER={worker!r}: one of {', '.join(LOADER_WORKERS)}")
         self.plan = TrainPlan(
             LengthIndex.scan(input_dir), world_size, local_batch_size, ranks_per_node, strategy, seed, shuffle_buffer
         )
@@ -63,8 +65,6 @@ class TrainLoader:
         self.rank, self.device, self.prefetch = rank, torch.device(device), prefetch
         self.static_tokens = static_tokens  # STATIC_TOKENS: pad to token buckets (bert.static_shapes), 0 = off
         self.step = 0  # batches handed to the caller so far
-        if worker not in LOADER_WORKERS:
-            raise ValueError(f"LOADER_WORKER={worker!r}: one of {', '.join(LOADER_WORKERS)}")
         self.worker = worker  # where batches are read and collated: a thread, or a child process
         self._reader = SampleReader(self.plan.index)
         self._worker: Prefetcher | ProcessPrefetcher | None = None
@@ -98,7 +98,7 @@ class TrainLoader:
         # would be a pageable host-to-device copy, which waits for the stream, in every training step.
         return pad_static(batch, self.static_tokens)
 
-    def _started(self) -> Prefetcher:
+    def _started(self) -> Prefetcher | ProcessPrefetcher:
         if self._worker is None:
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             kind = ProcessPrefetcher if self.worker == "process" else Prefetcher

@@ -22,17 +22,24 @@ is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with Da
 
 An exception in the child (a corrupt shard) comes back as the next item and is raised by `next`, its message
 unchanged, which also ends the child; one that cannot be pickled comes back as a RuntimeError naming it. The child
-ends when told (`close`, or `next` raising) or when the trainer that forked it has gone, not before: a batch's
-tensors reach the trainer as file descriptors this process hands over when the trainer takes the batch.
+ends when told (`close`, `next` raising, or the trainer's exit) or when the trainer that forked it dies (the kernel
+kills it), not before: a batch's tensors reach the trainer as file descriptors this process hands over when the
+trainer takes the batch. A child that died (killed for memory) is one RuntimeError saying so. It ignores SIGTERM
+and SIGINT, which Slurm and Ctrl-C send the whole job: the trainer handles them and stops it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
 import queue
+import signal
+import traceback
 from collections.abc import Callable
 from itertools import count
 from multiprocessing.reduction import ForkingPickler
+from multiprocessing.util import Finalize
 
 import torch
 import torch.multiprocessing as mp
@@ -50,18 +57,43 @@ class _Stopped(Exception):
 
 def _packed(item: Batch | BaseException) -> tuple[bytes, bool]:
     """`item` pickled for the queue (a batch's tensors moved to shared memory) and whether the trainer is to raise
-    it. Pickled here, not by the queue's own thread, where a failure would be printed and the item lost: one that
-    cannot be pickled becomes a RuntimeError naming it."""
+    it. Pickled here, not by the queue's own thread, where a failure would be printed and the item lost. An
+    exception must also come back whole (an `__init__` at odds with its args would fail in the trainer, in place
+    of the message): one that does not becomes a RuntimeError naming it. The child's traceback goes with it as a
+    note (DEBUG=1 prints it)."""
+    if isinstance(item, BaseException):
+        try:
+            pickle.loads(pickle.dumps(item))
+        except Exception:
+            item = RuntimeError(f"{type(item).__name__}: {item}")
+        if hasattr(item, "add_note"):  # Python >= 3.11
+            item.add_note("in the data loader process:\n" + "".join(traceback.format_exception(item)))
     try:
         return bytes(ForkingPickler.dumps(item)), isinstance(item, BaseException)
     except Exception as e:
-        what = f"{type(item).__name__}: {item}" if isinstance(item, BaseException) else f"a batch not sent ({e})"
-        return bytes(ForkingPickler.dumps(RuntimeError(what))), True
+        return bytes(ForkingPickler.dumps(RuntimeError(f"a batch not sent ({e})"))), True
+
+
+def _die_with(trainer: int) -> None:
+    """Have the kernel kill this process when the trainer dies (Linux), even inside a long read or the epoch's
+    layout, where polling for the parent would not notice: it holds the trainer's inherited sockets and device
+    files. Elsewhere the polling in `_work` remains."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != trainer:  # it died before the request
+        os._exit(0)
 
 
 def _work(produce: Callable[[int], Batch], start: int, items: mp.Queue, go: mp.Event, stop: mp.Event,
           trainer: int) -> None:
     """The child: wait for the first `next`, then produce batches until told to stop (module doc)."""
+    # Slurm and Ctrl-C signal every process of the job: the trainer handles them (a pre-emption checkpoints) and
+    # then stops this one. Set here, not inherited: the trainer's SIGTERM handler would only set its own flag.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(trainer)
     torch.set_num_threads(1)
 
     def running() -> bool:
@@ -108,6 +140,9 @@ class ProcessPrefetcher:
         self._process.start()
         self._start, self._pin = start, pin
         self._pinner: Prefetcher | None = None
+        # A trainer leaving without `close` (an exception on its way out) would otherwise hang: multiprocessing's
+        # exit handler joins daemon children without a timeout, and this one ignores the SIGTERM it sends first
+        Finalize(self, _end_child, args=(self._stop, self._process), exitpriority=100)
 
     def _receive(self, step: int) -> Batch:
         while not self._stop.is_set():
@@ -115,12 +150,22 @@ class ProcessPrefetcher:
                 item = ForkingPickler.loads(self._items.get(timeout=_POLL_S))
             except queue.Empty:
                 if not self._process.is_alive():
-                    raise RuntimeError(f"the data loader process exited (code {self._process.exitcode})") from None
+                    raise RuntimeError(self._exited()) from None
                 continue
+            except (OSError, EOFError) as e:  # a batch whose shared memory a dead child can no longer hand over
+                self._process.join(1)
+                if self._process.is_alive():
+                    raise
+                raise RuntimeError(self._exited()) from e
             if isinstance(item, BaseException):
                 raise item
             return item
         raise _Stopped
+
+    def _exited(self) -> str:
+        code = self._process.exitcode
+        killed = f", killed by signal {-code}" + (" (out of memory?)" if code == -signal.SIGKILL else "")
+        return f"the data loader process exited (code {code}{killed if code and code < 0 else ''})"
 
     def next(self) -> Batch:
         if self._pinner is None:  # the first batch asked for: the child starts reading now
@@ -136,8 +181,15 @@ class ProcessPrefetcher:
         self._stop.set()
         if self._pinner is not None:
             self._pinner.close()
-        self._process.join(timeout=10)
-        if self._process.is_alive():  # stuck inside a read: it holds nothing the trainer needs
-            self._process.kill()
-            self._process.join()
+        _end_child(self._stop, self._process)
         self._items.close()
+
+
+def _end_child(stop: mp.Event, process: mp.Process, wait_s: float = 5.0) -> None:
+    """Ask the child to stop, and kill it if it has not within `wait_s` (stuck inside a read: it holds nothing the
+    trainer needs)."""
+    stop.set()
+    process.join(timeout=wait_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
