@@ -18,7 +18,9 @@ epoch's layout not computed twice) and starts in milliseconds. It touches no GPU
 (torch's DataLoader workers do the same: an OpenMP pool used by the parent can hang a forked child). The
 trainer reads no training shard while it runs (the eval set is other files), so they share no open HDF5 file.
 Python 3.12 warns (DeprecationWarning, hidden by default) on any fork of a process with threads, as the trainer
-is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with DataLoader's forked workers.
+is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with DataLoader's forked workers. With
+NCCL over InfiniBand, a fork needs a kernel >= 5.13 or rdma-core's fork support (IBV_FORK_SAFE=1), as those
+workers do. The batches wait in shared memory: (depth + 3) batches a rank in /dev/shm (docker: --ipc=host).
 
 An exception in the child (a corrupt shard) comes back as the next item and is raised by `next`, its message
 unchanged, which also ends the child; one that cannot be pickled comes back as a RuntimeError naming it. The child
