@@ -223,3 +223,41 @@ def test_a_killed_child_is_one_error_saying_so():
                 worker.next()
     finally:
         worker.close()
+
+
+def test_the_child_frees_nothing_it_inherits_that_holds_a_gloo_group(tmp_path):
+    """In the full suite the child crashed (SIGSEGV) or hung in ProcessGroupGloo's destructor, whose threads a fork
+    does not copy: it had freed what it inherited. Two ways, both here: the trainer's SIGTERM handler (a bound method
+    of an object holding a gloo group, its last reference) replaced in the child, and a garbage cycle holding a
+    group that the child's collector would collect."""
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import gc, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch.distributed as dist
+from bert.data.process_prefetch import ProcessPrefetcher
+from bert.synthetic import random_batch
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+class Stop:  # as bert.train.faults.StopAgreement: its own gloo group, a signal handler
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+    def on_signal(self, *_):
+        pass
+
+signal.signal(signal.SIGTERM, Stop().on_signal)  # the handler holds the last reference, once
+gc.disable()  # the cycle below stays uncollected here until the fork
+cycle = Stop()
+cycle.me = cycle
+del cycle
+dist.destroy_process_group()  # as the test fixtures' teardown: torch's registry lets go of the groups
+# the child collects, as its collector would when it allocates enough
+worker = ProcessPrefetcher(lambda step: gc.collect() and None or random_batch([60] * (step + 1), seed=step), start=0,
+                           depth=1, pin=False)
+gc.enable()
+print([int(worker.next().input_ids.numel()) for _ in range(40)][-1])
+worker.close()
+print("exit", worker._process.exitcode)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["2400", "exit", "0"], out.stderr[-2000:]

@@ -18,7 +18,11 @@ epoch's layout not computed twice) and starts in milliseconds. It touches no GPU
 (torch's DataLoader workers do the same: an OpenMP pool used by the parent can hang a forked child). The
 trainer reads no training shard while it runs (the eval set is other files), so they share no open HDF5 file.
 Python 3.12 warns (DeprecationWarning, hidden by default) on any fork of a process with threads, as the trainer
-is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with DataLoader's forked workers. With
+is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with DataLoader's forked workers. Nor
+does it free what holds them: a gloo process group's destructor waits for threads the fork did not copy (the
+suite's child hung or crashed so, freeing the trainer's replaced SIGTERM handler and collecting an inherited
+garbage cycle), so the child keeps the handlers it replaces and the objects alive at the fork are frozen out of
+its collector (`gc.freeze`). With
 NCCL over InfiniBand, a fork needs a kernel >= 5.13 or rdma-core's fork support (IBV_FORK_SAFE=1), as those
 workers do. The batches wait in shared memory: (depth + 3) batches a rank in /dev/shm (docker: --ipc=host).
 
@@ -33,6 +37,7 @@ and SIGINT, which Slurm and Ctrl-C send the whole job: the trainer handles them 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import pickle
 import queue
@@ -51,6 +56,7 @@ from bert.data.prefetch import Prefetcher
 
 LOADER_WORKERS = ("thread", "process")  # LOADER_WORKER's choices
 _POLL_S = 0.1
+_INHERITED: list = []  # in the child: what it must never free (`_work`); it ends by os._exit, freeing nothing
 
 
 class _Stopped(Exception):
@@ -93,8 +99,9 @@ def _work(produce: Callable[[int], Batch], start: int, items: mp.Queue, go: mp.E
     """The child: wait for the first `next`, then produce batches until told to stop (module doc)."""
     # Slurm and Ctrl-C signal every process of the job: the trainer handles them (a pre-emption checkpoints) and
     # then stops this one. Set here, not inherited: the trainer's SIGTERM handler would only set its own flag.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The trainer's handlers are kept alive: dropping the last reference to one (a bound method of its stop
+    # agreement) would destroy a gloo process group here, whose threads were not forked: a hang or a crash.
+    _INHERITED.extend(signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT))
     _die_with(trainer)
     torch.set_num_threads(1)
 
@@ -139,7 +146,13 @@ class ProcessPrefetcher:
         self._go, self._stop = context.Event(), context.Event()
         self._process = context.Process(target=_work, name="bert-data-loader", daemon=True,
                                         args=(produce, start, self._items, self._go, self._stop, os.getpid()))
-        self._process.start()
+        # The child must free nothing it inherits that holds a thread it does not have (a gloo process group,
+        # whose destructor waits for its threads): frozen, the objects alive at the fork are never collected there
+        gc.freeze()
+        try:
+            self._process.start()
+        finally:
+            gc.unfreeze()
         self._start, self._pin = start, pin
         self._pinner: Prefetcher | None = None
         # A trainer leaving without `close` (an exception on its way out) would otherwise hang: multiprocessing's
