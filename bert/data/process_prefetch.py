@@ -22,9 +22,9 @@ is (gloo, NCCL, CUDA); what the child runs takes none of their locks, as with Da
 does it free what holds them: a gloo process group's destructor waits for threads the fork did not copy (the
 suite's child hung or crashed so, freeing the trainer's replaced SIGTERM handler and collecting an inherited
 garbage cycle), so the child keeps the handlers it replaces and the objects alive at the fork are frozen out of
-its collector (`gc.freeze`). With
-NCCL over InfiniBand, a fork needs a kernel >= 5.13 or rdma-core's fork support (IBV_FORK_SAFE=1), as those
-workers do. The batches wait in shared memory: (depth + 3) batches a rank in /dev/shm (docker: --ipc=host).
+its collector (`gc.freeze`). With NCCL over InfiniBand, a fork needs a kernel >= 5.13 or rdma-core's fork
+support (IBV_FORK_SAFE=1), as those workers do. The batches wait in shared memory: (depth + 3) batches a rank in
+/dev/shm (docker: --ipc=host).
 
 An exception in the child (a corrupt shard) comes back as the next item and is raised by `next`, its message
 unchanged, which also ends the child; one that cannot be pickled comes back as a RuntimeError naming it. The child
