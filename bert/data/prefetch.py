@@ -17,7 +17,7 @@ from itertools import count
 
 from bert.batch import Batch
 
-_POLL_S = 0.1
+_POLL_S = 0.1  # how often a waiting queue operation looks whether to stop (bert.data.process_prefetch too)
 
 
 class Prefetcher:

@@ -52,10 +52,9 @@ import torch
 import torch.multiprocessing as mp
 
 from bert.batch import Batch
-from bert.data.prefetch import Prefetcher
+from bert.data.prefetch import _POLL_S, Prefetcher
 
 LOADER_WORKERS = ("thread", "process")  # LOADER_WORKER's choices
-_POLL_S = 0.1
 _INHERITED: list = []  # in the child: what it must never free (`_work`); it ends by os._exit, freeing nothing
 
 

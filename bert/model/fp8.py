@@ -163,7 +163,6 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
         return swapped
     from torchao.float8 import convert_to_float8_training
 
-
     def keep(module: nn.Module, name: str) -> bool:
         if is_fp8_linear(module, name, linears):
             swapped.append(name)

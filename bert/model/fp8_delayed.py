@@ -22,13 +22,12 @@ and its transposed copy are in the backward's graph together already.
 The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
 start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
 backward on its synthetic batch (bert.train.warmup) set them before the first timed step (a resumed run's are
-put back after it). Only a training forward
-(train mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank keeps its own: DDP
-does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks, here the gradients are
-averaged after the GEMMs anyway). So they are not in the model's state_dict (the weights file and its exports stay
-nn.Linear's) but in each rank's own checkpoint file (`AmaxState`, bert.train.checkpoint): a resumed run scales its
-first step as the run it continues would have. Under autocast the input is cast to autocast's dtype first, as
-nn.Linear's is, so the output has that dtype.
+put back after it). Only a training forward (train mode, grad enabled) records the input's; a non-finite amax is
+not recorded. Each rank keeps its own: DDP does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces
+them across the ranks, here the gradients are averaged after the GEMMs anyway). So they are not in the model's
+state_dict (the weights file and its exports stay nn.Linear's) but in each rank's own checkpoint file
+(`AmaxState`, bert.train.checkpoint): a resumed run scales its first step as the run it continues would have.
+Under autocast the input is cast to autocast's dtype first, as nn.Linear's is, so the output has that dtype.
 
 Parameters and names are nn.Linear's, so checkpoints, weight-decay groups, master weights and DDP are unchanged.
 No torchao: this needs only `torch._scaled_mm` (CUDA of compute capability >= 8.9; the CPU runs it too, which is
@@ -44,6 +43,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The amaxes a layer starts from: each format's max, i.e. scale 1, as TransformerEngine starts (1 would clip the
 # first step's activations to +-1; a run compiled first calibrates them in its warm-up)
 START = {E4M3: float(torch.finfo(E4M3).max), E5M2: float(torch.finfo(E5M2).max)}
+AMAXES = {"amax_input": E4M3, "amax_grad": E5M2}  # each layer's amax buffers, by the format they scale for
 
 
 def scaled_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -104,8 +104,8 @@ class DelayedFloat8Linear(nn.Linear):
 
     def _start_amaxes(self, device) -> None:
         """The input's and the gradient's amax history, at their start (START), fp32 on `device`."""
-        self.register_buffer("amax_input", torch.full((), START[E4M3], device=device), persistent=False)
-        self.register_buffer("amax_grad", torch.full((), START[E5M2], device=device), persistent=False)
+        for name, dtype in AMAXES.items():
+            self.register_buffer(name, torch.full((), START[dtype], device=device), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> DelayedFloat8Linear:
@@ -118,7 +118,7 @@ class DelayedFloat8Linear(nn.Linear):
     def _apply(self, fn, recurse: bool = True):
         """`.to(dtype)` and the like leave the amaxes fp32 (a bf16 amax, rounded down, would saturate)."""
         super()._apply(fn, recurse)
-        for name in ("amax_input", "amax_grad"):
+        for name in AMAXES:
             if getattr(self, name).dtype != torch.float32:
                 setattr(self, name, getattr(self, name).float())
         return self
@@ -150,7 +150,7 @@ class AmaxState:
     def _buffers(self) -> dict[str, Tensor]:
         return {f"{name}.{key}".replace("_orig_mod.", ""): getattr(module, key)
                 for name, module in self.model.named_modules() if isinstance(module, DelayedFloat8Linear)
-                for key in ("amax_input", "amax_grad")}
+                for key in AMAXES}
 
     def state_dict(self) -> dict[str, Tensor]:
         return {name: amax.detach().to("cpu", copy=True) for name, amax in self._buffers().items()}

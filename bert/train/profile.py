@@ -164,11 +164,9 @@ def allocator_counts(stats: dict) -> dict[str, int]:
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTS}
 
 
-def allocator_line(moved: dict[str, int] | None) -> str:
-    """What the allocator did in the window, as one line of the table ("" when nothing was counted)."""
-    if moved is None:
-        return ""
-    counts = ", ".join(f"{moved.get(key, 0)} {name}" for key, name in ALLOCATOR_COUNTS.items())
+def allocator_line(moved: dict[str, int]) -> str:
+    """What the allocator did in the window, as one line of the table."""
+    counts = ", ".join(f"{moved[key]} {name}" for key, name in ALLOCATOR_COUNTS.items())
     return f"  allocator in the window: {counts}"
 
 
@@ -219,7 +217,7 @@ class StepProfiler:
         self._started = 0.0
         self._done = 0
         self._counters: dict | None = None
-        self._allocations: dict[str, int] | None = None
+        self._allocations: dict[str, int] = {}  # the allocator's counters at the window's start (CUDA)
 
     @contextmanager
     def step(self, number: int) -> Iterator[None]:
@@ -265,7 +263,7 @@ class StepProfiler:
             # a CUDA graph's replay allocates nothing: its pool shows in what the allocator holds, not in the peak
             summary["reserved_memory_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
             after = allocator_counts(torch.cuda.memory_stats(self.device))
-            summary["allocator"] = {k: after[k] - (self._allocations or {}).get(k, 0) for k in after}
+            summary["allocator"] = {k: after[k] - self._allocations[k] for k in after}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / f"rank{self.rank}.json").write_text(json.dumps(summary, indent=1) + "\n")
         prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json.gz"))
