@@ -5,7 +5,9 @@ Two parts:
     updates, its LAMB/AdamW state (exp_avg + exp_avg_sq, fp32), the sharded update's work buffers, and
     the bytes each rank sends per step (ring collectives) for allreduce vs reduce-scatter + all-gather;
   * measured at world 3 (gloo) on the `tiny` BERT: the bytes of the state tensors each rank's optimizer
-    actually holds after one step, sharded and unsharded, for LAMB and AdamW.
+    actually holds after one step, sharded and unsharded, for LAMB and AdamW; and under MASTER_WEIGHTS=1
+    (bf16 model, flat LAMB, bert.optim.sharded_master) every buffer the optimizer keeps (fp32 masters, moments,
+    gradient; the sharded one's bf16 gradient buffers) and the step's time per rank on the host clock.
 
     .venv/bin/python bench/optimizer_sharding.py       # writes results/bench/optimizer_sharding.json
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,9 +30,10 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.param_groups import decay_groups
 from bert.optim.sharded import ShardedOptimizer
+from bert.optim.sharded_master import ShardedMasters
 
 ROOT = Path(__file__).resolve().parents[1]
-FP32 = 4
+FP32, BF16 = 4, 2
 MiB = 2**20
 
 
@@ -44,6 +48,7 @@ def computed(elements: int, decay_tensors: int, world: int) -> dict:
     shard = -(-elements // world)
     ring = (world - 1) / world
     return {
+        **computed_masters(elements, world),
         "world": world,
         "updated_elements_per_rank": shard,
         "state_MiB_unsharded": 2 * elements * FP32 / MiB,
@@ -54,6 +59,48 @@ def computed(elements: int, decay_tensors: int, world: int) -> dict:
         "sent_MiB_reduce_scatter_all_gather": 2 * ring * elements * FP32 / MiB,
         "sent_bytes_lamb_norms": 2 * ring * 2 * decay_tensors * 8,  # 2 float64 per tensor with decay
     }
+
+
+def computed_masters(elements: int, world: int) -> dict:
+    """MASTER_WEIGHTS=1, flat LAMB: what the optimizer keeps besides the bf16 model (the flat layout's row padding
+    left out), and the bytes each rank sends: bf16 gradients either way."""
+    shard = -(-elements // world)
+    ring = (world - 1) / world
+    return {
+        "master_kept_MiB_unsharded": 4 * elements * FP32 / MiB,  # masters, m, v, the fp32 gradient
+        "master_kept_MiB_sharded": (4 * shard * FP32 + elements * BF16 + shard * BF16) / MiB,  # + bf16 grad buffers
+        "master_sent_MiB": 2 * ring * elements * BF16 / MiB,  # allreduce, or reduce-scatter + all-gather
+    }
+
+
+def master_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Every buffer a master-weights optimizer keeps between steps."""
+    if isinstance(optimizer, ShardedMasters):
+        kept = [optimizer.masters, optimizer.grad, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.low_grad,
+                optimizer.grad_shard]
+    else:
+        inner = optimizer.inner
+        kept = [inner.weights, inner.grad, inner.exp_avg, inner.exp_avg_sq]
+    return sum(t.numel() * t.element_size() for t in kept)
+
+
+def master_row(sharding: bool, steps: int = 4) -> dict:
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.load("tiny"), attention="padded")
+    cfg = from_flat(learning_rate=1e-3, max_steps=10, optimizer_sharding=sharding, master_weights=True,
+                    precision="bf16", optimizer_layout="flat").optim
+    opt = build_optimizer(model, cfg, torch.bfloat16)
+    build_schedule(opt, cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    name = f"lamb_master_{'sharded' if sharding else 'unsharded'}"
+    return {f"{name}_kept_bytes": master_bytes(opt), f"{name}_step_ms": round((time.perf_counter() - start) / steps
+                                                                                * 1e3, 1)}
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -77,6 +124,8 @@ def worker(rank: int, world: int, store: str, out: str) -> None:
                 p.grad = torch.randn_like(p)
             opt.step()
             row[f"{optimizer}_{'sharded' if sharding else 'unsharded'}_state_bytes"] = state_bytes(opt)
+    for sharding in (False, True):
+        row.update(master_row(sharding))
     torch.save(row, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -105,6 +154,11 @@ def main() -> None:
               f"{r['kept_buffer_MiB_sharded']:>7.1f} {r['step_temporary_MiB_sharded']:>8.1f} "
               f"{r['sent_MiB_allreduce']:>9.1f} "
               f"{r['sent_MiB_reduce_scatter_all_gather']:>7.1f} {r['sent_bytes_lamb_norms']:>8.0f}")
+    print("MASTER_WEIGHTS=1 (bf16 model, flat LAMB): what the optimizer keeps, MiB per rank, and bf16 MiB sent")
+    print(f"{'world':>5} {'unsharded':>10} {'sharded':>9} {'sent':>7}")
+    for r in table:
+        print(f"{r['world']:>5} {r['master_kept_MiB_unsharded']:>10.1f} {r['master_kept_MiB_sharded']:>9.1f} "
+              f"{r['master_sent_MiB']:>7.1f}")
     rows = measured(args.measure_world)
     tiny, _ = shapes("tiny")
     print(f"measured, tiny BERT ({tiny:,} elements), world {args.measure_world}: optimizer-state bytes per rank")

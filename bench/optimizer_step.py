@@ -31,6 +31,7 @@ VARIANTS = {  # name: (OPTIMIZER_LAYOUT, COMPILE_OPTIMIZER, per-tensor sums of t
     "flat-compiled": ("flat", True, "cumsum64"),
     "flat-compiled-segment": ("flat", True, "segment_reduce"),
     "flat-compiled-index-add": ("flat", True, "index_add"),
+    "flat-sharded-eager": ("sharded", False, None),  # OPTIMIZER_SHARDING=1 over one rank: its collectives' cost
 }
 
 
@@ -47,6 +48,14 @@ def use_sums(kind: str) -> None:
             0, part.owner, rows)
 
 
+def masters(run: tuple) -> list:
+    """The fp32 masters, whole, in the model's parameter order (a sharded optimizer gathers them)."""
+    from bert.optim.master import fp32_weights
+
+    with fp32_weights(run[1]):
+        return [p.detach().clone() for p in run[0].parameters()]
+
+
 def run_variant(name: str, device: str, steps: int, model_name: str) -> dict:
     import torch
 
@@ -59,12 +68,20 @@ def run_variant(name: str, device: str, steps: int, model_name: str) -> dict:
     if sums:
         use_sums(sums)
 
+    if layout == "sharded":  # a process group of one rank (NCCL on a GPU, as the driver's)
+        import tempfile
+
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1,
+                                init_method=f"file://{tempfile.mkdtemp()}/store")
+
     def build(layout: str, compiled: bool):
         torch.manual_seed(0)
         model = BertForPreTraining(BertConfig.load(model_name), attention="loop").to(device)
         cfg = from_flat(learning_rate=1e-3, max_steps=1000, weight_decay_rate=0.01, grad_clip="after",
-                        master_weights=True, precision="bf16", optimizer_layout=layout,
-                        compile_optimizer=compiled).optim
+                        master_weights=True, precision="bf16", optimizer_sharding=layout == "sharded",
+                        optimizer_layout="flat" if layout == "sharded" else layout, compile_optimizer=compiled).optim
         opt = build_optimizer(model, cfg, torch.bfloat16)
         return model, opt, build_schedule(opt, cfg)
 
@@ -85,7 +102,7 @@ def run_variant(name: str, device: str, steps: int, model_name: str) -> dict:
     for _ in range(3):
         for run in runs:
             step(run)
-    diff = max(float((a - b).abs().max()) for a, b in zip(runs[0][1].masters, runs[1][1].masters))
+    diff = max(float((a - b).abs().max()) for a, b in zip(*map(masters, runs)))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()

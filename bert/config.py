@@ -127,7 +127,8 @@ class OptimConfig:
                          registry="bert.dist.clip:CLIP_MODES")
     max_grad_norm: float = opt(1.0, "clip threshold c", env="MAX_GRAD_NORM", low=0.0, low_open=True, high=1e6)
     optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
-                                   "(TPU [004] §3.2; bert.optim.sharded)", env="OPTIMIZER_SHARDING")
+                                   "(TPU [004] §3.2; bert.optim.sharded, with MASTER_WEIGHTS=1 "
+                                   "bert.optim.sharded_master)", env="OPTIMIZER_SHARDING")
     compile_optimizer: bool = opt(False, "compile the optimizer step (MASTER_WEIGHTS=1: the update over the "
                                   "fp32 masters) with COMPILE's backend, no CUDA graphs; bert.optim.compiled",
                                   env="COMPILE_OPTIMIZER")
@@ -276,10 +277,16 @@ class TrainConfig:
         if self.optim.master_weights and self.model.precision not in ("bf16", "fp16", "fp8"):
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16, fp16 or fp8, not "
                               f"{self.model.precision} (the model's weights take its compute dtype)")
-        if self.optim.master_weights and self.optim.optimizer_sharding:
-            raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "cannot be combined with OPTIMIZER_SHARDING=1 "
-                              "(the sharded update keeps no fp32 masters)")
         optim = self.optim
+        if optim.master_weights and optim.optimizer_sharding:  # bert.optim.sharded_master
+            if optim.optimizer_layout != "flat":
+                raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", optim.optimizer_layout, "must be flat with "
+                                  "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1 (the masters are sharded by rows of the "
+                                  "flat layout)")
+            if self.model.precision == "fp16":
+                raise ConfigError("precision", "PRECISION", "fp16", "cannot be combined with MASTER_WEIGHTS=1 and "
+                                  "OPTIMIZER_SHARDING=1 (the ranks' agreement on an overflowed step is not built); use "
+                                  "bf16, or OPTIMIZER_SHARDING=0")
         if optim.optimizer_layout == "flat" and not (optim.master_weights and optim.optimizer == "lamb"):
             raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", "flat", "needs MASTER_WEIGHTS=1 and "
                               f"OPTIMIZER=lamb (MASTER_WEIGHTS={int(optim.master_weights)}, "

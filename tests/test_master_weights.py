@@ -18,8 +18,8 @@ References, all independent of `MasterWeights`:
   * train_step multiplies the loss by the Clipper's loss_factor (the 1/W where the hooks only sum);
   * checkpoints: save, load into a model built from another seed, continue == never interrupted; the file
     holds the fp32 masters, and a plain fp32 run (MASTER_WEIGHTS=0) loads the same weights and state;
-  * the parse-time refusals (fp32/fp8, OPTIMIZER_SHARDING=1), one line each; COMPILE_OPTIMIZER=1 parses with it
-    (the compiled update: tests/test_optim_compiled.py).
+  * the parse-time refusals (fp32; OPTIMIZER_SHARDING=1 needs the flat layout, tests/test_sharded_master.py), one
+    line each; COMPILE_OPTIMIZER=1 parses with it (the compiled update: tests/test_optim_compiled.py).
 """
 
 from __future__ import annotations
@@ -390,7 +390,7 @@ BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSI
     ({"MASTER_WEIGHTS": "1"}, r"--master_weights / \$MASTER_WEIGHTS = True needs PRECISION=bf16, fp16 or fp8, not "
                               "fp32"),
     ({"MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER_SHARDING": "1"},
-     r"\$MASTER_WEIGHTS = True cannot be combined with OPTIMIZER_SHARDING=1"),
+     r"\$OPTIMIZER_LAYOUT = 'tensors' must be flat with MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1"),
     ({"MASTER_WEIGHTS": "yes please"}, r"\$MASTER_WEIGHTS = 'yes please' from \$MASTER_WEIGHTS is not a valid bool"),
 ])
 def test_unsupported_combinations_are_refused_at_parse_time(env, message):

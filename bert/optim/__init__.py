@@ -71,7 +71,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
     """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule.
     With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded). With `master_weights`
     the model's fp32 weights become the optimizer's masters and the model is cast to `compute_dtype`
-    (bert.optim.master): build it before anything that takes the parameters' dtype (DDP's buckets)."""
+    (bert.optim.master; both: each rank holds 1/N of the masters, bert.optim.sharded_master): build it before
+    anything that takes the parameters' dtype (DDP's buckets)."""
     optimizer = _build_optimizer(model, cfg, compute_dtype)
     for part in (optimizer, getattr(optimizer, "inner", None)):  # the wrappers load their inner optimizer's state
         if part is not None:
@@ -82,6 +83,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
 def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
+    if cfg.optimizer_sharding and cfg.master_weights:  # the config allows it with LAMB, flat, bf16/fp8 only
+        from bert.optim.sharded_master import ShardedMasters
+
+        return ShardedMasters(groups, compute_dtype, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
+                              cfg.max_grad_norm if cfg.grad_clip == "after" else None)
     if cfg.optimizer_sharding:
         from bert.optim.sharded import build_sharded  # needs torch.distributed initialised
 

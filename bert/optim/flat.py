@@ -31,7 +31,7 @@ parameter, 1.35 GB for BERT-large), where the per-tensor update makes its fp32 g
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,13 +88,12 @@ def move_into(tensors: Sequence[Tensor], layout: FlatLayout, dtype: torch.dtype)
     return flat
 
 
-def check_every_gradient(params: Sequence[Tensor]) -> bool:
+def check_every_gradient(params: Sequence[Tensor], remedy: str = "use OPTIMIZER_LAYOUT=tensors") -> bool:
     """Whether the step has gradients to apply: all of them (True) or none (False); a few missing is an error."""
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing and len(missing) < len(params):
         raise ValueError(f"OPTIMIZER_LAYOUT=flat updates every tensor at once, but tensor {missing[0]} of "
-                         f"{len(params)} has no gradient this step (it would move by its weight decay): use "
-                         "OPTIMIZER_LAYOUT=tensors")
+                         f"{len(params)} has no gradient this step (it would move by its weight decay): {remedy}")
     return not missing
 
 
@@ -110,13 +109,56 @@ class _Part:
     owner: Tensor
 
 
-def tensor_sums(row_sums: Tensor, part: _Part) -> Tensor:
-    """Each tensor's sum of its rows' sums: differences of a float64 running sum, in a fixed order (no atomics) and
-    in ops inductor generates itself. Each difference is exact to ~1e-16 of the running total: BERT-large's
-    weights sum to ~1e5 squared, its smallest decayed tensor (token types) to ~1, so ~1e-11 of it, far below
-    fp32's rounding."""
+def tensor_sums64(row_sums: Tensor, part: _Part) -> Tensor:
+    """Each tensor's sum of its rows' sums, in float64: differences of a float64 running sum, in a fixed order (no
+    atomics) and in ops inductor generates itself. Each difference is exact to ~1e-16 of the running total:
+    BERT-large's weights sum to ~1e5 squared, its smallest decayed tensor (token types) to ~1, so ~1e-11 of it, far
+    below fp32's rounding."""
     running = torch.nn.functional.pad(row_sums.double().cumsum(0), (1, 0))
-    return (running[part.ends] - running[part.begins]).float()
+    return running[part.ends] - running[part.begins]
+
+
+def tensor_sums(row_sums: Tensor, part: _Part) -> Tensor:
+    return tensor_sums64(row_sums, part).float()
+
+
+def local_norms(p_squares: Tensor, u_squares: Tensor, part: _Part) -> tuple[Tensor, Tensor]:
+    """(||p||, ||u||) per tensor from the rows' sums of squares, where every row of each tensor is here."""
+    return tensor_sums(p_squares, part).sqrt(), tensor_sums(u_squares, part).sqrt()
+
+
+RowNorms = Callable[[Tensor, Tensor, _Part], tuple[Tensor, Tensor]]
+
+
+def lamb_rows(p: Tensor, g: Tensor, m: Tensor, v: Tensor, t: Tensor, group: dict, part: _Part,
+              found_inf: Tensor | None, norms: RowNorms = local_norms) -> None:
+    """One LAMB update, in place, of a group's rows ([rows, chunk] views of the weights, gradients and moments),
+    `t` its device update count; `norms` completes each tensor's norms from these rows' sums of squares (the
+    sharded masters add other ranks' rows: bert.optim.sharded_master)."""
+    b1, b2 = group["betas"]
+    lr = torch.as_tensor(group["lr"], device=p.device)
+    if found_inf is None:
+        t.add_(1)
+        corrected = t
+        m.lerp_(g, 1.0 - b1)
+        v.mul_(b2)
+    else:  # Lamb's skip without a host sync: every factor that moves a value is 0 where found_inf is 1
+        take = found_inf == 0
+        t.add_(take.float())
+        corrected = t.clamp(min=1)
+        m.lerp_(g, torch.where(take, 1.0 - b1, 0.0))
+        v.mul_(torch.where(take, b2, 1.0))
+        lr = lr * take
+    v.addcmul_(g, g, value=1.0 - b2)
+    c1, sqrt_c2 = _bias_corrections(b1, b2, corrected)
+    update = m / (v.sqrt() / sqrt_c2 + group["eps"]) / c1
+    if group["weight_decay"] != 0.0:
+        update = update.add(p, alpha=group["weight_decay"])
+        p_norm, u_norm = norms(p.square().sum(1), update.square().sum(1), part)
+        trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
+        p.add_(update * (-lr * trust)[part.owner][:, None])
+    else:
+        p.add_(update * -lr)
 
 
 class FlatLamb(Lamb):
@@ -178,33 +220,8 @@ class FlatLamb(Lamb):
         return self.state[params[0]]["step"]
 
     def _update_rows(self, group: dict, part: _Part, found_inf: Tensor | None) -> None:
-        b1, b2 = group["betas"]
         p, g, m, v = (self._rows(flat, part) for flat in (self.weights, self.grad, self.exp_avg, self.exp_avg_sq))
-        t = self._counter(group)
-        lr = torch.as_tensor(group["lr"], device=p.device)
-        if found_inf is None:
-            t.add_(1)
-            corrected = t
-            m.lerp_(g, 1.0 - b1)
-            v.mul_(b2)
-        else:  # Lamb's skip without a host sync: every factor that moves a value is 0 where found_inf is 1
-            take = found_inf == 0
-            t.add_(take.float())
-            corrected = t.clamp(min=1)
-            m.lerp_(g, torch.where(take, 1.0 - b1, 0.0))
-            v.mul_(torch.where(take, b2, 1.0))
-            lr = lr * take
-        v.addcmul_(g, g, value=1.0 - b2)
-        c1, sqrt_c2 = _bias_corrections(b1, b2, corrected)
-        update = m / (v.sqrt() / sqrt_c2 + group["eps"]) / c1
-        if group["weight_decay"] != 0.0:
-            update = update.add(p, alpha=group["weight_decay"])
-            p_norm = tensor_sums(p.square().sum(1), part).sqrt()
-            u_norm = tensor_sums(update.square().sum(1), part).sqrt()
-            trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
-            p.add_(update * (-lr * trust)[part.owner][:, None])
-        else:
-            p.add_(update * -lr)
+        lamb_rows(p, g, m, v, self._counter(group), group, part, found_inf)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load (per tensor, as Lamb's), then the moments copied into the flat buffers and the states

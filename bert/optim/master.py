@@ -215,5 +215,7 @@ class MasterWeights(torch.optim.Optimizer):
 
 
 def fp32_weights(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager:
-    """Where the model's fp32 weights are, for a checkpoint: the masters under MASTER_WEIGHTS=1, else the model."""
-    return optimizer.masters_in_model() if isinstance(optimizer, MasterWeights) else nullcontext()
+    """Where the model's fp32 weights are, for a checkpoint: the masters under MASTER_WEIGHTS=1, else the model.
+    Every rank enters it: sharded masters (bert.optim.sharded_master) are all-gathered."""
+    masters_in_model = getattr(optimizer, "masters_in_model", None)
+    return masters_in_model() if masters_in_model else nullcontext()

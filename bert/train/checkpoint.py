@@ -75,9 +75,10 @@ def save_checkpoint(output_dir: str | Path, step: int, model: nn.Module, parts: 
     torch.save({**states, "rng": _rng_state(), "world_size": world}, written[0])
     # On every rank: a sharded optimizer's state_dict is a collective (it gathers the whole state).
     shared = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in parts.items()}
-    if rank == 0:
-        with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters, not the bf16 copy
+    with fp32_weights(parts.get("optimizer")):  # MASTER_WEIGHTS=1: the fp32 masters (sharded: gathered by all)
+        if rank == 0:
             save_weights(model, where / "model.safetensors")
+    if rank == 0:
         torch.save(shared, where / "train_state.pt")
         written += [where / "model.safetensors", where / "train_state.pt"]
     for path in written:

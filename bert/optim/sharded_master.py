@@ -1,0 +1,211 @@
+"""Sharded master weights: `OPTIMIZER_SHARDING=1` with `MASTER_WEIGHTS=1` and `OPTIMIZER_LAYOUT=flat`.
+
+This is what the NVIDIA submissions run as DistributedFusedLAMB (`--distributed_lamb`, one block, [NVIDIA-BERT]) and
+what the TPU paper calls weight-update sharding ([004] §3.2): every rank holds the whole model in the compute dtype,
+and 1/N of the fp32 masters and of LAMB's moments. Per step:
+
+  1. the model's gradients (DDP's buckets, reduced by nothing: `bert.optim.sharded.local_only`) are copied into one
+     flat buffer of the compute dtype, laid out as `bert.optim.flat` lays out the masters (each tensor from a row of
+     CHUNK elements, the rows padded to a multiple of N);
+  2. reduce-scatter of that buffer: rank r receives the sum of rows [rK, (r+1)K), cast up to fp32, divided by N;
+  3. GRAD_CLIP=after: scaled as `clip_grad_norm_` would, by the global norm (one allreduce of the shards' squares);
+  4. LAMB over the rank's rows (`bert.optim.flat.lamb_rows`, the unsharded flat update's code). A tensor cut by a
+     shard boundary needs ||p|| and ||u|| whole: every rank sums its rows per tensor (float64) and one allreduce of
+     those 2T partial sums (T tensors with weight decay) completes them;
+  5. the rank's masters are rounded into its rows of the model's flat weight buffer, which is then all-gathered in
+     place: every rank's model is whole again, in the same bits.
+
+Traffic per rank per step (S parameters, 2-byte compute dtype, ring collectives): reduce-scatter (N-1)/N * 2S and
+all-gather (N-1)/N * 2S, the bytes of DDP's allreduce of the bf16 gradients. What shrinks N-fold is the update's
+work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N (BERT-large at 8
+GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a parameter, beside
+DDP's buckets): its padding must stay zero. The reduce-scatter starts after the backward (NVIDIA's 1x8 and 8x8
+configs do the same: `--dwu-num-blocks=1`, no `--dwu-overlap-reductions`).
+
+Exactness. The mean gradient is the sum of the ranks' compute-dtype gradients in the collective's order, divided in
+fp32 (DDP under MASTER_WEIGHTS=1 sums the same values; with N a power of two the division is exact either way). The
+update is the unsharded flat update's, op for op, but for the norms' sums (partial sums added across ranks): the
+masters agree with `MasterWeights` over `FlatLamb` within fp32 rounding (tests/test_sharded_master.py).
+
+Checkpoints are whole and in Lamb's per-tensor layout: `state_dict` all-gathers the moments (a collective), and
+`masters_in_model` (every rank enters it: it all-gathers the masters) hands the checkpoint code fp32 weights to save
+or load. A checkpoint therefore moves between world sizes and between sharded and unsharded runs.
+
+Not built: fp16. GradScaler's overflow flag comes from each rank's local gradients, so ranks could disagree on a
+skip; the config refuses PRECISION=fp16 here. COMPILE_OPTIMIZER=1 is refused too (the step runs collectives).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
+from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
+
+Groups = list[dict]
+
+
+def shard_part(first: int, counts: list[int], lo: int, hi: int, device: torch.device) -> _Part:
+    """A group's share of the rows [lo, hi) of one rank: the group's tensors take `counts` rows each from row
+    `first`. Rows and tensor bounds are relative to `lo`, clipped to the shard; a tensor outside it has no rows
+    (begin = end), so every rank's per-tensor sums have the same length."""
+    ends = list(itertools.accumulate(counts, initial=first))
+    begins, ends = ends[:-1], ends[1:]
+    clip = [(min(max(b, lo), hi) - lo, min(max(e, lo), hi) - lo) for b, e in zip(begins, ends)]
+    a, b = min(max(first, lo), hi) - lo, min(max(ends[-1], lo), hi) - lo
+    owner = [i for i, (x, y) in enumerate(clip) for _ in range(y - x)]
+    return _Part(a, b, torch.tensor([x - a for x, _ in clip], device=device),
+                 torch.tensor([y - a for _, y in clip], device=device),
+                 torch.tensor(owner, dtype=torch.int64, device=device))
+
+
+class ShardedMasters(torch.optim.Optimizer):
+    """LAMB over this rank's rows of the fp32 masters, between a reduce-scatter and an all-gather (module doc).
+
+    Its param_groups are the model's parameters, cast by the constructor to `compute_dtype` and made views of one
+    flat buffer (`low`); the schedule writes the LR tensor into them and `step` reads it there."""
+
+    def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
+                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK):
+        if compute_dtype != torch.bfloat16:
+            raise ValueError(f"sharded master weights need a bf16 model (fp16's overflow skip is not built), got "
+                             f"{compute_dtype}")
+        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if not self.params or any(p.dtype != torch.float32 for p in self.params):
+            raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
+                             "the model is cast")
+        self.process_group, self.clip_after = process_group, clip_after
+        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.shapes = [p.shape for p in self.params]
+        self.layout = FlatLayout(tuple(p.numel() for p in self.params), chunk)
+        self.rows = -(-self.layout.rows // self.world)  # K: each rank's rows
+        self.lo = self.rank * self.rows
+        device = self.params[0].device
+        with torch.no_grad():
+            whole = torch.zeros(self.world * self.rows * chunk, dtype=torch.float32, device=device)
+            torch._foreach_copy_(self.layout.views(whole, self.shapes), [p.detach() for p in self.params])
+            self.masters = whole.view(-1, chunk)[self.lo:self.lo + self.rows].clone()
+            self.low = whole.to(compute_dtype)  # the model's weights: all-gathered into at every step
+            del whole
+            for p, view in zip(self.params, self.layout.views(self.low, self.shapes)):
+                p.data = view  # the same Parameter objects: groups, hooks and DDP keep them
+        self.low_grad = torch.zeros_like(self.low)  # step 1's buffer; tensors' tails and the last rows stay zero
+        self.low_grad_views = self.layout.views(self.low_grad, self.shapes)
+        self.grad_shard = self.low.new_empty(self.rows * chunk)  # the reduce-scatter's output
+        self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros_like(self.masters) for _ in range(3))
+        self.parts: list[_Part | None] = []
+        self.counters: list[Tensor] = []  # each group's update count (Lamb's capturable `step`)
+        starts, counts, i = self.layout.starts, self.layout.counts, 0
+        for g in groups:
+            k = len(g["params"])
+            self.parts.append(shard_part(starts[i], counts[i:i + k], self.lo, self.lo + self.rows, device)
+                              if k else None)
+            self.counters.append(torch.zeros((), dtype=torch.float32, device=device))
+            i += k
+        self.stepped = False  # Lamb has no state before its first step; nor does this
+        super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    def _shard(self, flat: Tensor, part: _Part) -> Tensor:
+        return flat[part.first:part.last]
+
+    def _norms(self, p_squares: Tensor, u_squares: Tensor, part: _Part) -> tuple[Tensor, Tensor]:
+        """Whole tensors' (||p||, ||u||) from every rank's rows: one allreduce of the partial sums."""
+        partial = torch.cat([tensor_sums64(p_squares, part), tensor_sums64(u_squares, part)])
+        dist.all_reduce(partial, group=self.process_group)
+        norms = partial.float().sqrt()
+        return norms[:len(part.ends)], norms[len(part.ends):]
+
+    def _clip_after(self, max_norm: float) -> None:
+        """clip_grad_norm_ on the mean gradient, from the shards (their padding is zero)."""
+        square = torch.linalg.vector_norm(self.grad, dtype=torch.float64).square().reshape(1)
+        dist.all_reduce(square, group=self.process_group)
+        norm = square.sqrt().float()
+        self.grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("ShardedMasters.step does not take a closure")
+        if not check_every_gradient(self.params, "the sharded masters (OPTIMIZER_SHARDING=1) need them all"):
+            return
+        torch._foreach_copy_(self.low_grad_views, [p.grad for p in self.params])
+        reduce_scatter_single(self.grad_shard, self.low_grad, group=self.process_group)
+        self.grad.view(-1).copy_(self.grad_shard).div_(self.world)
+        if self.clip_after is not None:
+            self._clip_after(self.clip_after)
+        for group, part, t in zip(self.param_groups, self.parts, self.counters):
+            if part is not None:
+                p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
+                lamb_rows(p, g, m, v, t, group, part, None, self._norms)
+        self.stepped = True
+        mine = self.low.view(-1, self.layout.chunk)[self.lo:self.lo + self.rows]
+        mine.copy_(self.masters)
+        all_gather_single(self.low, mine.view(-1), group=self.process_group)
+
+    # -- whole checkpoints
+    def _gathered(self, shard: Tensor) -> list[Tensor]:
+        """Every tensor's whole values of a [K, chunk] shard buffer, as views of one gathered buffer."""
+        whole = shard.new_empty(self.low.numel())
+        all_gather_single(whole, shard.reshape(-1), group=self.process_group)
+        return self.layout.views(whole, self.shapes)
+
+    def state_dict(self) -> dict:
+        """Lamb's state_dict (full-shape moments on the host, one update count per group): a collective."""
+        groups = super().state_dict()["param_groups"]
+        state: dict[int, dict] = {}
+        if self.stepped:
+            m, v = self._gathered(self.exp_avg), self._gathered(self.exp_avg_sq)
+            for group, t in zip(groups, self.counters):
+                for i in group["params"]:
+                    state[i] = {"step": t.clone(), "exp_avg": m[i].to("cpu", copy=True),
+                                "exp_avg_sq": v[i].to("cpu", copy=True)}
+        return {"state": state, "param_groups": groups}
+
+    def _take_rows(self, shard: Tensor, i: int, whole: Tensor) -> None:
+        """Write this rank's part of tensor i (`whole`, any shape) into a [K, chunk] shard buffer."""
+        chunk = self.layout.chunk
+        start, n = self.layout.starts[i] * chunk, self.layout.numels[i]
+        a, b = max(start, self.lo * chunk), min(start + n, (self.lo + self.rows) * chunk)
+        if b > a:
+            shard.view(-1)[a - self.lo * chunk:b - self.lo * chunk] = whole.reshape(-1)[a - start:b - start]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (Lamb's layout, from any world size or layout): keep this rank's rows."""
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        saved = state_dict["state"]
+        with torch.no_grad():
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+            for group, t in zip(state_dict["param_groups"], self.counters):
+                for i in group["params"]:
+                    if i in saved:
+                        self._take_rows(self.exp_avg, i, saved[i]["exp_avg"])
+                        self._take_rows(self.exp_avg_sq, i, saved[i]["exp_avg_sq"])
+                        t.copy_(torch.as_tensor(saved[i]["step"], dtype=torch.float32))
+        self.stepped = bool(saved)
+
+    @contextmanager
+    def masters_in_model(self) -> Iterator[None]:
+        """Inside, each parameter's data is its whole fp32 master (all-gathered: every rank must enter), so saving
+        the model saves the masters and loading it writes them. On exit each rank keeps its rows as its masters and
+        the model's weights are refreshed from them."""
+        low = [p.data for p in self.params]
+        whole = self._gathered(self.masters)
+        with torch.no_grad():
+            for p, w in zip(self.params, whole):
+                p.data = w
+            try:
+                yield
+            finally:
+                for p, data in zip(self.params, low):
+                    p.data = data
+                for i, w in enumerate(whole):
+                    self._take_rows(self.masters, i, w)
+                torch._foreach_copy_(self.params, whole)

@@ -1,0 +1,336 @@
+"""Sharded master weights (bert.optim.sharded_master) against the unsharded flat update, in 4 gloo processes.
+
+The reference is `MasterWeights` over `FlatLamb` (itself checked against the per-tensor LAMB and float64 in
+tests/test_flat_lamb.py and tests/test_master_weights.py), fed the mean gradient directly. The ranks' gradients are
+multiples of 1/64 small enough that every bf16 sum of them is exact, so the sharded run's mean is the reference's in
+every bit whatever order the collective adds in, and what is left to differ is the norms' summation order.
+
+One spawn of 4 ranks, rows of 4 elements (tensors span shards; the rows do not split evenly):
+  * 3 steps with GRAD_CLIP=after active at two of them: the gathered masters equal the reference's within fp32
+    rounding, every rank's model holds the same bf16 weights, and those are the masters rounded;
+  * the same through the driver's pieces (DDP with `local_only`, `install_clipping`, `build_optimizer` from the
+    config) against DDP's allreduce under `MasterWeights`, clip modes after and before (this one to bf16 rounding:
+    its clipped gradients no longer sum exactly);
+  * state_dict equals the reference's (Lamb's per-tensor layout); resumed at world 2 (sharded) and world 1
+    (unsharded) both continue as the reference does;
+  * `masters_in_model` shows the whole fp32 masters and takes what is written into them;
+  * a missing gradient is an error; no gradients at all, no step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bert.config import ConfigError, from_env_and_args, from_flat
+from bert.dist.clip import install_clipping
+from bert.dist.reduce import mean_placement
+from bert.optim import build_optimizer, build_schedule, hook_clip_mode
+from bert.optim.flat import FlatLamb
+from bert.optim.master import MasterWeights, fp32_weights
+from bert.optim.param_groups import decay_groups
+from bert.optim.sharded import local_only
+from bert.optim.sharded_master import ShardedMasters, shard_part
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD, CHUNK, STEPS, C, LR = 4, 4, 3, 0.6, 0.05
+SHAPES = {"dense_weight": (7, 5), "dense_bias": (7,), "LayerNorm_weight": (7,), "out_weight": (3, 7),
+          "zero_weight": (2, 3), "LayerNorm_bias": (13,)}  # 9+2+2+6+2+4 = 25 rows of 4: 7 a rank, the last 4 padding
+GAINS = (0.1, 1.0, 3.0)  # the clip (0.6) is inactive at step 0 and active after
+
+
+class FixedGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        self.ps = nn.ParameterDict({n: nn.Parameter(torch.randn(s, generator=gen) * (n != "zero_weight"))
+                                    for n, s in SHAPES.items()})
+
+    def forward(self, gs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((self.ps[n] * gs[n]).sum() for n in SHAPES)
+
+
+def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    """k/64 for |k| <= 15 at most, times a power of two: four of them sum exactly in bf16."""
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    scale = 2.0 ** round(torch.log2(torch.tensor(GAINS[step])).item())
+    return {n: (torch.randint(-15, 16, s, generator=gen) / 64 * scale).bfloat16() for n, s in SHAPES.items()}
+
+
+def mean_grads(step: int, ranks: range) -> dict[str, torch.Tensor]:
+    total = {n: sum(grads(r, step)[n].double() for r in ranks) for n in SHAPES}
+    return {n: (g / len(ranks)).bfloat16() for n, g in total.items()}
+
+
+def sharded(model: nn.Module, group=None, clip: float | None = C) -> ShardedMasters:
+    return ShardedMasters(decay_groups(model, 0.1), torch.bfloat16, torch.tensor(LR), eps=1e-6, clip_after=clip,
+                          process_group=group, chunk=CHUNK)
+
+
+def reference(model: nn.Module, clip: float | None = C) -> MasterWeights:
+    inner = functools.partial(FlatLamb, lr=torch.tensor(LR), eps=1e-6, chunk=CHUNK)
+    return MasterWeights(decay_groups(model, 0.1), inner, torch.bfloat16, clip)
+
+
+def masters_of(opt: torch.optim.Optimizer, model: FixedGrad) -> dict[str, torch.Tensor]:
+    with fp32_weights(opt):  # every rank: a collective for the sharded one
+        return {n: p.detach().clone() for n, p in model.ps.items()}
+
+
+def run_direct(rank: int) -> dict:
+    model, ref_model = FixedGrad(), FixedGrad()
+    opt, ref = sharded(model), reference(ref_model)
+    for step in range(STEPS):
+        for n, p in model.ps.items():
+            p.grad = grads(rank, step)[n]
+        for n, p in ref_model.ps.items():
+            p.grad = mean_grads(step, range(WORLD))[n]
+        opt.step()
+        ref.step()
+    low = {n: p.detach().clone() for n, p in model.ps.items()}  # before masters_in_model refreshes them
+    return {"got": masters_of(opt, model), "want": masters_of(ref, ref_model), "low": low,
+            "state": (copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.state_dict())),
+            "model": model, "opt": opt}
+
+
+def run_driver_pieces(rank: int, clip: str, sharding: bool) -> dict[str, torch.Tensor]:
+    """As bert.train.build wires it: the optimizer first (it casts the model), then DDP and the clipping hook."""
+    cfg = from_flat(learning_rate=LR, max_steps=10, warmup_steps=1, optimizer="lamb", grad_clip=clip, max_grad_norm=C,
+                    weight_decay_rate=0.1, opt_epsilon=1e-6, master_weights=True, optimizer_layout="flat",
+                    optimizer_sharding=sharding, precision="bf16").optim
+    model = FixedGrad()
+    opt = build_optimizer(model, cfg, torch.bfloat16)
+    ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)  # 100 B: several buckets
+    clipper = install_clipping(ddp, hook_clip_mode(cfg), C, None, reduce=local_only() if sharding else None,
+                               mean_at=mean_placement("bf16", sharding))
+    schedule = build_schedule(opt, cfg)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in range(STEPS):
+        (ddp(grads(rank, step)) * clipper.loss_factor).backward()
+        clipper.before_step(opt, scaler)
+        scaler.step(opt)
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+    return masters_of(opt, model)
+
+
+def continue_from(state: dict, weights: dict[str, torch.Tensor], group, use_sharded: bool) -> dict:
+    """Two more steps from a saved state, the same gradient on every rank."""
+    model = FixedGrad()
+    model.load_state_dict({f"ps.{n}": w for n, w in weights.items()})
+    opt = sharded(model, group, clip=None) if use_sharded else reference(model, clip=None)
+    opt.load_state_dict(copy.deepcopy(state))
+    for step in range(2):
+        for n, p in model.ps.items():
+            p.grad = grads(9, step)[n]
+        opt.step()
+    return masters_of(opt, model)
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    pair = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 use it
+    direct = run_direct(rank)
+    result = {k: direct[k] for k in ("got", "want", "low", "state")}
+    result["pieces"] = {clip: (run_driver_pieces(rank, clip, True), run_driver_pieces(rank, clip, False))
+                        for clip in ("after", "before")}
+    state, ref_state = direct["state"]
+    if rank < 2:
+        result["resumed"] = (continue_from(state, direct["got"], pair, True),
+                             continue_from(state, direct["got"], None, False),
+                             continue_from(ref_state, direct["want"], None, False))
+    model, opt = direct["model"], direct["opt"]
+    with fp32_weights(opt):  # a checkpoint's load writes the masters
+        for p in model.ps.values():
+            p.copy_(torch.full_like(p, 0.375))
+    result["loaded"] = (masters_of(opt, model), {n: p.detach().clone() for n, p in model.ps.items()})
+    for p in model.ps.values():
+        p.grad = torch.ones_like(p)
+    model.ps["dense_bias"].grad = None
+    try:
+        opt.step()
+    except ValueError as e:
+        result["missing"] = str(e)
+    for p in model.ps.values():
+        p.grad = None
+    before = masters_of(opt, model)
+    opt.step()
+    result["no_grads_unchanged"] = all(torch.equal(before[n], w) for n, w in masters_of(opt, model).items())
+    torch.save(result, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def close(a: dict, b: dict, rtol: float = 2e-6, atol: float = 1e-7) -> None:
+    for n in b:
+        torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("sharded_master")
+    mp.spawn(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
+    return [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_the_sharded_update_equals_the_unsharded_flat_one(results):
+    first = results[0]
+    for r in results:
+        close(r["got"], first["want"])
+        for n, w in r["low"].items():  # every rank's model is whole, the same bits, the masters rounded
+            assert torch.equal(w, first["low"][n]) and torch.equal(w, r["got"][n].bfloat16()), n
+    moved = max((first["got"][n] - p).abs().max().item() for n, p in FixedGrad().ps.items())
+    assert moved > 0.05  # the comparison is not vacuous: 3 steps at LR 0.05 moved the weights
+
+
+@pytest.mark.slow
+def test_the_driver_pieces_give_the_unsharded_weights(results):
+    """DDP's bf16 allreduce against the reduce-scatter. `after`: the same exact sums, so the same weights to fp32
+    rounding (0.0 apart when written). `before` clips each rank's local gradient in the hook to values no longer
+    exact in a bf16 sum, which the two collectives add in different orders: 6e-4 apart when written, against 0.05
+    between clipping before and not clipping at all."""
+    for r in results:
+        for clip, (got, want) in r["pieces"].items():
+            close(got, want, **({"rtol": 0, "atol": 3e-3} if clip == "before" else {}))
+            close(got, results[0]["pieces"][clip][0], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_the_state_is_the_unsharded_ones_and_resumes_at_any_world_size(results):
+    state, ref_state = results[0]["state"]
+    assert state["param_groups"] == ref_state["param_groups"] or all(
+        {k: v for k, v in a.items() if k != "lr"} == {k: v for k, v in b.items() if k != "lr"}
+        for a, b in zip(state["param_groups"], ref_state["param_groups"]))
+    assert state["state"].keys() == ref_state["state"].keys() and len(state["state"]) == len(SHAPES)
+    for i, s in state["state"].items():
+        want = ref_state["state"][i]
+        assert float(s["step"]) == float(want["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert s[key].shape == want[key].shape
+            torch.testing.assert_close(s[key], want[key], rtol=1e-5, atol=1e-9)
+    for r in results[:2]:
+        at_two, at_one, ref_continued = r["resumed"]
+        close(at_two, ref_continued)
+        close(at_one, ref_continued)
+
+
+@pytest.mark.slow
+def test_masters_in_model_loads_the_masters_and_the_model(results):
+    for r in results:
+        masters, low = r["loaded"]
+        assert all(torch.equal(m, torch.full_like(m, 0.375)) and m.dtype == torch.float32 for m in masters.values())
+        assert all(torch.equal(w, torch.full_like(w, 0.375)) and w.dtype == torch.bfloat16 for w in low.values())
+
+
+@pytest.mark.slow
+def test_a_missing_gradient_fails_and_none_at_all_skips(results):
+    for r in results:
+        assert "tensor 5 of 6 has no gradient" in r["missing"] and "OPTIMIZER_SHARDING=1" in r["missing"]
+        assert r["no_grads_unchanged"]
+
+
+def test_shard_parts_match_the_rows_counted_one_by_one():
+    """Each row of a shard belongs to the tensor a plain walk over the layout says; clipped bounds agree."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        counts = torch.randint(1, 6, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+        first = int(torch.randint(0, 5, (1,), generator=gen))
+        lo = int(torch.randint(0, first + sum(counts) + 2, (1,), generator=gen))
+        hi = lo + int(torch.randint(0, 8, (1,), generator=gen))
+        owner_of = {first + j: i for i, n in enumerate(counts) for j in range(sum(counts[:i]), sum(counts[:i]) + n)}
+        mine = [owner_of[row] for row in range(lo, hi) if row in owner_of]
+        part = shard_part(first, counts, lo, hi, torch.device("cpu"))
+        assert part.owner.tolist() == mine and part.last - part.first == len(mine)
+        assert part.ends.tolist()[-1] == len(mine) and (part.ends >= part.begins).all()
+        assert [e - b for b, e in zip(part.begins.tolist(), part.ends.tolist())] == [mine.count(i) for i in
+                                                                                     range(len(counts))]
+
+
+BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
+        "MAX_STEPS": "10", "MASTER_WEIGHTS": "1", "OPTIMIZER_SHARDING": "1"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"PRECISION": "bf16"}, r"\$OPTIMIZER_LAYOUT = 'tensors' must be flat with MASTER_WEIGHTS=1 and "
+                            "OPTIMIZER_SHARDING=1"),
+    ({"PRECISION": "fp16", "OPTIMIZER_LAYOUT": "flat"}, r"\$PRECISION = 'fp16' cannot be combined with "
+                                                        "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1"),
+    ({"PRECISION": "bf16", "OPTIMIZER_LAYOUT": "flat", "OPTIMIZER": "adam"}, r"needs MASTER_WEIGHTS=1 and "
+                                                                             "OPTIMIZER=lamb"),
+])
+def test_the_config_refuses_what_is_not_built(env, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        from_env_and_args([], {**BASE, **env})
+    assert "\n" not in str(err.value)
+
+
+def test_the_config_takes_bf16_and_fp8_flat_lamb():
+    for precision in ("bf16", "fp8"):
+        cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "OPTIMIZER_LAYOUT": "flat",
+                                     "STATIC_TOKENS": "512", "GRAD_CLIP": "after"})
+        assert cfg.optim.master_weights and cfg.optim.optimizer_sharding and hook_clip_mode(cfg.optim) == "none"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
+    args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
+                output_dir=out, train_batch_size=8, learning_rate=3e-3, max_steps=6, warmup_steps=2, log_freq=1,
+                eval_iter_start_samples=10**9, num_eval_examples=64, attention="padded", seed=11, precision="bf16",
+                master_weights=1, optimizer_sharding=1, optimizer_layout="flat")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))], *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
+    """2 ranks under torchrun: 3 steps, a checkpoint (moments and masters gathered), --resume for 3 more == 6 steps
+    in one go, every loss and the saved fp32 weights."""
+    from safetensors.torch import load_file
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
+                    "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", "3")]
+    (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
+    assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
+    assert rc_first == 0, log_first[-3000:]
+    rc_second, log_second = finish(driver(data, split, "--resume", "1"))
+    assert rc_second == 1, log_second[-3000:]
+    assert len(losses(whole)) == 6 and losses(split) == losses(whole)
+    a = load_file(whole / "checkpoints" / "step_00000006" / "model.safetensors")
+    b = load_file(split / "checkpoints" / "step_00000006" / "model.safetensors")
+    assert {t.dtype for t in a.values()} == {torch.float32}
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    first = load_file(split / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert any(not torch.equal(first[n], a[n]) for n in a)
