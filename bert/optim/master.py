@@ -202,16 +202,25 @@ class MasterWeights(torch.optim.Optimizer):
     def masters_in_model(self) -> Iterator[None]:
         """Inside, each parameter's data is its fp32 master, so saving the model saves the masters and loading
         it writes them. On exit the parameters get their compute-dtype storage back, refreshed from the masters."""
-        low = [p.data for p in self.params]
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.data = m
             try:
-                yield
+                with data_swapped(self.params, self.masters):
+                    yield
             finally:
-                for p, data in zip(self.params, low):
-                    p.data = data
                 torch._foreach_copy_(self.params, self.masters)
+
+
+@contextmanager
+def data_swapped(params: list[Tensor], tensors: list[Tensor]) -> Iterator[None]:
+    """Inside, each parameter's data is the matching tensor; on exit its own storage is back."""
+    own = [p.data for p in params]
+    for p, t in zip(params, tensors, strict=True):
+        p.data = t
+    try:
+        yield
+    finally:
+        for p, data in zip(params, own):
+            p.data = data
 
 
 def fp32_weights(optimizer: torch.optim.Optimizer | None) -> AbstractContextManager:

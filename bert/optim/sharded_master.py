@@ -47,6 +47,7 @@ from torch import Tensor
 
 from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
+from bert.optim.master import data_swapped
 
 Groups = list[dict]
 
@@ -196,16 +197,12 @@ class ShardedMasters(torch.optim.Optimizer):
         """Inside, each parameter's data is its whole fp32 master (all-gathered: every rank must enter), so saving
         the model saves the masters and loading it writes them. On exit each rank keeps its rows as its masters and
         the model's weights are refreshed from them."""
-        low = [p.data for p in self.params]
         whole = self._gathered(self.masters)
         with torch.no_grad():
-            for p, w in zip(self.params, whole):
-                p.data = w
             try:
-                yield
+                with data_swapped(self.params, whole):
+                    yield
             finally:
-                for p, data in zip(self.params, low):
-                    p.data = data
                 for i, w in enumerate(whole):
                     self._take_rows(self.masters, i, w)
                 torch._foreach_copy_(self.params, whole)
