@@ -11,8 +11,9 @@ One spawn of 4 ranks, rows of 4 elements (tensors span shards; the rows do not s
   * the same through the driver's pieces (DDP with `local_only`, `install_clipping`, `build_optimizer` from the
     config) against DDP's allreduce under `MasterWeights`, clip modes after and before (this one to bf16 rounding:
     its clipped gradients no longer sum exactly);
-  * state_dict equals the reference's (Lamb's per-tensor layout); resumed at world 2 (sharded) and world 1
-    (unsharded) both continue as the reference does;
+  * state_dict equals the reference's (Lamb's per-tensor layout) and comes back whole from a load; resumed at world 2
+    (sharded) and world 1 (unsharded) both continue as the reference does; an empty state restarts the moments and
+    update counts;
   * `masters_in_model` shows the whole fp32 masters and takes what is written into them;
   * a missing gradient is an error; no gradients at all, no step.
 """
@@ -170,6 +171,19 @@ def worker(rank: int, store: str, out: str) -> None:
     before = masters_of(opt, model)
     opt.step()
     result["no_grads_unchanged"] = all(torch.equal(before[n], w) for n, w in masters_of(opt, model).items())
+    reloaded = sharded(FixedGrad())  # loaded, then saved again before any step: the same state
+    reloaded.load_state_dict(copy.deepcopy(state))
+    result["reloaded_state"] = copy.deepcopy(reloaded.state_dict())
+    # an empty state loaded into a stepped optimizer: its next step is a first step, as a new optimizer's
+    opt.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
+    fresh_model = FixedGrad()
+    fresh_model.load_state_dict({f"ps.{n}": w for n, w in before.items()})
+    fresh = sharded(fresh_model)
+    for o, m in ((opt, model), (fresh, fresh_model)):
+        for n, p in m.ps.items():
+            p.grad = grads(rank, 2)[n]
+        o.step()
+    result["restarted"] = (masters_of(opt, model), masters_of(fresh, fresh_model))
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -222,6 +236,13 @@ def test_the_state_is_the_unsharded_ones_and_resumes_at_any_world_size(results):
         for key in ("exp_avg", "exp_avg_sq"):
             assert s[key].shape == want[key].shape
             torch.testing.assert_close(s[key], want[key], rtol=1e-5, atol=1e-9)
+    for r in results:
+        again = r["reloaded_state"]
+        assert again["state"].keys() == state["state"].keys()
+        assert all(torch.equal(torch.as_tensor(again["state"][i][k]), torch.as_tensor(s[k]))
+                   for i, s in state["state"].items() for k in s)
+        restarted, new = r["restarted"]
+        close(restarted, new, rtol=0, atol=0)
     for r in results[:2]:
         at_two, at_one, ref_continued = r["resumed"]
         close(at_two, ref_continued)
