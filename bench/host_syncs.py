@@ -73,6 +73,8 @@ def cases() -> Iterator[Case]:
         yield Case(f"lamb {precision} master, BALANCE=samsung", {**base, "balance": "samsung"})
         for attention in ("padded", "grouped"):
             yield Case(f"lamb {precision} master, ATTENTION={attention}", {**base, "attention": attention})
+        yield Case(f"lamb {precision} master, OPTIMIZER_SHARDING=1",  # bert.optim.sharded_master
+                   {**base, "optimizer_sharding": True, "optimizer_layout": "flat"})
     for optimizer, precision in itertools.product(("lamb", "adam"), ("fp32", "bf16", "fp16")):
         yield Case(f"{optimizer} {precision} OPTIMIZER_SHARDING=1",
                    dict(optimizer=optimizer, precision=precision, optimizer_sharding=True))

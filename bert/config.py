@@ -278,15 +278,10 @@ class TrainConfig:
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16, fp16 or fp8, not "
                               f"{self.model.precision} (the model's weights take its compute dtype)")
         optim = self.optim
-        if optim.master_weights and optim.optimizer_sharding:  # bert.optim.sharded_master
-            if optim.optimizer_layout != "flat":
-                raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", optim.optimizer_layout, "must be flat with "
-                                  "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1 (the masters are sharded by rows of the "
-                                  "flat layout)")
-            if self.model.precision == "fp16":
-                raise ConfigError("precision", "PRECISION", "fp16", "cannot be combined with MASTER_WEIGHTS=1 and "
-                                  "OPTIMIZER_SHARDING=1 (the ranks' agreement on an overflowed step is not built); use "
-                                  "bf16, or OPTIMIZER_SHARDING=0")
+        if optim.master_weights and optim.optimizer_sharding and optim.optimizer_layout != "flat":
+            raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", optim.optimizer_layout, "must be flat with "
+                              "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1 (the masters are sharded by rows of the flat "
+                              "layout; bert.optim.sharded_master)")
         if optim.optimizer_layout == "flat" and not (optim.master_weights and optim.optimizer == "lamb"):
             raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", "flat", "needs MASTER_WEIGHTS=1 and "
                               f"OPTIMIZER=lamb (MASTER_WEIGHTS={int(optim.master_weights)}, "

@@ -110,6 +110,7 @@ FP16_ON_DEVICE = [  # the overflow skip decided on the device: torch's fused Ada
     "adam fp16 clip=bucket",  # (LAMB with its count on the device, fused AdamW) in the update (bert.optim.master)
     "lamb fp16 master clip=bucket", "adam fp16 master clip=after", "lamb fp16 master clip=after",
     "lamb fp16 master, 2 micro-steps", "lamb fp16 master, balanced buffers",
+    "lamb fp16 master, OPTIMIZER_SHARDING=1",  # the ranks' flags agreed on the device (AgreedGradScaler)
 ]
 
 

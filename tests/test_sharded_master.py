@@ -15,7 +15,9 @@ One spawn of 4 ranks, rows of 4 elements (tensors span shards; the rows do not s
     (sharded) and world 1 (unsharded) both continue as the reference does; an empty state restarts the moments and
     update counts;
   * `masters_in_model` shows the whole fp32 masters and takes what is written into them;
-  * a missing gradient is an error; no gradients at all, no step.
+  * a missing gradient is an error; no gradients at all, no step;
+  * fp16 under loss scaling: an overflow in one rank's gradients makes every rank skip and halve its scale, as the
+    unsharded run where the mean overflowed.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ from bert.optim.flat import FlatLamb
 from bert.optim.master import MasterWeights, fp32_weights
 from bert.optim.param_groups import decay_groups
 from bert.optim.sharded import local_only
-from bert.optim.sharded_master import ShardedMasters, shard_part
+from bert.optim.sharded_master import AgreedGradScaler, ShardedMasters, shard_part
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLD, CHUNK, STEPS, C, LR = 4, 4, 3, 0.6, 0.05
+WORLD, CHUNK, STEPS, C, LR, SCALE = 4, 4, 3, 0.6, 0.05, 2.0**10
 SHAPES = {"dense_weight": (7, 5), "dense_bias": (7,), "LayerNorm_weight": (7,), "out_weight": (3, 7),
           "zero_weight": (2, 3), "LayerNorm_bias": (13,)}  # 9+2+2+6+2+4 = 25 rows of 4: 7 a rank, the last 4 padding
 GAINS = (0.1, 1.0, 3.0)  # the clip (0.6) is inactive at step 0 and active after
@@ -141,6 +143,34 @@ def continue_from(state: dict, weights: dict[str, torch.Tensor], group, use_shar
     return masters_of(opt, model)
 
 
+def run_fp16(rank: int) -> dict:
+    """fp16 under loss scaling, rank 1 alone overflowing at step 1: every rank skips that step and halves its scale,
+    as the unsharded run does where the mean gradient overflowed."""
+    model, ref_model = FixedGrad(), FixedGrad()
+    opt = ShardedMasters(decay_groups(model, 0.1), torch.float16, torch.tensor(LR), eps=1e-6, clip_after=C,
+                         chunk=CHUNK)
+    ref = MasterWeights(decay_groups(ref_model, 0.1), functools.partial(FlatLamb, lr=torch.tensor(LR), eps=1e-6,
+                                                                         chunk=CHUNK), torch.float16, C)
+    scaler, ref_scaler = AgreedGradScaler("cpu", init_scale=SCALE), torch.amp.GradScaler("cpu", init_scale=SCALE)
+    for s in (scaler, ref_scaler):
+        s.scale(torch.ones(()))  # the loop scales the loss first; that makes the scale tensor
+    scales = []
+    for step in range(STEPS):
+        local, mean = grads(rank, step), mean_grads(step, range(WORLD))
+        if step == 1:
+            mean["out_weight"][0, 0] = float("inf")
+            if rank == 1:
+                local["out_weight"][0, 0] = float("inf")
+        for m, g, s in ((model, local, scaler), (ref_model, mean, ref_scaler)):
+            for n, p in m.ps.items():  # the loss scaled by the scaler's scale: a power of two, so exact
+                p.grad = (g[n].float() * s.get_scale()).half()
+        for s, o in ((scaler, opt), (ref_scaler, ref)):
+            s.step(o)
+            s.update()
+        scales.append((scaler.get_scale(), ref_scaler.get_scale()))
+    return {"got": masters_of(opt, model), "want": masters_of(ref, ref_model), "scales": scales}
+
+
 def worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -184,6 +214,7 @@ def worker(rank: int, store: str, out: str) -> None:
             p.grad = grads(rank, 2)[n]
         o.step()
     result["restarted"] = (masters_of(opt, model), masters_of(fresh, fresh_model))
+    result["fp16"] = run_fp16(rank)
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -264,6 +295,15 @@ def test_a_missing_gradient_fails_and_none_at_all_skips(results):
         assert r["no_grads_unchanged"]
 
 
+@pytest.mark.slow
+def test_fp16_ranks_skip_an_overflow_together_and_keep_one_scale(results):
+    for r in results:
+        close(r["fp16"]["got"], results[0]["fp16"]["want"])
+        assert r["fp16"]["scales"] == [(SCALE, SCALE), (SCALE / 2, SCALE / 2), (SCALE / 2, SCALE / 2)]
+    moved = max((results[0]["fp16"]["got"][n] - p).abs().max().item() for n, p in FixedGrad().ps.items())
+    assert moved > 0.05
+
+
 def test_shard_parts_match_the_rows_counted_one_by_one():
     """Each row of a shard belongs to the tensor a plain walk over the layout says; clipped bounds agree."""
     gen = torch.Generator().manual_seed(3)
@@ -288,8 +328,6 @@ BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSI
 @pytest.mark.parametrize("env, message", [
     ({"PRECISION": "bf16"}, r"\$OPTIMIZER_LAYOUT = 'tensors' must be flat with MASTER_WEIGHTS=1 and "
                             "OPTIMIZER_SHARDING=1"),
-    ({"PRECISION": "fp16", "OPTIMIZER_LAYOUT": "flat"}, r"\$PRECISION = 'fp16' cannot be combined with "
-                                                        "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1"),
     ({"PRECISION": "bf16", "OPTIMIZER_LAYOUT": "flat", "OPTIMIZER": "adam"}, r"needs MASTER_WEIGHTS=1 and "
                                                                              "OPTIMIZER=lamb"),
 ])
@@ -299,8 +337,23 @@ def test_the_config_refuses_what_is_not_built(env, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_config_takes_bf16_and_fp8_flat_lamb():
-    for precision in ("bf16", "fp8"):
+def test_fp16_sharded_masters_get_the_scaler_whose_ranks_agree():
+    """The sharded masters take GradScaler's flag into their step (no unscale_, where ShardedGradScaler agrees)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from bert.train.build import build_scaler
+
+    def scaler(**env: str) -> torch.amp.GradScaler:
+        cfg = from_env_and_args([], {**BASE, "PRECISION": "fp16", "OPTIMIZER_LAYOUT": "flat", **env})
+        return build_scaler(cfg, torch.device("cpu"))
+
+    assert type(scaler()) is AgreedGradScaler and scaler().is_enabled()
+    assert type(scaler(MASTER_WEIGHTS="0", OPTIMIZER_LAYOUT="tensors")) is ShardedGradScaler
+    assert type(scaler(OPTIMIZER_SHARDING="0")) is torch.amp.GradScaler
+
+
+def test_the_config_takes_bf16_fp16_and_fp8_flat_lamb():
+    for precision in ("bf16", "fp16", "fp8"):
         cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "OPTIMIZER_LAYOUT": "flat",
                                      "STATIC_TOKENS": "512", "GRAD_CLIP": "after"})
         assert cfg.optim.master_weights and cfg.optim.optimizer_sharding and hook_clip_mode(cfg.optim) == "none"

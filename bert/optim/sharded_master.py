@@ -7,7 +7,8 @@ and 1/N of the fp32 masters and of LAMB's moments. Per step:
   1. the model's gradients (DDP's buckets, reduced by nothing: `bert.optim.sharded.local_only`) are copied into one
      flat buffer of the compute dtype, laid out as `bert.optim.flat` lays out the masters (each tensor from a row of
      CHUNK elements, the rows padded to a multiple of N);
-  2. reduce-scatter of that buffer: rank r receives the sum of rows [rK, (r+1)K), cast up to fp32, divided by N;
+  2. reduce-scatter of that buffer: rank r receives the sum of rows [rK, (r+1)K), cast up to fp32, divided by N
+     (fp16: divided before the sum, and unscaled);
   3. GRAD_CLIP=after: scaled as `clip_grad_norm_` would, by the global norm (one allreduce of the shards' squares);
   4. LAMB over the rank's rows (`bert.optim.flat.lamb_rows`, the unsharded flat update's code). A tensor cut by a
      shard boundary needs ||p|| and ||u|| whole: every rank sums its rows per tensor (float64) and one allreduce of
@@ -31,8 +32,13 @@ Checkpoints are whole and in Lamb's per-tensor layout: `state_dict` all-gathers 
 `masters_in_model` (every rank enters it: it all-gathers the masters) hands the checkpoint code fp32 weights to save
 or load. A checkpoint therefore moves between world sizes and between sharded and unsharded runs.
 
-Not built: fp16. GradScaler's overflow flag comes from each rank's local gradients, so ranks could disagree on a
-skip; the config refuses PRECISION=fp16 here. COMPILE_OPTIMIZER=1 is refused too (the step runs collectives).
+fp16 (NVIDIA's A100 recipe, `--fp16 --distributed_lamb`): GradScaler hands the step its scale and overflow flag
+(`_step_supports_amp_scaling`, as for `MasterWeights`). It finds the flag in the rank's own gradients, so ranks
+could disagree on a skip and then on the scale; `AgreedGradScaler` takes the flag's maximum over the ranks (one
+allreduce on the device). The gradients are divided by N before the sum, in fp16, so a sum of finite values cannot
+overflow and the local check is the whole check (DDP's fp16 path divides before its sum for the same reason). An
+overflowed step is skipped on the device as `MasterWeights` skips it: the fp32 gradient zeroed, every moving factor
+of `lamb_rows` 0. COMPILE_OPTIMIZER=1 is refused (the step runs collectives).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from torch import Tensor
 
 from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
-from bert.optim.master import data_swapped
+from bert.optim.master import COMPUTE_DTYPES, data_swapped
 
 Groups = list[dict]
 
@@ -66,18 +72,34 @@ def shard_part(first: int, counts: list[int], lo: int, hi: int, device: torch.de
                  torch.tensor(owner, dtype=torch.int64, device=device))
 
 
+class AgreedGradScaler(torch.amp.GradScaler):
+    """GradScaler whose overflow flag is set where any rank's gradients overflowed, so every rank skips the same
+    steps and keeps the same scale (module doc)."""
+
+    def __init__(self, *args, process_group: dist.ProcessGroup | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.process_group = process_group
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict:
+        found = super()._check_inf_per_device(optimizer)  # the dict GradScaler keeps: update() reads it too
+        for flag in found.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
+
+
 class ShardedMasters(torch.optim.Optimizer):
     """LAMB over this rank's rows of the fp32 masters, between a reduce-scatter and an all-gather (module doc).
 
     Its param_groups are the model's parameters, cast by the constructor to `compute_dtype` and made views of one
     flat buffer (`low`); the schedule writes the LR tensor into them and `step` reads it there."""
 
+    _step_supports_amp_scaling = True  # fp16: GradScaler.step passes grad_scale / found_inf instead of unscaling
+
     def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
                  process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK):
-        if compute_dtype != torch.bfloat16:
-            raise ValueError(f"sharded master weights need a bf16 model (fp16's overflow skip is not built), got "
-                             f"{compute_dtype}")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"sharded master weights need a bf16 or fp16 model, got {compute_dtype}")
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.params or any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
@@ -134,17 +156,25 @@ class ShardedMasters(torch.optim.Optimizer):
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("ShardedMasters.step does not take a closure")
+        found_inf = getattr(self, "found_inf", None)  # fp16 only: set by AgreedGradScaler.step, every rank's
         if not check_every_gradient(self.params, "the sharded masters (OPTIMIZER_SHARDING=1) need them all"):
             return
         torch._foreach_copy_(self.low_grad_views, [p.grad for p in self.params])
+        if found_inf is not None:
+            self.low_grad.div_(self.world)  # fp16: the mean before the sum, which then cannot overflow
         reduce_scatter_single(self.grad_shard, self.low_grad, group=self.process_group)
-        self.grad.view(-1).copy_(self.grad_shard).div_(self.world)
+        self.grad.view(-1).copy_(self.grad_shard)
+        if found_inf is None:
+            self.grad.div_(self.world)  # bf16: divided in fp32, after an exact-range sum
+        else:  # as GradScaler.unscale_: 1 / scale in float64, then fp32; an overflowed step's gradient zeroed
+            self.grad.mul_(self.grad_scale.double().reciprocal().float())
+            self.grad.masked_fill_(found_inf != 0, 0.0)
         if self.clip_after is not None:
             self._clip_after(self.clip_after)
         for group, part, t in zip(self.param_groups, self.parts, self.counters):
             if part is not None:
                 p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
-                lamb_rows(p, g, m, v, t, group, part, None, self._norms)
+                lamb_rows(p, g, m, v, t, group, part, found_inf, self._norms)
         self.stepped = True
         mine = self.low.view(-1, self.layout.chunk)[self.lo:self.lo + self.rows]
         mine.copy_(self.masters)

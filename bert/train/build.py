@@ -28,6 +28,7 @@ from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
 from bert.optim.sharded import local_only
+from bert.optim.sharded_master import AgreedGradScaler
 from bert.static_shapes import eval_token_bucket
 from bert.train.checkpoint import latest_checkpoint, load_checkpoint
 from bert.train.faults import StopAgreement, stop_interval
@@ -70,15 +71,24 @@ def autocast_for(precision: str, device: torch.device, master_weights: bool = Fa
     return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
+def build_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler:
+    """fp16's loss scale (disabled otherwise). A sharded update reduce-scatters the gradients itself, so every rank
+    must agree on an overflowed step from its own gradients: ShardedGradScaler when it unscales them, our
+    AgreedGradScaler when the sharded masters take the scale and flag into their step."""
+    sharded = cfg.optim.optimizer_sharding
+    kind = (AgreedGradScaler if sharded and cfg.optim.master_weights else ShardedGradScaler if sharded
+            else torch.amp.GradScaler)
+    return kind(device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
+
+
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
     data, seed = cfg.data, cfg.run.seed
     check_data_for_division(cfg.log.division, data.input_dir, data.eval_dir)
     seed_everything(seed)
     model = build_model(cfg.model, device)
     torch.manual_seed(seed + env.rank)  # dropout differs across ranks, as it does across the global batch
-    sharded = cfg.optim.optimizer_sharding  # the optimizer reduce-scatters; every rank must agree on fp16 skips
-    scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)(
-        device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
+    sharded = cfg.optim.optimizer_sharding
+    scaler = build_scaler(cfg, device)
     # Before DDP: with MASTER_WEIGHTS=1 it casts the model, and DDP's buckets take the parameters' dtype.
     optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
     if cfg.optim.compile_optimizer:
