@@ -64,6 +64,8 @@ declare -A DRIVERS=(
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
+  # the same with the reduce-scatters in 4 blocks started from the compiled backward (hooks after each accumulation)
+  [compiled-sharded4]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --env OPTIMIZER_SHARD_BLOCKS=4 --bench-repeats 0"
   # each layer its own graph (shared by the 24 layers): compile time, and does per-layer fusion keep the speed?
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)

@@ -129,6 +129,10 @@ class OptimConfig:
     optimizer_sharding: bool = opt(False, "each rank updates 1/N of the weights: reduce-scatter, update, all-gather "
                                    "(TPU [004] §3.2; bert.optim.sharded, with MASTER_WEIGHTS=1 "
                                    "bert.optim.sharded_master)", env="OPTIMIZER_SHARDING")
+    optimizer_shard_blocks: int = opt(1, "the sharded masters' reduce-scatter in this many blocks of the flat layout, "
+                                      "each started from the backward once its gradients are in (NVIDIA's "
+                                      "--dwu-num-blocks with --dwu-overlap-reductions; 1: after the backward)",
+                                      env="OPTIMIZER_SHARD_BLOCKS", low=1, high=64)
     compile_optimizer: bool = opt(False, "compile the optimizer step (MASTER_WEIGHTS=1: the update over the "
                                   "fp32 masters) with COMPILE's backend, no CUDA graphs; bert.optim.compiled",
                                   env="COMPILE_OPTIMIZER")
@@ -278,6 +282,15 @@ class TrainConfig:
             raise ConfigError("master_weights", "MASTER_WEIGHTS", True, "needs PRECISION=bf16, fp16 or fp8, not "
                               f"{self.model.precision} (the model's weights take its compute dtype)")
         optim = self.optim
+        if optim.optimizer_shard_blocks > 1 and not (optim.master_weights and optim.optimizer_sharding):
+            raise ConfigError("optimizer_shard_blocks", "OPTIMIZER_SHARD_BLOCKS", optim.optimizer_shard_blocks,
+                              "needs OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1 (the sharded masters' reduce-scatter)")
+        if optim.optimizer_shard_blocks > 1 and (optim.grad_clip not in ("after", "none")
+                                                 or self.dist.grad_buckets != "ddp"):
+            raise ConfigError("optimizer_shard_blocks", "OPTIMIZER_SHARD_BLOCKS", optim.optimizer_shard_blocks,
+                              f"needs GRAD_CLIP=after or none and GRAD_BUCKETS=ddp (GRAD_CLIP={optim.grad_clip}, "
+                              f"GRAD_BUCKETS={self.dist.grad_buckets}): the blocks leave from the backward, before a "
+                              "clip in DDP's hook")
         if optim.master_weights and optim.optimizer_sharding and optim.optimizer_layout != "flat":
             raise ConfigError("optimizer_layout", "OPTIMIZER_LAYOUT", optim.optimizer_layout, "must be flat with "
                               "MASTER_WEIGHTS=1 and OPTIMIZER_SHARDING=1 (the masters are sharded by rows of the flat "

@@ -17,7 +17,9 @@ One spawn of 4 ranks, rows of 4 elements (tensors span shards; the rows do not s
   * `masters_in_model` shows the whole fp32 masters and takes what is written into them;
   * a missing gradient is an error; no gradients at all, no step;
   * fp16 under loss scaling: an overflow in one rank's gradients makes every rank skip and halve its scale, as the
-    unsharded run where the mean overflowed.
+    unsharded run where the mean overflowed;
+  * OPTIMIZER_SHARD_BLOCKS=3: the same update by hand and with the blocks' reduce-scatters started from DDP's
+    backward (after a warm-up backward and under gradient accumulation, where `no_sync` must start nothing).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from bert.optim.flat import FlatLamb
 from bert.optim.master import MasterWeights, fp32_weights
 from bert.optim.param_groups import decay_groups
 from bert.optim.sharded import local_only
-from bert.optim.sharded_master import AgreedGradScaler, ShardedMasters, shard_part
+from bert.optim.sharded_master import AgreedGradScaler, ShardedMasters, rows_below, shard_part
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, CHUNK, STEPS, C, LR, SCALE = 4, 4, 3, 0.6, 0.05, 2.0**10
@@ -78,9 +80,9 @@ def mean_grads(step: int, ranks: range) -> dict[str, torch.Tensor]:
     return {n: (g / len(ranks)).bfloat16() for n, g in total.items()}
 
 
-def sharded(model: nn.Module, group=None, clip: float | None = C) -> ShardedMasters:
+def sharded(model: nn.Module, group=None, clip: float | None = C, blocks: int = 1) -> ShardedMasters:
     return ShardedMasters(decay_groups(model, 0.1), torch.bfloat16, torch.tensor(LR), eps=1e-6, clip_after=clip,
-                          process_group=group, chunk=CHUNK)
+                          process_group=group, chunk=CHUNK, blocks=blocks)
 
 
 def reference(model: nn.Module, clip: float | None = C) -> MasterWeights:
@@ -93,9 +95,9 @@ def masters_of(opt: torch.optim.Optimizer, model: FixedGrad) -> dict[str, torch.
         return {n: p.detach().clone() for n, p in model.ps.items()}
 
 
-def run_direct(rank: int) -> dict:
+def run_direct(rank: int, blocks: int = 1) -> dict:
     model, ref_model = FixedGrad(), FixedGrad()
-    opt, ref = sharded(model), reference(ref_model)
+    opt, ref = sharded(model, blocks=blocks), reference(ref_model)
     for step in range(STEPS):
         for n, p in model.ps.items():
             p.grad = grads(rank, step)[n]
@@ -107,6 +109,30 @@ def run_direct(rank: int) -> dict:
     return {"got": masters_of(opt, model), "want": masters_of(ref, ref_model), "low": low,
             "state": (copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.state_dict())),
             "model": model, "opt": opt}
+
+
+def run_hooked(rank: int, blocks: int) -> dict:
+    """Through DDP's backward with the reduce-scatters started from it (`attach`): a warm-up backward in `no_sync`
+    first (nothing may start), then each step in two micro-steps of half the gradient, the first in `no_sync`."""
+    model = FixedGrad()
+    opt = sharded(model, blocks=blocks)
+    ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
+    opt.attach(ddp)
+    install_clipping(ddp, "none", C, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
+    with ddp.no_sync():
+        ddp(grads(rank, 0)).backward()
+    started = [len(opt.works)]
+    opt.zero_grad(set_to_none=True)
+    for step in range(STEPS):
+        half = {n: g / 2 for n, g in grads(rank, step).items()}
+        with ddp.no_sync():
+            ddp(half).backward()
+        started.append(len(opt.works))
+        ddp(half).backward()
+        started.append(len(opt.works))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"got": masters_of(opt, model), "started": started, "filled": len(opt.filled)}
 
 
 def run_driver_pieces(rank: int, clip: str, sharding: bool) -> dict[str, torch.Tensor]:
@@ -215,6 +241,10 @@ def worker(rank: int, store: str, out: str) -> None:
         o.step()
     result["restarted"] = (masters_of(opt, model), masters_of(fresh, fresh_model))
     result["fp16"] = run_fp16(rank)
+    three = run_direct(rank, blocks=3)
+    result["blocks"] = {"direct": three["got"], "hooked": run_hooked(rank, blocks=3),
+                        "hooked_one": run_hooked(rank, blocks=1),
+                        "again": masters_of(three["opt"], three["model"])}  # each rank's rows written back whole
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -304,21 +334,46 @@ def test_fp16_ranks_skip_an_overflow_together_and_keep_one_scale(results):
     assert moved > 0.05
 
 
+@pytest.mark.slow
+def test_blocks_started_from_the_backward_give_the_same_update(results):
+    """3 blocks of 4 slices of 3 rows (tensors span blocks): by hand and started from DDP's backward, where nothing
+    starts in `no_sync` (the warm-up, the first micro-step) and every block with a gradient starts in the synced one
+    (one block, the default, starts none: the step reduces)."""
+    want = results[0]["want"]
+    for r in results:
+        close(r["blocks"]["direct"], want)
+        close(r["blocks"]["again"], r["blocks"]["direct"], rtol=0, atol=0)
+        hooked = r["blocks"]["hooked"]
+        close(hooked["got"], want)
+        assert hooked["filled"] == 3 and hooked["started"] == [0] + [0, 3] * STEPS, hooked["started"]
+        close(r["blocks"]["hooked_one"]["got"], want)
+        assert r["blocks"]["hooked_one"]["started"] == [0] * (1 + 2 * STEPS)
+
+
 def test_shard_parts_match_the_rows_counted_one_by_one():
-    """Each row of a shard belongs to the tensor a plain walk over the layout says; clipped bounds agree."""
+    """A rank owns slice r of each of B blocks of N slices of k rows. Each row of its shard belongs to the tensor a
+    plain walk over the layout says, in the layout's order; each tensor's rows there are contiguous."""
     gen = torch.Generator().manual_seed(3)
-    for _ in range(200):
-        counts = torch.randint(1, 6, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
-        first = int(torch.randint(0, 5, (1,), generator=gen))
-        lo = int(torch.randint(0, first + sum(counts) + 2, (1,), generator=gen))
-        hi = lo + int(torch.randint(0, 8, (1,), generator=gen))
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    for _ in range(300):
+        counts = torch.randint(1, 6, (draw(1, 7),), generator=gen).tolist()
+        first, blocks, world, k = draw(0, 5), draw(1, 4), draw(1, 5), draw(1, 4)
+        rank = draw(0, world)
+        starts = [(b * world + rank) * k for b in range(blocks)]
         owner_of = {first + j: i for i, n in enumerate(counts) for j in range(sum(counts[:i]), sum(counts[:i]) + n)}
-        mine = [owner_of[row] for row in range(lo, hi) if row in owner_of]
-        part = shard_part(first, counts, lo, hi, torch.device("cpu"))
-        assert part.owner.tolist() == mine and part.last - part.first == len(mine)
+        owned = [row for s in starts for row in range(s, s + k)]
+        before = sum(row < first for row in owned)  # the shard rows of earlier groups
+        mine = [owner_of[row] for row in owned if row in owner_of]
+        part = shard_part(first, counts, functools.partial(rows_below, starts=starts, rows=k), torch.device("cpu"))
+        assert part.owner.tolist() == mine and part.first == before and part.last - part.first == len(mine)
         assert part.ends.tolist()[-1] == len(mine) and (part.ends >= part.begins).all()
         assert [e - b for b, e in zip(part.begins.tolist(), part.ends.tolist())] == [mine.count(i) for i in
                                                                                      range(len(counts))]
+        assert all(mine[b:e] == [i] * (e - b) for i, (b, e) in enumerate(zip(part.begins.tolist(),
+                                                                               part.ends.tolist())))
 
 
 BASE = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
@@ -352,6 +407,19 @@ def test_fp16_sharded_masters_get_the_scaler_whose_ranks_agree():
     assert type(scaler(OPTIMIZER_SHARDING="0")) is torch.amp.GradScaler
 
 
+@pytest.mark.parametrize("env, message", [
+    ({"OPTIMIZER_SHARDING": "0"}, "needs OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1"),
+    ({"GRAD_CLIP": "bucket"}, "needs GRAD_CLIP=after or none and GRAD_BUCKETS=ddp"),
+    ({"GRAD_BUCKETS": "balanced"}, "needs GRAD_CLIP=after or none and GRAD_BUCKETS=ddp"),
+])
+def test_blocks_need_the_sharded_masters_and_no_clip_in_the_hook(env, message):
+    base = {**BASE, "PRECISION": "bf16", "OPTIMIZER_LAYOUT": "flat", "OPTIMIZER_SHARD_BLOCKS": "4"}
+    assert from_env_and_args([], base).optim.optimizer_shard_blocks == 4
+    with pytest.raises(ConfigError, match=message) as err:
+        from_env_and_args([], {**base, **env})
+    assert "$OPTIMIZER_SHARD_BLOCKS" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_the_config_takes_bf16_fp16_and_fp8_flat_lamb():
     for precision in ("bf16", "fp16", "fp8"):
         cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "OPTIMIZER_LAYOUT": "flat",
@@ -378,7 +446,7 @@ def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
     args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
                 output_dir=out, train_batch_size=8, learning_rate=3e-3, max_steps=6, warmup_steps=2, log_freq=1,
                 eval_iter_start_samples=10**9, num_eval_examples=64, attention="padded", seed=11, precision="bf16",
-                master_weights=1, optimizer_sharding=1, optimizer_layout="flat")
+                master_weights=1, optimizer_sharding=1, optimizer_layout="flat", optimizer_shard_blocks=2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "run_pretraining.py"), *[x for k, v in args.items() for x in (f"--{k}", str(v))], *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -387,8 +455,9 @@ def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
-    """2 ranks under torchrun: 3 steps, a checkpoint (moments and masters gathered), --resume for 3 more == 6 steps
-    in one go, every loss and the saved fp32 weights."""
+    """2 ranks under torchrun, the reduce-scatters in 2 blocks started from the backward: 3 steps, a checkpoint
+    (moments and masters gathered), --resume for 3 more == 6 steps in one go, every loss and the saved fp32
+    weights."""
     from safetensors.torch import load_file
 
     data = tmp_path / "data"

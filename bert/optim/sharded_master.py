@@ -6,9 +6,9 @@ and 1/N of the fp32 masters and of LAMB's moments. Per step:
 
   1. the model's gradients (DDP's buckets, reduced by nothing: `bert.optim.sharded.local_only`) are copied into one
      flat buffer of the compute dtype, laid out as `bert.optim.flat` lays out the masters (each tensor from a row of
-     CHUNK elements, the rows padded to a multiple of N);
-  2. reduce-scatter of that buffer: rank r receives the sum of rows [rK, (r+1)K), cast up to fp32, divided by N
-     (fp16: divided before the sum, and unscaled);
+     CHUNK elements), the rows padded to B blocks of N slices of k rows (B = OPTIMIZER_SHARD_BLOCKS);
+  2. a reduce-scatter per block: rank r receives the sum of slice r of each, cast up to fp32, divided by N (fp16:
+     divided before the sum, and unscaled);
   3. GRAD_CLIP=after: scaled as `clip_grad_norm_` would, by the global norm (one allreduce of the shards' squares);
   4. LAMB over the rank's rows (`bert.optim.flat.lamb_rows`, the unsharded flat update's code). A tensor cut by a
      shard boundary needs ||p|| and ||u|| whole: every rank sums its rows per tensor (float64) and one allreduce of
@@ -20,8 +20,17 @@ Traffic per rank per step (S parameters, 2-byte compute dtype, ring collectives)
 all-gather (N-1)/N * 2S, the bytes of DDP's allreduce of the bf16 gradients. What shrinks N-fold is the update's
 work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N (BERT-large at 8
 GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a parameter, beside
-DDP's buckets): its padding must stay zero. The reduce-scatter starts after the backward (NVIDIA's 1x8 and 8x8
-configs do the same: `--dwu-num-blocks=1`, no `--dwu-overlap-reductions`).
+DDP's buckets): its padding must stay zero.
+
+When the reduce-scatters start. With one block (the default), in `step`, after the backward: NVIDIA's 1x8 and 8x8
+configs run so (`--dwu-num-blocks=1`, no `--dwu-overlap-reductions`). With B > 1 (`attach`), a hook after each
+parameter's gradient is accumulated copies it into step 1's buffer, and a block whose gradients are all there
+starts its reduce-scatter at once, asynchronously, while the backward computes the rest ([NVIDIA-BERT]'s 434-node
+config: `--dwu-num-blocks=5 --dwu-overlap-reductions`). The layout runs in the model's order and the backward in
+the reverse, so the last blocks leave first and only the first block (the embeddings, and the biases and LayerNorms,
+which the decay groups put last... in the no-decay group's rows) waits for the end of the backward; the step
+waits for the works. This needs the gradients final when accumulated: no clip in DDP's hook (GRAD_CLIP=after or
+none), and nothing starts inside DDP's `no_sync` (micro-steps, the compile warm-up).
 
 Exactness. The mean gradient is the sum of the ranks' compute-dtype gradients in the collective's order, divided in
 fp32 (DDP under MASTER_WEIGHTS=1 sums the same values; with N a power of two the division is exact either way). The
@@ -43,8 +52,9 @@ of `lamb_rows` 0. COMPILE_OPTIMIZER=1 is refused (the step runs collectives).
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -58,17 +68,21 @@ from bert.optim.master import COMPUTE_DTYPES, data_swapped
 Groups = list[dict]
 
 
-def shard_part(first: int, counts: list[int], lo: int, hi: int, device: torch.device) -> _Part:
-    """A group's share of the rows [lo, hi) of one rank: the group's tensors take `counts` rows each from row
-    `first`. Rows and tensor bounds are relative to `lo`, clipped to the shard; a tensor outside it has no rows
-    (begin = end), so every rank's per-tensor sums have the same length."""
-    ends = list(itertools.accumulate(counts, initial=first))
-    begins, ends = ends[:-1], ends[1:]
-    clip = [(min(max(b, lo), hi) - lo, min(max(e, lo), hi) - lo) for b, e in zip(begins, ends)]
-    a, b = min(max(first, lo), hi) - lo, min(max(ends[-1], lo), hi) - lo
-    owner = [i for i, (x, y) in enumerate(clip) for _ in range(y - x)]
-    return _Part(a, b, torch.tensor([x - a for x, _ in clip], device=device),
-                 torch.tensor([y - a for _, y in clip], device=device),
+def rows_below(x: int, starts: list[int], rows: int) -> int:
+    """How many of a rank's layout rows (`rows` from each of `starts`) lie below layout row x: the shard row where
+    layout row x would go (the slices follow each other in the shard as in the layout)."""
+    return sum(min(max(x - s, 0), rows) for s in starts)
+
+
+def shard_part(first: int, counts: list[int], below: Callable[[int], int], device: torch.device) -> _Part:
+    """A group's share of one rank's rows: the group's tensors take `counts` layout rows each from row `first`, and
+    `below(x)` is the shard row where layout row x would go. A tensor with no rows here has begin = end, so every
+    rank's per-tensor sums have the same length. A tensor's rows here are contiguous in the shard: `below` is
+    monotone, and its rows in two slices are the end of one and the start of the next."""
+    at = [below(x) for x in itertools.accumulate(counts, initial=first)]
+    owner = [i for i, (a, b) in enumerate(zip(at, at[1:])) for _ in range(b - a)]
+    return _Part(at[0], at[-1], torch.tensor([a - at[0] for a in at[:-1]], device=device),
+                 torch.tensor([b - at[0] for b in at[1:]], device=device),
                  torch.tensor(owner, dtype=torch.int64, device=device))
 
 
@@ -97,43 +111,105 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
-                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK):
+                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK, blocks: int = 1):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"sharded master weights need a bf16 or fp16 model, got {compute_dtype}")
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.params or any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
                              "the model is cast")
-        self.process_group, self.clip_after = process_group, clip_after
+        self.process_group, self.clip_after, self.blocks = process_group, clip_after, blocks
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        self.shapes = [p.shape for p in self.params]
-        self.layout = FlatLayout(tuple(p.numel() for p in self.params), chunk)
-        self.rows = -(-self.layout.rows // self.world)  # K: each rank's rows
-        self.lo = self.rank * self.rows
+        self.divide_first = compute_dtype == torch.float16  # fp16: the mean before the sum, which cannot overflow
+        # The layout takes the groups last first: the no-decay group's biases and LayerNorms (every layer's, the
+        # embeddings' included, whose gradients come last) join the embeddings in the first block (`attach`).
+        sizes = list(itertools.accumulate((len(g["params"]) for g in groups), initial=0))
+        self.order = [i for a, b in reversed(list(zip(sizes, sizes[1:]))) for i in range(a, b)]  # layout -> param
+        self.layout = FlatLayout(tuple(self.params[i].numel() for i in self.order), chunk)
+        at = {i: n for n, i in enumerate(self.order)}
+        self.first_row = [self.layout.starts[at[i]] for i in range(len(self.params))]  # per parameter
+        self.row_count = [self.layout.counts[at[i]] for i in range(len(self.params))]
+        # B blocks of N slices of k rows; this rank owns slice `rank` of each block, its shard is the B slices
+        self.rows = -(-self.layout.rows // (self.world * blocks))  # k
+        self.block_rows = self.world * self.rows
+        self.starts = [b * self.block_rows + self.rank * self.rows for b in range(blocks)]
         device = self.params[0].device
         with torch.no_grad():
-            whole = torch.zeros(self.world * self.rows * chunk, dtype=torch.float32, device=device)
-            torch._foreach_copy_(self.layout.views(whole, self.shapes), [p.detach() for p in self.params])
-            self.masters = whole.view(-1, chunk)[self.lo:self.lo + self.rows].clone()
+            whole = torch.zeros(blocks * self.block_rows * chunk, dtype=torch.float32, device=device)
+            torch._foreach_copy_(self._views(whole), [p.detach() for p in self.params])
+            self.masters = self._mine(whole).reshape(-1, chunk).clone()
             self.low = whole.to(compute_dtype)  # the model's weights: all-gathered into at every step
             del whole
-            for p, view in zip(self.params, self.layout.views(self.low, self.shapes)):
+            for p, view in zip(self.params, self._views(self.low)):
                 p.data = view  # the same Parameter objects: groups, hooks and DDP keep them
         self.low_grad = torch.zeros_like(self.low)  # step 1's buffer; tensors' tails and the last rows stay zero
-        self.low_grad_views = self.layout.views(self.low_grad, self.shapes)
-        self.grad_shard = self.low.new_empty(self.rows * chunk)  # the reduce-scatter's output
+        self.low_grad_views = self._views(self.low_grad)
+        self.grad_shard = self.low.new_zeros(self.masters.numel())  # the reduce-scatters' output
         self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros_like(self.masters) for _ in range(3))
         self.parts: list[_Part | None] = []
         self.counters: list[Tensor] = []  # each group's update count (Lamb's capturable `step`)
-        starts, counts, i = self.layout.starts, self.layout.counts, 0
-        for g in groups:
-            k = len(g["params"])
-            self.parts.append(shard_part(starts[i], counts[i:i + k], self.lo, self.lo + self.rows, device)
-                              if k else None)
+        below = functools.partial(rows_below, starts=self.starts, rows=self.rows)
+        for a, b in zip(sizes, sizes[1:]):  # a group's tensors are consecutive in the layout, in their order
+            self.parts.append(shard_part(self.first_row[a], self.row_count[a:b], below, device) if b > a else None)
             self.counters.append(torch.zeros((), dtype=torch.float32, device=device))
-            i += k
+        # each tensor's blocks; a block of padding alone (few rows, many ranks) is never reduced: its zeros stay
+        self.blocks_of = [range(a // self.block_rows, (a + n - 1) // self.block_rows + 1)
+                          for a, n in zip(self.first_row, self.row_count)]
+        self.waiting = [sum(b in bs for bs in self.blocks_of) for b in range(blocks)]
+        self.filled = [b for b in range(blocks) if self.waiting[b]]
+        self.works: dict[int, dist.Work] = {}  # the reduce-scatters the backward started (`attach`)
         self.stepped = False  # Lamb has no state before its first step; nor does this
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's view of a flat buffer of the layout, in the parameters' order."""
+        views = self.layout.views(flat, [self.params[i].shape for i in self.order])
+        return [views[n] for n in sorted(range(len(self.order)), key=self.order.__getitem__)]
+
+    def _mine(self, flat: Tensor) -> Tensor:
+        """This rank's slices of a flat buffer of the layout, as a [B, k, chunk] view."""
+        return flat.view(self.blocks, self.world, self.rows, self.layout.chunk)[:, self.rank]
+
+    def _block(self, flat: Tensor, b: int) -> Tensor:
+        n = self.block_rows * self.layout.chunk
+        return flat[b * n:(b + 1) * n]
+
+    def _reduce_block(self, b: int, async_op: bool = False) -> dist.Work | None:
+        """Block b's mean-to-be into this rank's slice of `grad_shard` (fp16: divided first)."""
+        block = self._block(self.low_grad, b)
+        if self.divide_first:
+            block.div_(self.world)
+        n = self.rows * self.layout.chunk
+        return reduce_scatter_single(self.grad_shard[b * n:(b + 1) * n], block, group=self.process_group,
+                                     async_op=async_op)
+
+    # -- reduce-scatters started from the backward (OPTIMIZER_SHARD_BLOCKS > 1)
+    def attach(self, ddp: torch.nn.Module) -> None:
+        """With more than one block, start each block's reduce-scatter from the backward, once every gradient in it
+        is there (a hook after each parameter's gradient is accumulated), so the blocks finished early travel while
+        the backward computes the rest; `step` waits for them. Nothing starts in DDP's `no_sync` (micro-steps, the
+        compile warm-up). Only where the gradients are final when accumulated: no clipping in DDP's hook."""
+        if self.blocks == 1:
+            return
+        self.ddp = ddp
+        self.left = list(self.waiting)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
+
+    @torch.no_grad()
+    def _ready(self, i: int, p: Tensor) -> None:
+        if not self.ddp.require_backward_grad_sync:
+            return
+        for b in self.blocks_of[i]:  # a reduce-scatter of a backward no step took must finish before the copy
+            stale = self.works.pop(b, None)
+            if stale is not None:
+                stale.wait()
+        self.low_grad_views[i].copy_(p.grad)
+        for b in self.blocks_of[i]:
+            self.left[b] -= 1
+            if self.left[b] == 0:
+                self.left[b] = self.waiting[b]
+                self.works[b] = self._reduce_block(b, async_op=True)
 
     def _shard(self, flat: Tensor, part: _Part) -> Tensor:
         return flat[part.first:part.last]
@@ -159,12 +235,18 @@ class ShardedMasters(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # fp16 only: set by AgreedGradScaler.step, every rank's
         if not check_every_gradient(self.params, "the sharded masters (OPTIMIZER_SHARDING=1) need them all"):
             return
-        torch._foreach_copy_(self.low_grad_views, [p.grad for p in self.params])
-        if found_inf is not None:
-            self.low_grad.div_(self.world)  # fp16: the mean before the sum, which then cannot overflow
-        reduce_scatter_single(self.grad_shard, self.low_grad, group=self.process_group)
+        started = [self.works.pop(b, None) for b in self.filled]
+        if all(w is not None for w in started):  # from the backward (`attach`)
+            for work in started:
+                work.wait()
+        elif any(w is not None for w in started):
+            raise RuntimeError("OPTIMIZER_SHARD_BLOCKS: the backward started the reduce-scatter of some blocks only")
+        else:
+            torch._foreach_copy_(self.low_grad_views, [p.grad for p in self.params])
+            for b in self.filled:
+                self._reduce_block(b)
         self.grad.view(-1).copy_(self.grad_shard)
-        if found_inf is None:
+        if not self.divide_first:
             self.grad.div_(self.world)  # bf16: divided in fp32, after an exact-range sum
         else:  # as GradScaler.unscale_: 1 / scale in float64, then fp32; an overflowed step's gradient zeroed
             self.grad.mul_(self.grad_scale.double().reciprocal().float())
@@ -176,16 +258,20 @@ class ShardedMasters(torch.optim.Optimizer):
                 p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
                 lamb_rows(p, g, m, v, t, group, part, found_inf, self._norms)
         self.stepped = True
-        mine = self.low.view(-1, self.layout.chunk)[self.lo:self.lo + self.rows]
-        mine.copy_(self.masters)
-        all_gather_single(self.low, mine.view(-1), group=self.process_group)
+        self._mine(self.low).copy_(self.masters.view(self.blocks, self.rows, -1))
+        n = self.rows * self.layout.chunk
+        for b in range(self.blocks):  # in place: this rank's slice of each block is the input
+            block = self._block(self.low, b)
+            all_gather_single(block, block[self.rank * n:(self.rank + 1) * n], group=self.process_group)
 
     # -- whole checkpoints
     def _gathered(self, shard: Tensor) -> list[Tensor]:
         """Every tensor's whole values of a [K, chunk] shard buffer, as views of one gathered buffer."""
         whole = shard.new_empty(self.low.numel())
-        all_gather_single(whole, shard.reshape(-1), group=self.process_group)
-        return self.layout.views(whole, self.shapes)
+        n = self.rows * self.layout.chunk
+        for b in range(self.blocks):
+            all_gather_single(self._block(whole, b), shard.reshape(-1)[b * n:(b + 1) * n], group=self.process_group)
+        return self._views(whole)
 
     def state_dict(self) -> dict:
         """Lamb's state_dict (full-shape moments on the host, one update count per group): a collective."""
@@ -201,12 +287,14 @@ class ShardedMasters(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def _take_rows(self, shard: Tensor, i: int, whole: Tensor) -> None:
-        """Write this rank's part of tensor i (`whole`, any shape) into a [K, chunk] shard buffer."""
-        chunk = self.layout.chunk
-        start, n = self.layout.starts[i] * chunk, self.layout.numels[i]
-        a, b = max(start, self.lo * chunk), min(start + n, (self.lo + self.rows) * chunk)
-        if b > a:
-            shard.view(-1)[a - self.lo * chunk:b - self.lo * chunk] = whole.reshape(-1)[a - start:b - start]
+        """Write this rank's part of tensor i (`whole`, any shape) into a [B k, chunk] shard buffer."""
+        chunk, flat = self.layout.chunk, shard.view(-1)
+        start, n = self.first_row[i] * chunk, self.params[i].numel()
+        for b, s in enumerate(self.starts):  # slice b: layout elements from s * chunk, shard elements from b k chunk
+            a, e = max(start, s * chunk), min(start + n, (s + self.rows) * chunk)
+            if e > a:
+                at = b * self.rows * chunk - s * chunk
+                flat[a + at:e + at] = whole.reshape(-1)[a - start:e - start]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (Lamb's layout, from any world size or layout): keep this rank's rows."""

@@ -94,6 +94,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     if cfg.optim.compile_optimizer:
         compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     ddp = apply_ddp(model, cfg.dist)
+    if hasattr(optimizer, "attach"):  # the sharded masters start their reduce-scatters from DDP's backward
+        optimizer.attach(ddp)
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env),
                                mean_at=mean_placement(cfg.model.precision, sharded))
