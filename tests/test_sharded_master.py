@@ -119,6 +119,9 @@ def run_hooked(rank: int, blocks: int) -> dict:
     ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
     opt.attach(ddp)
     install_clipping(ddp, "none", C, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
+    launched = []
+    reduce_block = opt._reduce_block
+    opt._reduce_block = lambda b, async_op=False: launched.append(b) or reduce_block(b, async_op)
     with ddp.no_sync():
         ddp(grads(rank, 0)).backward()
     started = [len(opt.works)]
@@ -132,7 +135,41 @@ def run_hooked(rank: int, blocks: int) -> dict:
         started.append(len(opt.works))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"got": masters_of(opt, model), "started": started, "filled": len(opt.filled)}
+    return {"got": masters_of(opt, model), "started": started, "filled": len(opt.filled), "launched": launched}
+
+
+def run_stale(rank: int, blocks: int) -> dict[str, torch.Tensor]:
+    """A synced backward no step takes (a warm-up on the bare module), then a step whose only backward is in
+    `no_sync`: the step takes that backward's gradients, not the reduce-scatters the first one started."""
+    model = FixedGrad()
+    opt = sharded(model, blocks=blocks)
+    ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
+    opt.attach(ddp)
+    install_clipping(ddp, "none", C, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
+    ddp.module(grads(rank, 0)).backward()
+    opt.zero_grad(set_to_none=True)
+    with ddp.no_sync():
+        ddp({n: -g for n, g in grads(rank, 0).items()}).backward()
+    opt.step()
+    return masters_of(opt, model)
+
+
+def run_fp16_sum_overflow(group) -> dict:
+    """3 ranks (the division by 3 rounds up): each rank's fp16 gradient is finite, their reduced sum is not. Every
+    rank skips and halves its scale."""
+    model = FixedGrad()
+    before = {n: p.detach().clone() for n, p in model.ps.items()}
+    opt = ShardedMasters(decay_groups(model, 0.1), torch.float16, torch.tensor(LR), eps=1e-6, process_group=group,
+                         chunk=CHUNK)
+    scaler = AgreedGradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))
+    for p in model.ps.values():
+        p.grad = torch.zeros(p.shape, dtype=torch.float16)
+    model.ps["out_weight"].grad[0, 0] = 65504.0
+    scaler.step(opt)
+    scaler.update()
+    return {"scale": scaler.get_scale(), "unchanged": all(torch.equal(before[n], w)
+                                                          for n, w in masters_of(opt, model).items())}
 
 
 def run_driver_pieces(rank: int, clip: str, sharding: bool) -> dict[str, torch.Tensor]:
@@ -200,7 +237,8 @@ def run_fp16(rank: int) -> dict:
 def worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    pair = dist.new_group([0, 1])  # every rank creates it; only 0 and 1 use it
+    pair = dist.new_group([0, 1])  # every rank creates them; only their members use them
+    triple = dist.new_group([0, 1, 2])
     direct = run_direct(rank)
     result = {k: direct[k] for k in ("got", "want", "low", "state")}
     result["pieces"] = {clip: (run_driver_pieces(rank, clip, True), run_driver_pieces(rank, clip, False))
@@ -244,7 +282,10 @@ def worker(rank: int, store: str, out: str) -> None:
     three = run_direct(rank, blocks=3)
     result["blocks"] = {"direct": three["got"], "hooked": run_hooked(rank, blocks=3),
                         "hooked_one": run_hooked(rank, blocks=1),
-                        "again": masters_of(three["opt"], three["model"])}  # each rank's rows written back whole
+                        "again": masters_of(three["opt"], three["model"]),  # each rank's rows written back whole
+                        "stale": (run_stale(rank, 2), run_stale(rank, 1))}
+    if rank < 3:
+        result["fp16_sum_overflow"] = run_fp16_sum_overflow(triple)
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -326,6 +367,12 @@ def test_a_missing_gradient_fails_and_none_at_all_skips(results):
 
 
 @pytest.mark.slow
+def test_fp16_ranks_skip_an_overflow_of_the_sum_of_finite_gradients(results):
+    for r in results[:3]:
+        assert r["fp16_sum_overflow"] == {"scale": 0.5, "unchanged": True}
+
+
+@pytest.mark.slow
 def test_fp16_ranks_skip_an_overflow_together_and_keep_one_scale(results):
     for r in results:
         close(r["fp16"]["got"], results[0]["fp16"]["want"])
@@ -346,6 +393,9 @@ def test_blocks_started_from_the_backward_give_the_same_update(results):
         hooked = r["blocks"]["hooked"]
         close(hooked["got"], want)
         assert hooked["filled"] == 3 and hooked["started"] == [0] + [0, 3] * STEPS, hooked["started"]
+        assert hooked["launched"] == [2, 1, 0] * STEPS  # last block first, on every rank
+        stale, unsharded_way = r["blocks"]["stale"]
+        close(stale, unsharded_way, rtol=0, atol=0)
         close(r["blocks"]["hooked_one"]["got"], want)
         assert r["blocks"]["hooked_one"]["started"] == [0] * (1 + 2 * STEPS)
 

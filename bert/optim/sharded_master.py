@@ -27,10 +27,12 @@ configs run so (`--dwu-num-blocks=1`, no `--dwu-overlap-reductions`). With B > 1
 parameter's gradient is accumulated copies it into step 1's buffer, and a block whose gradients are all there
 starts its reduce-scatter at once, asynchronously, while the backward computes the rest ([NVIDIA-BERT]'s 434-node
 config: `--dwu-num-blocks=5 --dwu-overlap-reductions`). The layout runs in the model's order and the backward in
-the reverse, so the last blocks leave first and only the first block (the embeddings, and the biases and LayerNorms,
-which the decay groups put last... in the no-decay group's rows) waits for the end of the backward; the step
-waits for the works. This needs the gradients final when accumulated: no clip in DDP's hook (GRAD_CLIP=after or
-none), and nothing starts inside DDP's `no_sync` (micro-steps, the compile warm-up).
+the reverse, so the last blocks leave first; the layout puts the no-decay group (every layer's biases and
+LayerNorms) before the decay group, beside the embeddings, so that only the first block waits for the end of the
+backward (BERT-large, 5 blocks: blocks 4 to 1 start after 73, 135, 201 and 265 of its 302 gradients,
+bench/shard_blocks.py); the step waits for the works. This needs the gradients final when accumulated: no clip in
+DDP's hook (GRAD_CLIP=after or none), and nothing starts inside DDP's `no_sync` (micro-steps). Every rank starts the
+blocks in one fixed order, the last first: NCCL pairs collectives by their order.
 
 Exactness. The mean gradient is the sum of the ranks' compute-dtype gradients in the collective's order, divided in
 fp32 (DDP under MASTER_WEIGHTS=1 sums the same values; with N a power of two the division is exact either way). The
@@ -43,18 +45,19 @@ or load. A checkpoint therefore moves between world sizes and between sharded an
 
 fp16 (NVIDIA's A100 recipe, `--fp16 --distributed_lamb`): GradScaler hands the step its scale and overflow flag
 (`_step_supports_amp_scaling`, as for `MasterWeights`). It finds the flag in the rank's own gradients, so ranks
-could disagree on a skip and then on the scale; `AgreedGradScaler` takes the flag's maximum over the ranks (one
-allreduce on the device). The gradients are divided by N before the sum, in fp16, so a sum of finite values cannot
-overflow and the local check is the whole check (DDP's fp16 path divides before its sum for the same reason). An
-overflowed step is skipped on the device as `MasterWeights` skips it: the fp32 gradient zeroed, every moving factor
-of `lamb_rows` 0. COMPILE_OPTIMIZER=1 is refused (the step runs collectives).
+could disagree on a skip and then on the scale; and a sum of finite fp16 gradients can overflow in the
+reduce-scatter (they are divided by N before it, which rounds where N is not a power of two). So the step takes
+the flag as the maximum, over the ranks (one allreduce on the device), of GradScaler's flag and of a non-finite
+value in the rank's reduced shard, and writes it back where `AgreedGradScaler`'s `update` reads it. An overflowed
+step is skipped on the device as `MasterWeights` skips it: the fp32 gradient zeroed, every moving factor of
+`lamb_rows` 0. COMPILE_OPTIMIZER=1 is refused (the step runs collectives).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -87,17 +90,13 @@ def shard_part(first: int, counts: list[int], below: Callable[[int], int], devic
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
-    """GradScaler whose overflow flag is set where any rank's gradients overflowed, so every rank skips the same
-    steps and keeps the same scale (module doc)."""
-
-    def __init__(self, *args, process_group: dist.ProcessGroup | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.process_group = process_group
+    """GradScaler that lets the sharded masters' step settle the overflow flag: it hands the step the flags it
+    found in this rank's gradients (`scaler_flags`, the dict its `update` reads), and the step writes back the
+    flag every rank agreed on, so every rank skips the same steps and keeps the same scale (module doc)."""
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict:
-        found = super()._check_inf_per_device(optimizer)  # the dict GradScaler keeps: update() reads it too
-        for flag in found.values():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        found = super()._check_inf_per_device(optimizer)
+        optimizer.scaler_flags = found
         return found
 
 
@@ -187,29 +186,60 @@ class ShardedMasters(torch.optim.Optimizer):
     def attach(self, ddp: torch.nn.Module) -> None:
         """With more than one block, start each block's reduce-scatter from the backward, once every gradient in it
         is there (a hook after each parameter's gradient is accumulated), so the blocks finished early travel while
-        the backward computes the rest; `step` waits for them. Nothing starts in DDP's `no_sync` (micro-steps, the
-        compile warm-up). Only where the gradients are final when accumulated: no clipping in DDP's hook."""
+        the backward computes the rest; `step` waits for them. Nothing starts in DDP's `no_sync` (micro-steps), and
+        a backward there drops what an earlier one started (a backward outside DDP, as the compile warm-up's on the
+        bare module, starts them: the next backward finishes and replaces them). Only where the gradients are final
+        when accumulated: no clipping in DDP's hook."""
         if self.blocks == 1:
             return
         self.ddp = ddp
         self.left = list(self.waiting)
+        # Started last block first, whatever order the gradients complete them in on a rank: every rank then issues
+        # the same collectives in the same order (NCCL pairs them by order; blocks of one size would not even fail).
+        # The backward runs the model from its end, so this is the order they complete in anyway.
+        self.launch_order, self.launched, self.complete = self.filled[::-1], 0, set()
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
 
-    @torch.no_grad()
-    def _ready(self, i: int, p: Tensor) -> None:
-        if not self.ddp.require_backward_grad_sync:
-            return
-        for b in self.blocks_of[i]:  # a reduce-scatter of a backward no step took must finish before the copy
+    def _drop_stale(self, blocks: Iterable[int]) -> None:
+        """Finish and forget the reduce-scatters of a backward no step took."""
+        for b in blocks:
             stale = self.works.pop(b, None)
             if stale is not None:
                 stale.wait()
+
+    @torch.no_grad()
+    def _ready(self, i: int, p: Tensor) -> None:
+        if not self.ddp.require_backward_grad_sync:  # a micro-step: the step will not take what came before
+            self._drop_stale(list(self.works))
+            return
+        self._drop_stale(self.blocks_of[i])  # before the copy overwrites what they read
         self.low_grad_views[i].copy_(p.grad)
         for b in self.blocks_of[i]:
             self.left[b] -= 1
             if self.left[b] == 0:
                 self.left[b] = self.waiting[b]
-                self.works[b] = self._reduce_block(b, async_op=True)
+                self.complete.add(b)
+        order = self.launch_order
+        while self.launched < len(order) and order[self.launched] in self.complete:
+            b = order[self.launched]
+            self.complete.discard(b)
+            self.works[b] = self._reduce_block(b, async_op=True)
+            self.launched = (self.launched + 1) % len(order)
+            if self.launched == 0:
+                break
+
+    def _agree(self, found_inf: Tensor) -> Tensor:
+        """fp16: the overflow flag of every rank's gradients and reduced shard, written back for GradScaler's
+        `update` (AgreedGradScaler), so the scale stays the same on every rank."""
+        flags = getattr(self, "scaler_flags", None)
+        if flags is None:
+            raise ValueError("the sharded masters under fp16 need AgreedGradScaler (bert.train.build.build_scaler)")
+        flag = torch.maximum(found_inf, (~self.grad.isfinite()).any().float()).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        for mine in flags.values():
+            mine.copy_(flag.reshape(mine.shape))
+        return flag.reshape(found_inf.shape)
 
     def _shard(self, flat: Tensor, part: _Part) -> Tensor:
         return flat[part.first:part.last]
@@ -246,6 +276,8 @@ class ShardedMasters(torch.optim.Optimizer):
             for b in self.filled:
                 self._reduce_block(b)
         self.grad.view(-1).copy_(self.grad_shard)
+        if found_inf is not None:
+            found_inf = self._agree(found_inf)
         if not self.divide_first:
             self.grad.div_(self.world)  # bf16: divided in fp32, after an exact-range sum
         else:  # as GradScaler.unscale_: 1 / scale in float64, then fp32; an overflowed step's gradient zeroed
