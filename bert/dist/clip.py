@@ -47,6 +47,16 @@ def clip_after_allreduce(params: Iterable[torch.nn.Parameter], max_norm: float) 
     return torch.nn.utils.clip_grad_norm_(list(params), max_norm, foreach=True)
 
 
+def clip_shards_(shard: Tensor, max_norm: float, group: dist.ProcessGroup | None = None) -> None:
+    """`clip_after_allreduce` where each rank holds a shard of the averaged gradient (weight-update sharding): the
+    global norm from one allreduce of the shards' squared norms (float64), then the shard scaled in place as
+    `clip_grad_norm_` scales (max_norm / (norm + 1e-6), at most 1)."""
+    square = torch.linalg.vector_norm(shard, dtype=torch.float64).square().reshape(1)
+    dist.all_reduce(square, group=group)
+    norm = square.sqrt().to(torch.promote_types(shard.dtype, torch.float32))
+    shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0).to(shard.dtype))
+
+
 def _clip_factor(norm_scaled: Tensor, limit: float, loss_scale: LossScale) -> Tensor:
     """min(1, limit / ||g||) with ||g|| the unscaled norm. A zero norm gives inf -> 1; an inf norm gives
     0 and the bucket turns NaN, which the GradScaler then sees and skips."""

@@ -83,7 +83,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
 def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
-    if cfg.optimizer_sharding and cfg.master_weights:  # the config allows it with LAMB, flat, bf16/fp8 only
+    if cfg.optimizer_sharding and cfg.master_weights:  # the config allows it with LAMB over the flat layout only
         from bert.optim.sharded_master import ShardedMasters
 
         return ShardedMasters(groups, compute_dtype, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,

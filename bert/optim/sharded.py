@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from bert.config import OptimConfig
+from bert.dist.clip import clip_shards_
 from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.optim.lamb import Lamb
 
@@ -135,13 +136,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat.div_(self.world)  # as DDP's allreduce: divide, then sum
         reduce_scatter_single(self.shard, flat, group=self.process_group)
 
-    def _clip_after(self, max_norm: float) -> None:
-        """clip_grad_norm_ on the averaged gradient, computed from the shards."""
-        square = torch.linalg.vector_norm(self.shard[:self.owned], dtype=torch.float64).square().reshape(1)
-        dist.all_reduce(square, group=self.process_group)
-        norm = square.sqrt().to(torch.promote_types(self.shard.dtype, torch.float32))
-        self.shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0).to(self.shard.dtype))
-
     def _all_gather_weights(self, flat: Tensor) -> None:
         own = [piece for piece in self.pieces if piece.numel()]
         if own:
@@ -156,8 +150,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer.step does not take a closure")
         flat = self._flat()
         self._reduce_scatter_mean(flat)
-        if self.clip_after is not None:
-            self._clip_after(self.clip_after)
+        if self.clip_after is not None:  # on the averaged gradient, from the shards
+            clip_shards_(self.shard[:self.owned], self.clip_after, self.process_group)
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         self.inner.step()

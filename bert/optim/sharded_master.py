@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bert.dist.clip import clip_shards_
 from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
 from bert.optim.master import COMPUTE_DTYPES, data_swapped
@@ -222,12 +223,11 @@ class ShardedMasters(torch.optim.Optimizer):
                 self.complete.add(b)
         order = self.launch_order
         while self.launched < len(order) and order[self.launched] in self.complete:
-            b = order[self.launched]
-            self.complete.discard(b)
-            self.works[b] = self._reduce_block(b, async_op=True)
-            self.launched = (self.launched + 1) % len(order)
-            if self.launched == 0:
-                break
+            self.complete.discard(order[self.launched])
+            self.works[order[self.launched]] = self._reduce_block(order[self.launched], async_op=True)
+            self.launched += 1
+        if self.launched == len(order):  # every block started: the next backward begins with the last again
+            self.launched = 0
 
     def _agree(self, found_inf: Tensor) -> Tensor:
         """fp16: the overflow flag of every rank's gradients and reduced shard, written back for GradScaler's
@@ -250,13 +250,6 @@ class ShardedMasters(torch.optim.Optimizer):
         dist.all_reduce(partial, group=self.process_group)
         norms = partial.float().sqrt()
         return norms[:len(part.ends)], norms[len(part.ends):]
-
-    def _clip_after(self, max_norm: float) -> None:
-        """clip_grad_norm_ on the mean gradient, from the shards (their padding is zero)."""
-        square = torch.linalg.vector_norm(self.grad, dtype=torch.float64).square().reshape(1)
-        dist.all_reduce(square, group=self.process_group)
-        norm = square.sqrt().float()
-        self.grad.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -283,8 +276,8 @@ class ShardedMasters(torch.optim.Optimizer):
         else:  # as GradScaler.unscale_: 1 / scale in float64, then fp32; an overflowed step's gradient zeroed
             self.grad.mul_(self.grad_scale.double().reciprocal().float())
             self.grad.masked_fill_(found_inf != 0, 0.0)
-        if self.clip_after is not None:
-            self._clip_after(self.clip_after)
+        if self.clip_after is not None:  # on the mean gradient, from the shards (their padding is zero)
+            clip_shards_(self.grad, self.clip_after, self.process_group)
         for group, part, t in zip(self.param_groups, self.parts, self.counters):
             if part is not None:
                 p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
