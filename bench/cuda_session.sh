@@ -48,9 +48,22 @@ REHEARSE_FLAGS=${REHEARSE_FLAGS:---bert-config tiny --attention loop --batchsize
 # under 30 s left is skipped. Set DEADLINE to the call's limit_s (budget_left_s for a last call). None in a rehearsal.
 DEADLINE=${DEADLINE:-580}
 SHARDS=${SHARDS:-/tmp/shards}
+# Each compiled driver keeps what it compiled (COMPILE_CACHE, bert/train/compile_cache.py) in $CACHES/<GPU>/<row>.bin:
+# from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on an H200, most of a driver
+# step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB parts: the tool returns no
+# file over 16 MiB); unpacked into .compile_cache/ here and carried (carry [".whl", ".compile_cache"]), they let the
+# next session's drivers skip code generation. Keyed by the GPU's name: torch keys them on the device anyway.
+CACHES=${CACHES:-$PWD/.compile_cache}
+if [[ $REHEARSE == 1 ]]; then CACHES=$WORK/compile_cache; fi  # the CPU's artifacts stay out of the carried ones
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
+GPU=${GPU:-cpu}
 CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
+touch "$WORK/.call_start"  # pack_caches: what this call compiled
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# a later call on the warm machine, without `setup`, still finds the wheels an earlier call's setup installed (one
+# such call lost 50 s of device time to a missing mlperf-logging)
+if [[ -d /tmp/site ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
 
 # driver-<name>: bench/train_gpu.py flags on top of $CONFIG (bf16, MASTER_WEIGHTS=1, LAMB, 96 sequences, COMPILE=default,
 # COMPILE_OPTIMIZER=1 since 2026-11-26: the eager rows say COMPILE=off)
@@ -113,8 +126,21 @@ declare -A DRIVERS=(
 # one: 4 GB of masters and LAMB state) stay behind: a file over 16 MiB would not come back. Written aside, then
 # moved: a call cut off while packing keeps the previous archive whole.
 pack() {
-  tar -czf "$OUT/.cuda_session.tgz" --exclude="*.trace.json.gz" --exclude=checkpoints -C "$WORK" . &&
+  tar -czf "$OUT/.cuda_session.tgz" --exclude="*.trace.json.gz" --exclude=checkpoints --exclude=compile_cache \
+    --exclude=.cache_parts -C "$WORK" . &&
     mv "$OUT/.cuda_session.tgz" "$OUT/cuda_session.tgz"
+  pack_caches
+}
+
+# The compile caches this call wrote (newer than its start), in 15 MiB parts, made aside and then moved into place
+pack_caches() {
+  [[ -d $CACHES ]] || return 0
+  local files
+  mapfile -t files < <(cd "$CACHES" && find . -name '*.bin' -newer "$WORK/.call_start")
+  ((${#files[@]})) || return 0
+  rm -rf "$WORK/.cache_parts" && mkdir -p "$WORK/.cache_parts" &&
+    tar -czf - -C "$CACHES" "${files[@]}" | split -b 15m -d - "$WORK/.cache_parts/compile_cache.tgz.part-" &&
+    rm -f "$OUT"/compile_cache.tgz.part-* && mv "$WORK"/.cache_parts/* "$OUT/"
 }
 
 # torchrun starts its workers in sessions of their own, so a step's timeout ends the launcher and not them: they
@@ -248,6 +274,7 @@ for name in "$@"; do
         # CUDA graphs need the GPU: the rest of a graphs run (static shapes, the warm-up over buckets) compiles here
         flags="${flags//--compile reduce-overhead/--compile default} $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
       fi
+      if [[ $flags != *"--compile off"* ]]; then flags+=" --env COMPILE_CACHE=$CACHES/$GPU/$key.bin"; fi
       # shellcheck disable=SC2086  # the flags are words
       step "$name" "$limit" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" $flags \
         --json "$WORK/train_gpu_${device}_$key.json" --keep "$WORK/$name" ;;

@@ -93,6 +93,9 @@ class ModelConfig:
     compile_scope: str = opt("model", "what one compiled graph holds: the model, or each layer apart (overlaps "
                              "the gradient hand-over with the backward under GRAD_BUCKETS=balanced)",
                              env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
+    compile_cache: str = opt("", "a file of torch.compile's artifacts: loaded before the warm-up compiles, rewritten "
+                             "after it, so a later run (a fresh container, another node) skips code generation; "
+                             "bert.train.compile_cache; empty = off", env="COMPILE_CACHE")
     last_layer_subset: bool = opt(True, "the last encoder layer, after its attention, runs only the [CLS] and masked "
                                   "rows the losses read (exact; HazyResearch's --last_layer_subset; "
                                   "bert.model.last_layer)", env="LAST_LAYER_SUBSET")
@@ -239,6 +242,9 @@ class TrainConfig:
         if self.optim.compile_optimizer and self.model.compile == "off":
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
                               "step with (COMPILE=off): set COMPILE_OPTIMIZER=0 with COMPILE=off")
+        if self.model.compile_cache and self.model.compile == "off":
+            raise ConfigError("compile_cache", "COMPILE_CACHE", self.model.compile_cache, "has nothing to keep with "
+                              "COMPILE=off: set a COMPILE mode, or leave COMPILE_CACHE empty")
         if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "

@@ -271,18 +271,23 @@ def test_inductor_compiled_equals_eager_on_every_token_count():
 @pytest.mark.slow
 def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, synthetic_data):
     """One rank, COMPILE=debug and STATIC_TOKENS=128: the compile time is printed and logged inside the
-    untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log."""
+    untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log. With
+    COMPILE_CACHE the file is read before the warm-up compiles and written after it (tests/test_compile_cache.py:
+    COMPILE=debug runs its graphs eagerly, so there is nothing to write)."""
     from test_train import PY, ROOT, checker, common_args, free_port, mllog
 
     out = tmp_path / "run"
     args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,
                        eval_iter_samples=32, num_eval_examples=32, eval_batch_size=32, compile="debug",
-                       static_tokens=128, skip_checkpoint=1)
+                       static_tokens=128, skip_checkpoint=1, compile_cache=tmp_path / "cache.bin")
     run = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                           str(free_port()), str(ROOT / "run_pretraining.py"), *args],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: max_steps before the target (aborted)
     assert run.stdout.count("compile: COMPILE=debug: first forward+backward took") == 1
+    order = [run.stdout.index(line) for line in ("compile cache: " + str(tmp_path / "cache.bin") + " does not exist",
+                                                 "compile: COMPILE=debug", "compile cache: nothing cacheable")]
+    assert order == sorted(order) and not (tmp_path / "cache.bin").exists()
     keys = [e["key"] for e in mllog(out / "result_0.txt")]
     assert keys.index("init_start") < keys.index("model_compile_seconds") < keys.index("init_stop")
     assert "eval_accuracy" in keys and "run_stop" in keys

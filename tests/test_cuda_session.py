@@ -94,6 +94,10 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             env = train_gpu.driver_env(args, tmp_path / name)
             cfg = from_env_and_args([], environ=env)  # what the driver will parse: ConfigError on a bad value
             assert cfg.model.compile in COMPILE_MODES, name
+            # a compiled driver keeps its graphs for the next session, in a file of its own
+            cache = f"/.compile_cache/cpu/{name.removeprefix('driver-')}.bin"
+            assert cfg.model.compile_cache.endswith(cache) if cfg.model.compile != "off" else not \
+                cfg.model.compile_cache, name
             if not args.bench_repeats:  # driver only: no bench/model.py row to match
                 continue
             backend = resolve_backend(cfg.model.attention, "cuda")
@@ -183,7 +187,15 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     import tarfile
 
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "SHARDS": str(tmp_path / "s"),
-           "DEADLINE": "46"}
+           "DEADLINE": "46", "CACHES": str(tmp_path / "caches")}
+    # a compile cache carried in (older than the call) and one a driver of this call wrote (newer): only the new one
+    # comes back, in parts of at most 15 MiB
+    caches = tmp_path / "caches" / "NVIDIA_H200"
+    caches.mkdir(parents=True)
+    (caches / "old.bin").write_bytes(b"o" * 100)
+    (caches / "new.bin").write_bytes(os.urandom(16 * 2**20))  # incompressible: two parts
+    os.utime(caches / "old.bin", (1, 1))
+    os.utime(caches / "new.bin", (2**31, 2**31))
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3: the venv's, as the device machine's own
     (tmp_path / "out").mkdir()
     out = subprocess.run(["bash", str(SCRIPT), "shards", "fp8-linear"], cwd=ROOT, env=env, capture_output=True,
@@ -194,3 +206,10 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     assert steps[0].startswith("shards exit=") and steps[1] == "fp8-linear skipped", steps
     with tarfile.open(tmp_path / "out" / "cuda_session.tgz") as archive:
         assert "./shards.log" in archive.getnames()
+    parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
+    assert [p.name for p in parts] == ["compile_cache.tgz.part-00", "compile_cache.tgz.part-01"]
+    assert parts[0].stat().st_size == 15 * 2**20
+    (tmp_path / "joined.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "joined.tgz") as archive:
+        assert archive.getnames() == ["./NVIDIA_H200/new.bin"]
+        assert archive.extractfile("./NVIDIA_H200/new.bin").read() == (caches / "new.bin").read_bytes()

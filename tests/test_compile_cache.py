@@ -1,0 +1,95 @@
+"""COMPILE_CACHE (bert.train.compile_cache): a later process loads what an earlier one compiled, so inductor generates
+no code; the reference is torch's own cache counters (misses in the first process, hits and no miss in the second)
+and the compiled function's values, equal in both. Each process has its own empty local inductor cache, as a fresh
+container or a bare device machine has."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bert.model.compile import _cxx_compiler
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One process of a run: the cache loaded, a small forward and backward compiled by inductor (dynamic, as the driver
+# compiles), the cache written; its report lines, torch's cache counters and the values, as JSON on the last line.
+SCRIPT = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from bert.train.compile_cache import load_compile_cache, save_compile_cache
+path = sys.argv[1]
+lines = [load_compile_cache(path)]
+def f(x, w):
+    return torch.nn.functional.gelu(x @ w).square().sum(-1)
+torch.manual_seed(0)
+x, w = torch.randn(7, 16), torch.randn(16, 8, requires_grad=True)
+y = torch.compile(f, dynamic=True)(x, w)
+y.sum().backward()
+lines.append(save_compile_cache(path))
+print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"]), "y": y.tolist(), "grad": w.grad.tolist()}))
+"""
+
+
+def one_process(tmp_path: Path, name: str, cache: Path) -> dict:
+    """SCRIPT in a fresh interpreter with an empty local inductor cache of its own."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def artifact_counts(data: bytes) -> dict[str, int]:
+    """The artifacts in a cache file by kind, read without loading them anywhere."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    return {kind: len(artifacts) for kind, artifacts in CacheArtifactManager.deserialize(data).items()}
+
+
+@pytest.mark.skipif(_cxx_compiler() is None, reason="inductor on the CPU needs a C++ compiler")
+def test_a_later_process_takes_the_compiled_graphs_from_the_file(tmp_path):
+    cache = tmp_path / "cache" / "bert.bin"  # its folder does not exist yet: the first run makes it
+    first = one_process(tmp_path, "first", cache)
+    assert "does not exist yet" in first["lines"][0] and first["lines"][1].startswith("compile cache: wrote ")
+    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 2 and not first["inductor"].get("fxgraph_cache_hit")
+    written = artifact_counts(cache.read_bytes())
+    assert written["inductor"] == first["inductor"]["fxgraph_cache_miss"]
+
+    second = one_process(tmp_path, "second", cache)
+    assert second["lines"][0].startswith("compile cache: loaded ") and " inductor" in second["lines"][0]
+    # every graph the first process compiled (forward and backward) now comes from the file: no code generated
+    assert second["inductor"].get("fxgraph_cache_hit") == first["inductor"]["fxgraph_cache_miss"]
+    assert not second["inductor"].get("fxgraph_cache_miss")
+    assert second["y"] == first["y"] and second["grad"] == first["grad"]
+    # what it loaded is what it used, written back whole: the same artifacts
+    assert artifact_counts(cache.read_bytes()) == written
+    assert not [p for p in cache.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_a_file_torch_cannot_read_is_named_and_left_for_the_run_to_replace(tmp_path):
+    from bert.train.compile_cache import load_compile_cache
+
+    damaged = tmp_path / "bert.bin"
+    damaged.write_bytes(b"not a cache at all")
+    line = load_compile_cache(str(damaged))
+    assert f"{damaged} (18 bytes) is not one torch" in line and "compiling from scratch and replacing it" in line
+    assert "does not exist yet" in load_compile_cache(str(tmp_path / "none.bin"))
+
+
+def test_a_cache_with_nothing_compiled_is_refused_in_one_line():
+    from bert.config import ConfigError, from_flat
+
+    def cfg(**kw):
+        return from_flat(input_dir="d", eval_dir="e", train_batch_size=16, bert_config_path="tiny", max_steps=10,
+                         learning_rate=1e-3, compile_cache="/tmp/cache.bin", **kw)
+
+    with pytest.raises(ConfigError, match=r"COMPILE_CACHE.*nothing to keep with COMPILE=off") as e:
+        cfg(compile="off").validate()
+    assert "\n" not in str(e.value)
+    cfg(compile="default").validate()
