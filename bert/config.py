@@ -136,6 +136,11 @@ class OptimConfig:
                                       "each started from the backward once its gradients are in (NVIDIA's "
                                       "--dwu-num-blocks with --dwu-overlap-reductions; 1: after the backward)",
                                       env="OPTIMIZER_SHARD_BLOCKS", low=1, high=64)
+    optimizer_shard_plan: str = opt("flat", "how the sharded masters' gradient reaches its owners: one reduce-scatter "
+                                    "over every rank (flat, TPU [004] §3.2), inside the node then across the nodes "
+                                    "(2d, [004] §3.3), or inside the node then an allreduce across (node, NVIDIA's "
+                                    "DistributedFusedLAMB); nodes of GRAD_REDUCE_NODE_SIZE; bert.dist.shard_plan",
+                                    env="OPTIMIZER_SHARD_PLAN", registry="bert.dist.shard_plan:SHARD_PLANS")
     compile_optimizer: bool = opt(False, "compile the optimizer step (MASTER_WEIGHTS=1: the update over the "
                                   "fp32 masters) with COMPILE's backend, no CUDA graphs; bert.optim.compiled",
                                   env="COMPILE_OPTIMIZER")
@@ -157,7 +162,8 @@ class DistConfig:
                           env="PS_SERVERS", low=1, high=64)
     grad_buckets: str = opt("ddp", "gradient buckets: DDP's, or equal-size fusion buffers (Herring [003] §III-1)",
                             env="GRAD_BUCKETS", registry="bert.dist.ddp:GRAD_BUCKETS")
-    grad_reduce_node_size: int = opt(0, "ranks per node for GRAD_REDUCE=hierarchical (0 = the launcher's "
+    grad_reduce_node_size: int = opt(0, "ranks per node for GRAD_REDUCE=hierarchical and OPTIMIZER_SHARD_PLAN=2d or "
+                                     "node (0 = the launcher's "
                                      "LOCAL_WORLD_SIZE / Slurm tasks per node / DGXNGPU)",
                                      env="GRAD_REDUCE_NODE_SIZE", low=0, high=65536)
     grad_comm_dtype: str = opt("fp32", "dtype the gradients travel in (fp32 = no cast)", env="GRAD_COMM_DTYPE",
@@ -291,6 +297,9 @@ class TrainConfig:
         if optim.optimizer_shard_blocks > 1 and not (optim.master_weights and optim.optimizer_sharding):
             raise ConfigError("optimizer_shard_blocks", "OPTIMIZER_SHARD_BLOCKS", optim.optimizer_shard_blocks,
                               "needs OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1 (the sharded masters' reduce-scatter)")
+        if optim.optimizer_shard_plan != "flat" and not (optim.master_weights and optim.optimizer_sharding):
+            raise ConfigError("optimizer_shard_plan", "OPTIMIZER_SHARD_PLAN", optim.optimizer_shard_plan,
+                              "needs OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1 (the sharded masters' collectives)")
         if optim.optimizer_shard_blocks > 1 and (optim.grad_clip not in ("after", "none")
                                                  or self.dist.grad_buckets != "ddp"):
             raise ConfigError("optimizer_shard_blocks", "OPTIMIZER_SHARD_BLOCKS", optim.optimizer_shard_blocks,
@@ -306,7 +315,7 @@ class TrainConfig:
                               f"OPTIMIZER=lamb (MASTER_WEIGHTS={int(optim.master_weights)}, "
                               f"OPTIMIZER={optim.optimizer}): the flat buffers are the fp32 masters'")
         if environ is not None:
-            check_node_size(self.dist, environ)
+            check_node_size(self.dist, environ, self.optim.optimizer_shard_plan)
         if self.run.resume and self.log.division == "closed":  # training rules: a result is one contiguous run
             raise ConfigError("resume", "RESUME", True, "is not allowed in the closed division (a timed run may "
                               "not be continued); set MLPERF_DIVISION=open to finish it as a non-result")
@@ -340,10 +349,12 @@ def launcher_layout(environ: Mapping[str, str]) -> tuple[tuple[int, str], tuple[
     return None
 
 
-def check_node_size(dist: DistConfig, environ: Mapping[str, str]) -> None:
-    """Hierarchical reduction splits the world into nodes of equal size: the node size must divide it."""
+def check_node_size(dist: DistConfig, environ: Mapping[str, str], shard_plan: str = "flat") -> None:
+    """Hierarchical reduction and the node-wise shard plans split the world into nodes of equal size: the node size
+    must divide it."""
     layout = launcher_layout(environ)
-    if layout is None or (dist.grad_reduce != "hierarchical" and not dist.grad_reduce_node_size):
+    if layout is None or (dist.grad_reduce != "hierarchical" and not dist.grad_reduce_node_size
+                          and shard_plan == "flat"):
         return
     (world, world_var), (launcher_node, node_var) = layout
     node = dist.grad_reduce_node_size or launcher_node
@@ -352,7 +363,8 @@ def check_node_size(dist: DistConfig, environ: Mapping[str, str]) -> None:
             f"({node_var}), which "
         raise ConfigError("grad_reduce_node_size", "GRAD_REDUCE_NODE_SIZE", dist.grad_reduce_node_size,
                           f"{what}does not divide the world size {world} ({world_var}) into equal nodes "
-                          f"for GRAD_REDUCE={dist.grad_reduce}")
+                          f"for " + (f"GRAD_REDUCE={dist.grad_reduce}" if shard_plan == "flat" else
+                                     f"OPTIMIZER_SHARD_PLAN={shard_plan}"))
 
 
 class ConfigError(ValueError):

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bert.config import ConfigError, from_env_and_args, from_flat
 from bert.dist.clip import install_clipping
 from bert.dist.reduce import mean_placement
+from bert.dist.shard_plan import build_shard_plan
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.flat import FlatLamb
 from bert.optim.master import MasterWeights, fp32_weights
@@ -80,9 +81,9 @@ def mean_grads(step: int, ranks: range) -> dict[str, torch.Tensor]:
     return {n: (g / len(ranks)).bfloat16() for n, g in total.items()}
 
 
-def sharded(model: nn.Module, group=None, clip: float | None = C, blocks: int = 1) -> ShardedMasters:
+def sharded(model: nn.Module, group=None, clip: float | None = C, blocks: int = 1, plan=None) -> ShardedMasters:
     return ShardedMasters(decay_groups(model, 0.1), torch.bfloat16, torch.tensor(LR), eps=1e-6, clip_after=clip,
-                          process_group=group, chunk=CHUNK, blocks=blocks)
+                          process_group=group, chunk=CHUNK, blocks=blocks, plan=plan)
 
 
 def reference(model: nn.Module, clip: float | None = C) -> MasterWeights:
@@ -95,9 +96,9 @@ def masters_of(opt: torch.optim.Optimizer, model: FixedGrad) -> dict[str, torch.
         return {n: p.detach().clone() for n, p in model.ps.items()}
 
 
-def run_direct(rank: int, blocks: int = 1) -> dict:
+def run_direct(rank: int, blocks: int = 1, plan=None) -> dict:
     model, ref_model = FixedGrad(), FixedGrad()
-    opt, ref = sharded(model, blocks=blocks), reference(ref_model)
+    opt, ref = sharded(model, blocks=blocks, plan=plan), reference(ref_model)
     for step in range(STEPS):
         for n, p in model.ps.items():
             p.grad = grads(rank, step)[n]
@@ -111,11 +112,11 @@ def run_direct(rank: int, blocks: int = 1) -> dict:
             "model": model, "opt": opt}
 
 
-def run_hooked(rank: int, blocks: int) -> dict:
+def run_hooked(rank: int, blocks: int, plan=None) -> dict:
     """Through DDP's backward with the reduce-scatters started from it (`attach`): a warm-up backward in `no_sync`
     first (nothing may start), then each step in two micro-steps of half the gradient, the first in `no_sync`."""
     model = FixedGrad()
-    opt = sharded(model, blocks=blocks)
+    opt = sharded(model, blocks=blocks, plan=plan)
     ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
     opt.attach(ddp)
     install_clipping(ddp, "none", C, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
@@ -206,12 +207,12 @@ def continue_from(state: dict, weights: dict[str, torch.Tensor], group, use_shar
     return masters_of(opt, model)
 
 
-def run_fp16(rank: int) -> dict:
+def run_fp16(rank: int, plan=None) -> dict:
     """fp16 under loss scaling, rank 1 alone overflowing at step 1: every rank skips that step and halves its scale,
     as the unsharded run does where the mean gradient overflowed."""
     model, ref_model = FixedGrad(), FixedGrad()
     opt = ShardedMasters(decay_groups(model, 0.1), torch.float16, torch.tensor(LR), eps=1e-6, clip_after=C,
-                         chunk=CHUNK)
+                         chunk=CHUNK, plan=plan)
     ref = MasterWeights(decay_groups(ref_model, 0.1), functools.partial(FlatLamb, lr=torch.tensor(LR), eps=1e-6,
                                                                          chunk=CHUNK), torch.float16, C)
     scaler, ref_scaler = AgreedGradScaler("cpu", init_scale=SCALE), torch.amp.GradScaler("cpu", init_scale=SCALE)
@@ -286,6 +287,14 @@ def worker(rank: int, store: str, out: str) -> None:
                         "stale": (run_stale(rank, 2), run_stale(rank, 1))}
     if rank < 3:
         result["fp16_sum_overflow"] = run_fp16_sum_overflow(triple)
+    result["plans"] = {}
+    for name in ("2d", "node"):  # 2 nodes of 2 ranks; every rank builds the groups, in the same order
+        plan = build_shard_plan(name, 2)
+        one, three = run_direct(rank, plan=plan), run_direct(rank, blocks=3, plan=plan)
+        result["plans"][name] = {"got": one["got"], "low": one["low"], "state": one["state"][0],
+                                 "owner": plan.owner, "shard": one["opt"].masters.clone(),
+                                 "blocks": three["got"], "hooked": run_hooked(rank, 3, plan)["got"],
+                                 "fp16": run_fp16(rank, plan)}
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -470,6 +479,21 @@ def test_blocks_need_the_sharded_masters_and_no_clip_in_the_hook(env, message):
     assert "$OPTIMIZER_SHARD_BLOCKS" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_node_wise_plan_needs_the_sharded_masters_and_nodes_that_divide_the_world():
+    base = {**BASE, "PRECISION": "bf16", "OPTIMIZER_LAYOUT": "flat", "OPTIMIZER_SHARD_PLAN": "node"}
+    cfg = from_env_and_args([], {**base, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+    assert cfg.optim.optimizer_shard_plan == "node"
+    with pytest.raises(ConfigError, match=r"launcher's 4 ranks per node \(\$LOCAL_WORLD_SIZE\), which does not divide "
+                                          r"the world size 6 \(\$WORLD_SIZE\) into equal nodes for "
+                                          r"OPTIMIZER_SHARD_PLAN=node$"):
+        from_env_and_args([], {**base, "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match=r"\$OPTIMIZER_SHARD_PLAN = 'node' needs OPTIMIZER_SHARDING=1 and "
+                                          "MASTER_WEIGHTS=1"):
+        from_env_and_args([], {**base, "OPTIMIZER_SHARDING": "0"})
+    with pytest.raises(ConfigError, match="OPTIMIZER_SHARD_PLAN = '3d' must be one of flat, 2d, node"):
+        from_env_and_args([], {**base, "OPTIMIZER_SHARD_PLAN": "3d"})
+
+
 def test_the_config_takes_bf16_fp16_and_fp8_flat_lamb():
     for precision in ("bf16", "fp16", "fp8"):
         cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "OPTIMIZER_LAYOUT": "flat",
@@ -507,23 +531,60 @@ def driver(data: Path, out: Path, *extra: str) -> subprocess.Popen:
 def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
     """2 ranks under torchrun, the reduce-scatters in 2 blocks started from the backward: 3 steps, a checkpoint
     (moments and masters gathered), --resume for 3 more == 6 steps in one go, every loss and the saved fp32
-    weights."""
+    weights. The split run takes OPTIMIZER_SHARD_PLAN=2d over nodes of one rank (the network reduce-scatter alone:
+    the same sums of two values, the same owners), so it must match the flat one bit for bit, and records its plan."""
     from safetensors.torch import load_file
 
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
                     "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", "3")]
+    plan = ("--optimizer_shard_plan", "2d", "--grad_reduce_node_size", "1")
+    jobs = [driver(data, whole), driver(data, split, "--steps_this_job", "3", *plan)]
     (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
     assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
     assert rc_first == 0, log_first[-3000:]
-    rc_second, log_second = finish(driver(data, split, "--resume", "1"))
+    rc_second, log_second = finish(driver(data, split, "--resume", "1", *plan))
     assert rc_second == 1, log_second[-3000:]
     assert len(losses(whole)) == 6 and losses(split) == losses(whole)
+    plans = [json.loads((out / "config.json").read_text())["resolved"]["shard_plan"] for out in (whole, split)]
+    assert plans == ["FlatPlan, 2 owners", "TwoDPlan, 2 owners"]
     a = load_file(whole / "checkpoints" / "step_00000006" / "model.safetensors")
     b = load_file(split / "checkpoints" / "step_00000006" / "model.safetensors")
     assert {t.dtype for t in a.values()} == {torch.float32}
     assert all(torch.equal(a[n], b[n]) for n in a)
     first = load_file(split / "checkpoints" / "step_00000003" / "model.safetensors")
     assert any(not torch.equal(first[n], a[n]) for n in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["2d", "node"])
+def test_the_node_wise_plans_give_the_same_update(results, name):
+    """OPTIMIZER_SHARD_PLAN over 2 nodes of 2 ranks: the reduce-scatter inside the node then across ([004] §3.3), or
+    then an allreduce across (NVIDIA's group of one node). The same masters as the unsharded flat update within fp32
+    rounding (the norms' partial sums are added in another order), one block or three (by hand and started from
+    DDP's backward), the same whole state, and fp16's skip agreed over both nodes. Who owns what: 2d gives rank
+    (node j, local l) slice 2 l + j of 4; node gives local rank l slice l of 2, the same rows on both nodes."""
+    first = results[0]
+    for r in results:
+        plan = r["plans"][name]
+        for key in ("got", "blocks", "hooked"):
+            close(plan[key], first["want"])
+        for n, w in plan["low"].items():
+            assert torch.equal(w, results[0]["plans"][name]["low"][n]) and torch.equal(w, plan["got"][n].bfloat16())
+        want = first["state"][1]["state"]
+        assert plan["state"]["state"].keys() == want.keys()
+        for i, s in plan["state"]["state"].items():
+            assert float(s["step"]) == float(want[i]["step"]) == STEPS
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(s[key], want[i][key], rtol=1e-5, atol=1e-9)
+        fp16 = plan["fp16"]
+        close(fp16["got"], first["fp16"]["want"])
+        assert [s for s, _ in fp16["scales"]] == [s for _, s in first["fp16"]["scales"]]
+    owners = [r["plans"][name]["owner"] for r in results]
+    assert owners == ([0, 2, 1, 3] if name == "2d" else [0, 1, 0, 1])
+    shards = [r["plans"][name]["shard"] for r in results]
+    if name == "node":  # each node updates a whole copy: rank 2 holds rank 0's rows
+        assert torch.equal(shards[0], shards[2]) and torch.equal(shards[1], shards[3])
+    else:
+        assert all(not torch.equal(a, b) for i, a in enumerate(shards) for b in shards[i + 1:])

@@ -81,7 +81,7 @@ def node_groups(world: int, node_size: int) -> tuple[list[list[int]], list[list[
 class _Job:
     """One buffer on its way through the three steps; `work` is the step in flight."""
 
-    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "_Pending"):
+    def __init__(self, flat: Tensor, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor, work: "Pending"):
         self.flat, self.padded, self.chunks, self.shard, self.work = flat, padded, chunks, shard, work
         self.result: Future[Tensor] = Future()
 
@@ -97,7 +97,7 @@ class _Job:
         self.result.set_result(self.flat)
 
 
-class _Pending:
+class Pending:
     """Collectives or sends/receives in flight, and what to do once they are done."""
 
     def __init__(self, works: list, then=None):
@@ -234,10 +234,10 @@ class HierarchicalSum:
             self._streams[t.device] = tuple(torch.cuda.Stream(t.device) for _ in range(3))
         return self._streams[t.device]
 
-    def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
+    def _reduce_scatter(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> Pending:
         group = self.scatter_group
         if self.exchange == "collective":
-            return _Pending([reduce_scatter_single(shard, padded, group=group, async_op=True)])
+            return Pending([reduce_scatter_single(shard, padded, group=group, async_op=True)])
         received = [self._buffer(shard) for _ in self.peers]  # p2p: `shard` is chunks[self.local]
         works = []
         for buf, (j, peer) in zip(received, self.peers):
@@ -249,17 +249,17 @@ class HierarchicalSum:
                 shard.add_(buf)
             self._spare.setdefault(_key(shard), []).extend(received)
 
-        return _Pending(works, node_sum)
+        return Pending(works, node_sum)
 
-    def _all_gather(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> _Pending:
+    def _all_gather(self, padded: Tensor, chunks: tuple[Tensor, ...], shard: Tensor) -> Pending:
         group = self.gather_group
         if self.exchange == "collective":
-            return _Pending([all_gather_single(padded, shard, group=group, async_op=True)])
+            return Pending([all_gather_single(padded, shard, group=group, async_op=True)])
         works = []  # p2p: our shard is already in its place; the peers' land in theirs
         for j, peer in self.peers:
             works.append(group.recv([chunks[j]], peer, 0))
             works.append(group.send([shard], peer, 0))
-        return _Pending(works)
+        return Pending(works)
 
     def _steps(self) -> None:
         """Steps 2 and 3 for every buffer in arrival order: one thread, so every rank issues them alike.

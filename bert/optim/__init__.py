@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from bert.config import OptimConfig
+from bert.dist.shard_plan import ShardPlan
 from bert.optim.apex_lamb import apex_lamb
 from bert.optim.flat import FlatLamb
 from bert.optim.lamb import Lamb
@@ -66,21 +67,23 @@ def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     return {**state_dict, "param_groups": groups}
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype = torch.float32
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype = torch.float32,
+                    plan: ShardPlan | None = None) -> torch.optim.Optimizer:
     """LAMB or AdamW over the decay/no-decay groups. The LR is set to a device tensor by the schedule.
     With `optimizer_sharding` each rank updates 1/N of the weights (bert.optim.sharded). With `master_weights`
     the model's fp32 weights become the optimizer's masters and the model is cast to `compute_dtype`
     (bert.optim.master; both: each rank holds 1/N of the masters, bert.optim.sharded_master): build it before
-    anything that takes the parameters' dtype (DDP's buckets)."""
-    optimizer = _build_optimizer(model, cfg, compute_dtype)
+    anything that takes the parameters' dtype (DDP's buckets). `plan`: the sharded masters' collectives
+    (bert.dist.shard_plan; None: one reduce-scatter over every rank)."""
+    optimizer = _build_optimizer(model, cfg, compute_dtype, plan)
     for part in (optimizer, getattr(optimizer, "inner", None)):  # the wrappers load their inner optimizer's state
         if part is not None:
             part.register_load_state_dict_pre_hook(keep_implementation)
     return optimizer
 
 
-def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype) -> torch.optim.Optimizer:
+def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype, plan: ShardPlan | None
+                     ) -> torch.optim.Optimizer:
     groups = decay_groups(model, cfg.weight_decay_rate)
     lr = torch.tensor(cfg.learning_rate)  # replaced by the schedule's device tensor
     if cfg.optimizer_sharding and cfg.master_weights:  # the config allows it with LAMB over the flat layout only
@@ -88,7 +91,7 @@ def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dt
 
         return ShardedMasters(groups, compute_dtype, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
                               cfg.max_grad_norm if cfg.grad_clip == "after" else None,
-                              blocks=cfg.optimizer_shard_blocks)
+                              blocks=cfg.optimizer_shard_blocks, plan=plan)
     if cfg.optimizer_sharding:
         from bert.optim.sharded import build_sharded  # needs torch.distributed initialised
 

@@ -16,11 +16,16 @@ and 1/N of the fp32 masters and of LAMB's moments. Per step:
   5. the rank's masters are rounded into its rows of the model's flat weight buffer, which is then all-gathered in
      place: every rank's model is whole again, in the same bits.
 
-Traffic per rank per step (S parameters, 2-byte compute dtype, ring collectives): reduce-scatter (N-1)/N * 2S and
-all-gather (N-1)/N * 2S, the bytes of DDP's allreduce of the bf16 gradients. What shrinks N-fold is the update's
-work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N (BERT-large at 8
-GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a parameter, beside
-DDP's buckets): its padding must stay zero.
+Steps 2 and 5 are one reduce-scatter and one all-gather over every rank as written above (OPTIMIZER_SHARD_PLAN=flat,
+the default); `bert.dist.shard_plan` also runs them node by node ([004] §3.3's two-dimensional summation, `2d`) or
+as NVIDIA's DistributedFusedLAMB does, a copy of the masters per node (`node`): the plan says which slice a rank
+owns and over which ranks a norm's partial sums add up; the rest of this module is the same for all three.
+
+Traffic per rank per step (S parameters, 2-byte compute dtype, ring collectives, the flat plan): reduce-scatter
+(N-1)/N * 2S and all-gather (N-1)/N * 2S, the bytes of DDP's allreduce of the bf16 gradients. What shrinks N-fold is
+the update's work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N (BERT-
+large at 8 GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a parameter,
+beside DDP's buckets): its padding must stay zero.
 
 When the reduce-scatters start. With one block (the default), in `step`, after the backward: NVIDIA's 1x8 and 8x8
 configs run so (`--dwu-num-blocks=1`, no `--dwu-overlap-reductions`). With B > 1 (`attach`), a hook after each
@@ -65,7 +70,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from bert.dist.clip import clip_shards_
-from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
+from bert.dist.hierarchical import Pending
+from bert.dist.shard_plan import FlatPlan, ShardPlan
 from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
 from bert.optim.master import COMPUTE_DTYPES, data_swapped
 
@@ -111,15 +117,18 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
-                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK, blocks: int = 1):
+                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK, blocks: int = 1,
+                 plan: ShardPlan | None = None):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"sharded master weights need a bf16 or fp16 model, got {compute_dtype}")
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.params or any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
                              "the model is cast")
-        self.process_group, self.clip_after, self.blocks = process_group, clip_after, blocks
-        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.clip_after, self.blocks = clip_after, blocks
+        # who owns which slice, and the collectives that bring it there (OPTIMIZER_SHARD_PLAN; flat: over the group)
+        self.plan = plan if plan is not None else FlatPlan(process_group)
+        self.owners, self.owner, self.ranks = self.plan.owners, self.plan.owner, self.plan.ranks
         self.divide_first = compute_dtype == torch.float16  # fp16: the mean before the sum, which cannot overflow
         # The layout takes the groups last first: the no-decay group's biases and LayerNorms (every layer's, the
         # embeddings' included, whose gradients come last) join the embeddings in the first block (`attach`).
@@ -129,10 +138,10 @@ class ShardedMasters(torch.optim.Optimizer):
         at = {i: n for n, i in enumerate(self.order)}
         self.first_row = [self.layout.starts[at[i]] for i in range(len(self.params))]  # per parameter
         self.row_count = [self.layout.counts[at[i]] for i in range(len(self.params))]
-        # B blocks of N slices of k rows; this rank owns slice `rank` of each block, its shard is the B slices
-        self.rows = -(-self.layout.rows // (self.world * blocks))  # k
-        self.block_rows = self.world * self.rows
-        self.starts = [b * self.block_rows + self.rank * self.rows for b in range(blocks)]
+        # B blocks of `owners` slices of k rows; this rank owns slice `owner` of each block, its shard is the B slices
+        self.rows = -(-self.layout.rows // (self.owners * blocks))  # k
+        self.block_rows = self.owners * self.rows
+        self.starts = [b * self.block_rows + self.owner * self.rows for b in range(blocks)]
         device = self.params[0].device
         with torch.no_grad():
             whole = torch.zeros(blocks * self.block_rows * chunk, dtype=torch.float32, device=device)
@@ -145,6 +154,8 @@ class ShardedMasters(torch.optim.Optimizer):
         self.low_grad = torch.zeros_like(self.low)  # step 1's buffer; tensors' tails and the last rows stay zero
         self.low_grad_views = self._views(self.low_grad)
         self.grad_shard = self.low.new_zeros(self.masters.numel())  # the reduce-scatters' output
+        # the plan's scratch between its two reduce-scatters (2d), a block's share each
+        self.middle = self.low.new_zeros(blocks * self.plan.middle(self.block_rows * chunk))
         self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros_like(self.masters) for _ in range(3))
         self.parts: list[_Part | None] = []
         self.counters: list[Tensor] = []  # each group's update count (Lamb's capturable `step`)
@@ -157,7 +168,7 @@ class ShardedMasters(torch.optim.Optimizer):
                           for a, n in zip(self.first_row, self.row_count)]
         self.waiting = [sum(b in bs for bs in self.blocks_of) for b in range(blocks)]
         self.filled = [b for b in range(blocks) if self.waiting[b]]
-        self.works: dict[int, dist.Work] = {}  # the reduce-scatters the backward started (`attach`)
+        self.works: dict[int, Pending] = {}  # the reduce-scatters the backward started (`attach`)
         self.stepped = False  # Lamb has no state before its first step; nor does this
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
 
@@ -168,20 +179,20 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def _mine(self, flat: Tensor) -> Tensor:
         """This rank's slices of a flat buffer of the layout, as a [B, k, chunk] view."""
-        return flat.view(self.blocks, self.world, self.rows, self.layout.chunk)[:, self.rank]
+        return flat.view(self.blocks, self.owners, self.rows, self.layout.chunk)[:, self.owner]
 
     def _block(self, flat: Tensor, b: int) -> Tensor:
         n = self.block_rows * self.layout.chunk
         return flat[b * n:(b + 1) * n]
 
-    def _reduce_block(self, b: int, async_op: bool = False) -> dist.Work | None:
+    def _reduce_block(self, b: int, async_op: bool = False) -> Pending | None:
         """Block b's mean-to-be into this rank's slice of `grad_shard` (fp16: divided first)."""
         block = self._block(self.low_grad, b)
         if self.divide_first:
-            block.div_(self.world)
-        n = self.rows * self.layout.chunk
-        return reduce_scatter_single(self.grad_shard[b * n:(b + 1) * n], block, group=self.process_group,
-                                     async_op=async_op)
+            block.div_(self.ranks)
+        n, m = self.rows * self.layout.chunk, self.middle.numel() // self.blocks
+        return self.plan.reduce_scatter(self.grad_shard[b * n:(b + 1) * n], block, self.middle[b * m:(b + 1) * m],
+                                        async_op=async_op)
 
     # -- reduce-scatters started from the backward (OPTIMIZER_SHARD_BLOCKS > 1)
     def attach(self, ddp: torch.nn.Module) -> None:
@@ -236,7 +247,7 @@ class ShardedMasters(torch.optim.Optimizer):
         if flags is None:
             raise ValueError("the sharded masters under fp16 need AgreedGradScaler (bert.train.build.build_scaler)")
         flag = torch.maximum(found_inf, (~self.grad.isfinite()).any().float()).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.plan.flag_group)
         for mine in flags.values():
             mine.copy_(flag.reshape(mine.shape))
         return flag.reshape(found_inf.shape)
@@ -247,7 +258,7 @@ class ShardedMasters(torch.optim.Optimizer):
     def _norms(self, p_squares: Tensor, u_squares: Tensor, part: _Part) -> tuple[Tensor, Tensor]:
         """Whole tensors' (||p||, ||u||) from every rank's rows: one allreduce of the partial sums."""
         partial = torch.cat([tensor_sums64(p_squares, part), tensor_sums64(u_squares, part)])
-        dist.all_reduce(partial, group=self.process_group)
+        dist.all_reduce(partial, group=self.plan.norm_group)
         norms = partial.float().sqrt()
         return norms[:len(part.ends)], norms[len(part.ends):]
 
@@ -272,30 +283,28 @@ class ShardedMasters(torch.optim.Optimizer):
         if found_inf is not None:
             found_inf = self._agree(found_inf)
         if not self.divide_first:
-            self.grad.div_(self.world)  # bf16: divided in fp32, after an exact-range sum
+            self.grad.div_(self.ranks)  # bf16: divided in fp32, after an exact-range sum
         else:  # as GradScaler.unscale_: 1 / scale in float64, then fp32; an overflowed step's gradient zeroed
             self.grad.mul_(self.grad_scale.double().reciprocal().float())
             self.grad.masked_fill_(found_inf != 0, 0.0)
         if self.clip_after is not None:  # on the mean gradient, from the shards (their padding is zero)
-            clip_shards_(self.grad, self.clip_after, self.process_group)
+            clip_shards_(self.grad, self.clip_after, self.plan.norm_group)
         for group, part, t in zip(self.param_groups, self.parts, self.counters):
             if part is not None:
                 p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
                 lamb_rows(p, g, m, v, t, group, part, found_inf, self._norms)
         self.stepped = True
         self._mine(self.low).copy_(self.masters.view(self.blocks, self.rows, -1))
-        n = self.rows * self.layout.chunk
         for b in range(self.blocks):  # in place: this rank's slice of each block is the input
-            block = self._block(self.low, b)
-            all_gather_single(block, block[self.rank * n:(self.rank + 1) * n], group=self.process_group)
+            self.plan.all_gather(self._block(self.low, b))
 
     # -- whole checkpoints
     def _gathered(self, shard: Tensor) -> list[Tensor]:
         """Every tensor's whole values of a [K, chunk] shard buffer, as views of one gathered buffer."""
         whole = shard.new_empty(self.low.numel())
-        n = self.rows * self.layout.chunk
+        self._mine(whole).copy_(shard.view(self.blocks, self.rows, -1))
         for b in range(self.blocks):
-            all_gather_single(self._block(whole, b), shard.reshape(-1)[b * n:(b + 1) * n], group=self.process_group)
+            self.plan.all_gather(self._block(whole, b))
         return self._views(whole)
 
     def state_dict(self) -> dict:

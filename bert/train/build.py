@@ -19,6 +19,7 @@ from bert.dist.clip import install_clipping
 from bert.dist.ddp import apply_ddp
 from bert.dist.env import DistEnv
 from bert.dist.reduce import build_reduce, mean_placement
+from bert.dist.shard_plan import build_shard_plan
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import check_attention
 from bert.model.compile import check_compile, compile_model
@@ -90,7 +91,11 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     sharded = cfg.optim.optimizer_sharding
     scaler = build_scaler(cfg, device)
     # Before DDP: with MASTER_WEIGHTS=1 it casts the model, and DDP's buckets take the parameters' dtype.
-    optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
+    plan = None
+    if sharded and cfg.optim.master_weights:  # the sharded masters' collectives (OPTIMIZER_SHARD_PLAN): groups now
+        plan = build_shard_plan(cfg.optim.optimizer_shard_plan, cfg.dist.grad_reduce_node_size or env.local_world_size,
+                                timedelta(seconds=cfg.dist.dist_timeout_s))
+    optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision), plan)
     if cfg.optim.compile_optimizer:
         compile_step(optimizer, cfg.model.compile)  # compiled before run_start by bert.train.warmup
     ddp = apply_ddp(model, cfg.dist)

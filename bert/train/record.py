@@ -40,6 +40,9 @@ def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
             "attention_backend": resolve_backend(cfg.model.attention, device),
             "optimizer_class": f"{optimizer.__module__}.{optimizer.__qualname__}",
             "update_class": f"{update.__module__}.{update.__qualname__}",  # inside a sharded/master-weight optimizer
+            # the sharded masters' collectives and how many slices a block is cut into (OPTIMIZER_SHARD_PLAN)
+            "shard_plan": (f"{type(plan).__qualname__}, {plan.owners} owners" if (plan := getattr(run.optimizer, "plan",
+                                                                                                  None)) else None),
             "weight_dtype": str(weights.dtype).removeprefix("torch."),  # the model's (bf16/fp16 with master weights)
             "master_weights": cfg.optim.master_weights,
             "autocast": autocast_dtype(cfg.model.precision, cfg.optim.master_weights) is not None,
