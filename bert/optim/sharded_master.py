@@ -23,9 +23,9 @@ owns and over which ranks a norm's partial sums add up; the rest of this module 
 
 Traffic per rank per step (S parameters, 2-byte compute dtype, ring collectives, the flat plan): reduce-scatter
 (N-1)/N * 2S and all-gather (N-1)/N * 2S, the bytes of DDP's allreduce of the bf16 gradients. What shrinks N-fold is
-the update's work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N (BERT-
-large at 8 GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a parameter,
-beside DDP's buckets): its padding must stay zero.
+the update's work and its memory: the fp32 masters, moments and gradient, 16 bytes a parameter, become 16S/N
+(BERT-large at 8 GPUs: 5.4 GB to 0.7 GB a rank). The compute-dtype gradient buffer of step 1 is kept (2 bytes a
+parameter, beside DDP's buckets): its padding must stay zero.
 
 When the reduce-scatters start. With one block (the default), in `step`, after the backward: NVIDIA's 1x8 and 8x8
 configs run so (`--dwu-num-blocks=1`, no `--dwu-overlap-reductions`). With B > 1 (`attach`), a hook after each
