@@ -79,6 +79,9 @@ declare -A DRIVERS=(
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
   # the same with the reduce-scatters in 4 blocks started from the compiled backward (hooks after each accumulation)
   [compiled-sharded4]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --env OPTIMIZER_SHARD_BLOCKS=4 --bench-repeats 0"
+  # the same through the two-dimensional plan (bert.dist.shard_plan; one node of one rank here): its two stages
+  # chained on a stream of their own from the backward's hooks, on NCCL, which no CPU test reaches
+  [compiled-sharded4-2d]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --env OPTIMIZER_SHARD_BLOCKS=4 --env OPTIMIZER_SHARD_PLAN=2d --bench-repeats 0"
   # each layer its own graph (shared by the 24 layers): compile time, and does per-layer fusion keep the speed?
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)
@@ -132,15 +135,22 @@ pack() {
   pack_caches
 }
 
-# The compile caches this call wrote (newer than its start), in 15 MiB parts, made aside and then moved into place
+# The compile caches this call wrote (newer than its start), in 15 MiB parts, made aside and then moved into place.
+# The tool brings back 8 files and 64 MiB in all, the session's archive among them: an archive of the caches over
+# CACHE_LIMIT_MIB would come back cut, so it is said and left behind (name fewer compiled drivers in the call).
 pack_caches() {
   [[ -d $CACHES ]] || return 0
-  local files
+  local files size parts=$WORK/.cache_parts
   mapfile -t files < <(cd "$CACHES" && find . -name '*.bin' -newer "$WORK/.call_start")
   ((${#files[@]})) || return 0
-  rm -rf "$WORK/.cache_parts" && mkdir -p "$WORK/.cache_parts" &&
-    tar -czf - -C "$CACHES" "${files[@]}" | split -b 15m -d - "$WORK/.cache_parts/compile_cache.tgz.part-" &&
-    rm -f "$OUT"/compile_cache.tgz.part-* && mv "$WORK"/.cache_parts/* "$OUT/"
+  rm -rf "$parts" && mkdir -p "$parts" && tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}" || return 0
+  size=$(stat -c %s "$parts/all.tgz")
+  if ((size > ${CACHE_LIMIT_MIB:-45} * 1048576)); then
+    echo "== compile caches: $((size >> 20)) MiB packed, over CACHE_LIMIT_MIB=${CACHE_LIMIT_MIB:-45}: not brought back"
+    return 0
+  fi
+  split -b 15m -d "$parts/all.tgz" "$parts/compile_cache.tgz.part-" && rm "$parts/all.tgz" &&
+    rm -f "$OUT"/compile_cache.tgz.part-* && mv "$parts"/* "$OUT/"
 }
 
 # torchrun starts its workers in sessions of their own, so a step's timeout ends the launcher and not them: they

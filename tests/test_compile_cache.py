@@ -82,6 +82,24 @@ def test_a_file_torch_cannot_read_is_named_and_left_for_the_run_to_replace(tmp_p
     assert "does not exist yet" in load_compile_cache(str(tmp_path / "none.bin"))
 
 
+def test_a_cache_that_cannot_be_written_or_read_is_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Only rank 0 writes the file, after the warm-up: an error raised there would leave the other ranks waiting at
+    run_start until the collective timeout. So a read-only or full disk is one line, and the run continues."""
+    import torch
+
+    from bert.train.compile_cache import load_compile_cache, save_compile_cache
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache's folder should be")
+    line = save_compile_cache(str(blocked / "bert.bin"))
+    assert line.startswith(f"compile cache: cannot write {blocked / 'bert.bin'} (") and "the run goes on" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no temporary file left either
+    unreadable = tmp_path / "folder.bin"
+    unreadable.mkdir()  # exists, but reading it fails
+    assert load_compile_cache(str(unreadable)).startswith(f"compile cache: cannot read {unreadable} (")
+
+
 def test_a_cache_with_nothing_compiled_is_refused_in_one_line():
     from bert.config import ConfigError, from_flat
 

@@ -213,3 +213,9 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     with tarfile.open(tmp_path / "joined.tgz") as archive:
         assert archive.getnames() == ["./NVIDIA_H200/new.bin"]
         assert archive.extractfile("./NVIDIA_H200/new.bin").read() == (caches / "new.bin").read_bytes()
+    # caches over CACHE_LIMIT_MIB would come back cut (the tool returns 64 MiB in all): said, and left behind
+    (tmp_path / "out2").mkdir()
+    out = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**env, "OUT": str(tmp_path / "out2"), "CACHE_LIMIT_MIB": "10", "SHARD_SAMPLES": "200"})
+    assert "== compile caches: 16 MiB packed, over CACHE_LIMIT_MIB=10: not brought back" in out.stdout, out.stdout
+    assert not list((tmp_path / "out2").glob("compile_cache*"))

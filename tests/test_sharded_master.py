@@ -24,6 +24,7 @@ One spawn of 4 ranks, rows of 4 elements (tensors span shards; the rows do not s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -139,19 +140,31 @@ def run_hooked(rank: int, blocks: int, plan=None) -> dict:
     return {"got": masters_of(opt, model), "started": started, "filled": len(opt.filled), "launched": launched}
 
 
-def run_stale(rank: int, blocks: int) -> dict[str, torch.Tensor]:
+def run_stale(rank: int, blocks: int, plan=None, synced: bool = False) -> dict[str, torch.Tensor]:
     """A synced backward no step takes (a warm-up on the bare module), then a step whose only backward is in
-    `no_sync`: the step takes that backward's gradients, not the reduce-scatters the first one started."""
+    `no_sync` (or, `synced`, a synced one): the step takes that backward's gradients, not the reduce-scatters the
+    first one started."""
     model = FixedGrad()
-    opt = sharded(model, blocks=blocks)
+    opt = sharded(model, blocks=blocks, plan=plan)
     ddp = DDP(model, bucket_cap_mb=0.0001, gradient_as_bucket_view=True)
     opt.attach(ddp)
     install_clipping(ddp, "none", C, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
+    unwaited = set()  # every work started must be waited for before its buffers are written again
+
+    def reduce_block(b, async_op=False, reduce_block=opt._reduce_block):
+        work = reduce_block(b, async_op)
+        if work is not None:
+            unwaited.add(work)
+            work.wait = functools.partial(lambda w, wait: unwaited.discard(w) or wait(), work, work.wait)
+        return work
+
+    opt._reduce_block = reduce_block
     ddp.module(grads(rank, 0)).backward()
     opt.zero_grad(set_to_none=True)
-    with ddp.no_sync():
+    with contextlib.nullcontext() if synced else ddp.no_sync():
         ddp({n: -g for n, g in grads(rank, 0).items()}).backward()
     opt.step()
+    assert not unwaited, f"{len(unwaited)} reduce-scatters never waited for"
     return masters_of(opt, model)
 
 
@@ -294,7 +307,8 @@ def worker(rank: int, store: str, out: str) -> None:
         result["plans"][name] = {"got": one["got"], "low": one["low"], "state": one["state"][0],
                                  "owner": plan.owner, "shard": one["opt"].masters.clone(),
                                  "blocks": three["got"], "hooked": run_hooked(rank, 3, plan)["got"],
-                                 "fp16": run_fp16(rank, plan)}
+                                 "fp16": run_fp16(rank, plan),
+                                 "stale": (run_stale(rank, 3, plan, synced=True), run_stale(rank, 1, plan))}
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -580,6 +594,10 @@ def test_the_node_wise_plans_give_the_same_update(results, name):
                 torch.testing.assert_close(s[key], want[i][key], rtol=1e-5, atol=1e-9)
         fp16 = plan["fp16"]
         close(fp16["got"], first["fp16"]["want"])
+        # a warm-up's reduce-scatters (both stages) that no step took, then a synced backward started from DDP's
+        # hooks: the step takes the second backward's gradients, as with one block, started by the step itself
+        close(plan["stale"][0], plan["stale"][1])
+        assert not torch.equal(plan["stale"][0]["dense_weight"], plan["got"]["dense_weight"])
         assert [s for s, _ in fp16["scales"]] == [s for _, s in first["fp16"]["scales"]]
     owners = [r["plans"][name]["owner"] for r in results]
     assert owners == ([0, 2, 1, 3] if name == "2d" else [0, 1, 0, 1])

@@ -27,8 +27,11 @@ ranks (each rank's GradScaler saw its own gradients).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -70,6 +73,28 @@ class _NodePlans:
         self.local, self.node = dist.get_rank() % node_size, dist.get_rank() // node_size
         self.size, self.nodes, self.ranks = node_size, world // node_size, world
         self.flag_group = None  # every rank
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _chain(self, first: Callable[[bool], Any], second: Callable[[bool], Any], on: Tensor, async_op: bool
+               ) -> Pending | None:
+        """Stage one, then stage two (each called with its async_op). Not async: both now. Async on a GPU: both
+        issued now, on a stream of the plan's that follows the caller's, the second after the first, so the
+        backward that goes on computing meanwhile waits for neither (its stream waits for both in `wait()`).
+        Async on the CPU (gloo, whose `wait` holds the host): the first now, the second in `wait()`."""
+        if not async_op:
+            first(False)
+            second(False)
+            return None
+        if not on.is_cuda:
+            started = first(True)
+            return Pending([started], then=lambda: second(False))
+        if on.device not in self._streams:
+            self._streams[on.device] = torch.cuda.Stream(on.device)
+        stream = self._streams[on.device]
+        stream.wait_stream(torch.cuda.current_stream(on.device))
+        with torch.cuda.device(on.device), torch.cuda.stream(stream):
+            first(True).wait()  # the plan's stream waits for stage one; the caller's does not
+            return Pending([second(True)])
 
 
 class TwoDPlan(_NodePlans):
@@ -84,15 +109,9 @@ class TwoDPlan(_NodePlans):
         return n // self.size  # the node's sum of this local rank's R slices
 
     def reduce_scatter(self, out: Tensor, block: Tensor, middle: Tensor, async_op: bool = False) -> Pending | None:
-        first = reduce_scatter_single(middle, block, group=self.node_group, async_op=async_op)
-
-        def across() -> None:  # on the network: 1/G of the block
-            reduce_scatter_single(out, middle, group=self.net_group)
-
-        if async_op:
-            return Pending([first], then=across)
-        across()
-        return None
+        return self._chain(lambda a: reduce_scatter_single(middle, block, group=self.node_group, async_op=a),
+                           lambda a: reduce_scatter_single(out, middle, group=self.net_group, async_op=a),  # 1/G
+                           block, async_op)
 
     def all_gather(self, block: Tensor) -> None:
         n = block.numel() // self.owners
@@ -114,15 +133,9 @@ class NodePlan(_NodePlans):
         return 0
 
     def reduce_scatter(self, out: Tensor, block: Tensor, middle: Tensor, async_op: bool = False) -> Pending | None:
-        first = reduce_scatter_single(out, block, group=self.node_group, async_op=async_op)
-
-        def across() -> None:  # every node's sum of the same slice
-            dist.all_reduce(out, group=self.net_group)
-
-        if async_op:
-            return Pending([first], then=across)
-        across()
-        return None
+        return self._chain(lambda a: reduce_scatter_single(out, block, group=self.node_group, async_op=a),
+                           lambda a: dist.all_reduce(out, group=self.net_group, async_op=a),  # every node's sum
+                           block, async_op)
 
     def all_gather(self, block: Tensor) -> None:
         n = block.numel() // self.owners

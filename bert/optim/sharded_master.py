@@ -225,7 +225,11 @@ class ShardedMasters(torch.optim.Optimizer):
         if not self.ddp.require_backward_grad_sync:  # a micro-step: the step will not take what came before
             self._drop_stale(list(self.works))
             return
-        self._drop_stale(self.blocks_of[i])  # before the copy overwrites what they read
+        if self.works and self.launched == 0 and self.left == self.waiting:
+            # the first gradient of a backward, with works a backward before it started and no step took: finished
+            # all at once, in the order they started (the same on every rank, as NCCL needs), before the copies
+            # below overwrite what they read
+            self._drop_stale(list(self.works))
         self.low_grad_views[i].copy_(p.grad)
         for b in self.blocks_of[i]:
             self.left[b] -= 1

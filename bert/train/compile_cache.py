@@ -20,6 +20,7 @@ into place, after the warm-up (`bert.train.warmup`): all of it before run_start.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -41,7 +42,10 @@ def load_compile_cache(path: str) -> str:
     file = Path(path)
     if not file.exists():
         return f"compile cache: {path} does not exist yet; compiling from scratch and writing it after the warm-up"
-    data = file.read_bytes()
+    try:
+        data = file.read_bytes()
+    except OSError as e:  # a cache is optional: the run compiles without it
+        return f"compile cache: cannot read {path} ({e.strerror or e}); compiling from scratch"
     info = torch.compiler.load_cache_artifacts(data)
     if info is None:
         return (f"compile cache: {path} ({len(data):,} bytes) is not one torch {torch.__version__} can read; "
@@ -52,12 +56,18 @@ def load_compile_cache(path: str) -> str:
 def save_compile_cache(path: str) -> str:
     """Write what this process's compiles built or loaded to `path` (atomically); a one-line report."""
     saved = torch.compiler.save_cache_artifacts()
-    if saved is None:  # e.g. COMPILE=debug: dynamo and AOT autograd run eagerly, nothing is cached
-        return f"compile cache: nothing cacheable was compiled; {path} left as it was"
+    if saved is None:  # COMPILE=debug (dynamo and AOT autograd run eagerly), or torch could not pickle them
+        return (f"compile cache: nothing to write (nothing cacheable was compiled, or torch could not serialize it: "
+                f"see its warning above); {path} left as it was")
     data, info = saved
     file = Path(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, file)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, file)
+    except OSError as e:  # only rank 0 writes: raising here would leave the others waiting at run_start
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return f"compile cache: cannot write {path} ({e.strerror or e}); the run goes on, the next one compiles again"
     return f"compile cache: wrote {_counts(info)} ({len(data):,} bytes) to {path}"
