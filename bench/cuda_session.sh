@@ -108,6 +108,9 @@ declare -A DRIVERS=(
   # ours: delayed scaling (the previous step's amax), no torchao, casts free to fuse into their producers; a
   # 60-step window so that the profile's kernel table comes back within the step's time
   [fp8-delayed]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --bench-repeats 0 --window-steps 60"
+  # the same per layer (COMPILE_SCOPE=layers: one graph shared by the 24 layers) and the update eager: the float8 model
+  # compiled for 202 s as one graph on the H200, and the update 160 s, from cold; against driver-compiled-layers
+  [fp8-delayed-layers]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0 --window-steps 60"
   [fp8-eager]="--precision fp8 --static-tokens 512 --compile off --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
   [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"
