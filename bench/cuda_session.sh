@@ -138,22 +138,34 @@ pack() {
   pack_caches
 }
 
-# The compile caches this call wrote (newer than its start), in 15 MiB parts, made aside and then moved into place.
-# The tool brings back 8 files and 64 MiB in all, the session's archive among them: an archive of the caches over
-# CACHE_LIMIT_MIB would come back cut, so it is said and left behind (name fewer compiled drivers in the call).
+# The compile caches this call wrote (newer than its start), in 15 MiB parts, made in a folder of $OUT (a call cut
+# off meanwhile brings back the previous parts whole) and then moved into place. The tool brings back 8 files and 64
+# MiB in all: an archive over CACHE_LIMIT_MIB (45), or over what the session's archive leaves of 60 MiB, would come
+# back cut, so it is said and left behind (name fewer compiled drivers in the call).
 pack_caches() {
   [[ -d $CACHES ]] || return 0
-  local files size parts=$WORK/.cache_parts
+  local files size limit parts=$OUT/.cache_parts
   mapfile -t files < <(cd "$CACHES" && find . -name '*.bin' -newer "$WORK/.call_start")
   ((${#files[@]})) || return 0
-  rm -rf "$parts" && mkdir -p "$parts" && tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}" || return 0
+  rm -rf "$parts" && mkdir -p "$parts" || return 0
+  if ! tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}"; then
+    echo "== compile caches: packing failed; not brought back"
+    rm -rf "$parts"
+    return 0
+  fi
   size=$(stat -c %s "$parts/all.tgz")
-  if ((size > ${CACHE_LIMIT_MIB:-45} * 1048576)); then
-    echo "== compile caches: $((size >> 20)) MiB packed, over CACHE_LIMIT_MIB=${CACHE_LIMIT_MIB:-45}: not brought back"
+  limit=$((${CACHE_LIMIT_MIB:-45} * 1048576))
+  if ((limit > 60 * 1048576 - $(stat -c %s "$OUT/cuda_session.tgz" 2>/dev/null || echo 0))); then
+    limit=$((60 * 1048576 - $(stat -c %s "$OUT/cuda_session.tgz" 2>/dev/null || echo 0)))
+  fi
+  if ((size > limit)); then
+    echo "== compile caches: $((size >> 20)) MiB packed, over the $((limit >> 20)) MiB that can come back" \
+      "(CACHE_LIMIT_MIB=${CACHE_LIMIT_MIB:-45}): not brought back (parts an earlier step packed stay)"
+    rm -rf "$parts"
     return 0
   fi
   split -b 15m -d "$parts/all.tgz" "$parts/compile_cache.tgz.part-" && rm "$parts/all.tgz" &&
-    rm -f "$OUT"/compile_cache.tgz.part-* && mv "$parts"/* "$OUT/"
+    rm -f "$OUT"/compile_cache.tgz.part-* && mv "$parts"/* "$OUT/" && rmdir "$parts"
 }
 
 # torchrun starts its workers in sessions of their own, so a step's timeout ends the launcher and not them: they

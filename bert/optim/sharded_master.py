@@ -210,6 +210,7 @@ class ShardedMasters(torch.optim.Optimizer):
         # the same collectives in the same order (NCCL pairs them by order; blocks of one size would not even fail).
         # The backward runs the model from its end, so this is the order they complete in anyway.
         self.launch_order, self.launched, self.complete = self.filled[::-1], 0, set()
+        self.in_backward = False  # set by a backward's first gradient, cleared when the engine has run it all
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
 
@@ -225,11 +226,14 @@ class ShardedMasters(torch.optim.Optimizer):
         if not self.ddp.require_backward_grad_sync:  # a micro-step: the step will not take what came before
             self._drop_stale(list(self.works))
             return
-        if self.works and self.launched == 0 and self.left == self.waiting:
-            # the first gradient of a backward, with works a backward before it started and no step took: finished
-            # all at once, in the order they started (the same on every rank, as NCCL needs), before the copies
-            # below overwrite what they read
+        if not self.in_backward:  # the first gradient of a backward: its end is marked when the engine is done
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            # what a backward before this one started and no step took is finished all at once, in the order it
+            # started (the same on every rank, as NCCL needs), before the copies below overwrite what it reads; and
+            # the counts start afresh, also after a backward that ended before all its blocks were in
             self._drop_stale(list(self.works))
+            self.left, self.launched, self.complete = list(self.waiting), 0, set()
         self.low_grad_views[i].copy_(p.grad)
         for b in self.blocks_of[i]:
             self.left[b] -= 1
@@ -243,6 +247,9 @@ class ShardedMasters(torch.optim.Optimizer):
             self.launched += 1
         if self.launched == len(order):  # every block started: the next backward begins with the last again
             self.launched = 0
+
+    def _backward_done(self) -> None:
+        self.in_backward = False
 
     def _agree(self, found_inf: Tensor) -> Tensor:
         """fp16: the overflow flag of every rank's gradients and reduced shard, written back for GradScaler's

@@ -40,13 +40,15 @@ def load_compile_cache(path: str) -> str:
     file is a first run. A file torch cannot read (damaged, or written by another torch) is said so and ignored:
     the run compiles from scratch and `save_compile_cache` replaces it."""
     file = Path(path)
-    if not file.exists():
-        return f"compile cache: {path} does not exist yet; compiling from scratch and writing it after the warm-up"
     try:
+        if not file.exists():
+            return (f"compile cache: {path} does not exist yet; compiling from scratch and writing it after the "
+                    "warm-up")
         data = file.read_bytes()
+        info = torch.compiler.load_cache_artifacts(data)  # writes them into this machine's local caches
     except OSError as e:  # a cache is optional: the run compiles without it
-        return f"compile cache: cannot read {path} ({e.strerror or e}); compiling from scratch"
-    info = torch.compiler.load_cache_artifacts(data)
+        return f"compile cache: cannot read {path} or fill the local caches from it ({e.strerror or e}); " \
+            "compiling from scratch"
     if info is None:
         return (f"compile cache: {path} ({len(data):,} bytes) is not one torch {torch.__version__} can read; "
                 "compiling from scratch and replacing it after the warm-up")
