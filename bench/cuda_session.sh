@@ -154,10 +154,8 @@ pack_caches() {
     return 0
   fi
   size=$(stat -c %s "$parts/all.tgz")
-  limit=$((${CACHE_LIMIT_MIB:-45} * 1048576))
-  if ((limit > 60 * 1048576 - $(stat -c %s "$OUT/cuda_session.tgz" 2>/dev/null || echo 0))); then
-    limit=$((60 * 1048576 - $(stat -c %s "$OUT/cuda_session.tgz" 2>/dev/null || echo 0)))
-  fi
+  limit=$((60 * 1048576 - $(stat -c %s "$OUT/cuda_session.tgz" 2>/dev/null || echo 0)))
+  if ((limit > ${CACHE_LIMIT_MIB:-45} * 1048576)); then limit=$((${CACHE_LIMIT_MIB:-45} * 1048576)); fi
   if ((size > limit)); then
     echo "== compile caches: $((size >> 20)) MiB packed, over the $((limit >> 20)) MiB that can come back" \
       "(CACHE_LIMIT_MIB=${CACHE_LIMIT_MIB:-45}): not brought back (parts an earlier step packed stay)"

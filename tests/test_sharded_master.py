@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bert.config import ConfigError, from_env_and_args, from_flat
 from bert.dist.clip import install_clipping
 from bert.dist.reduce import mean_placement
-from bert.dist.shard_plan import build_shard_plan
+from bert.dist.shard_plan import FlatPlan, build_shard_plan
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.flat import FlatLamb
 from bert.optim.master import MasterWeights, fp32_weights
@@ -83,8 +83,9 @@ def mean_grads(step: int, ranks: range) -> dict[str, torch.Tensor]:
 
 
 def sharded(model: nn.Module, group=None, clip: float | None = C, blocks: int = 1, plan=None) -> ShardedMasters:
+    """Over `plan`, or one reduce-scatter over `group` (None: every rank)."""
     return ShardedMasters(decay_groups(model, 0.1), torch.bfloat16, torch.tensor(LR), eps=1e-6, clip_after=clip,
-                          process_group=group, chunk=CHUNK, blocks=blocks, plan=plan)
+                          chunk=CHUNK, blocks=blocks, plan=plan or FlatPlan(group))
 
 
 def reference(model: nn.Module, clip: float | None = C) -> MasterWeights:
@@ -174,7 +175,7 @@ def run_fp16_sum_overflow(group) -> dict:
     rank skips and halves its scale."""
     model = FixedGrad()
     before = {n: p.detach().clone() for n, p in model.ps.items()}
-    opt = ShardedMasters(decay_groups(model, 0.1), torch.float16, torch.tensor(LR), eps=1e-6, process_group=group,
+    opt = ShardedMasters(decay_groups(model, 0.1), torch.float16, torch.tensor(LR), eps=1e-6, plan=FlatPlan(group),
                          chunk=CHUNK)
     scaler = AgreedGradScaler("cpu", init_scale=1.0)
     scaler.scale(torch.ones(()))

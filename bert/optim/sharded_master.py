@@ -117,8 +117,7 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
-                 process_group: dist.ProcessGroup | None = None, chunk: int = CHUNK, blocks: int = 1,
-                 plan: ShardPlan | None = None):
+                 chunk: int = CHUNK, blocks: int = 1, plan: ShardPlan | None = None):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"sharded master weights need a bf16 or fp16 model, got {compute_dtype}")
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
@@ -126,8 +125,8 @@ class ShardedMasters(torch.optim.Optimizer):
             raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
                              "the model is cast")
         self.clip_after, self.blocks = clip_after, blocks
-        # who owns which slice, and the collectives that bring it there (OPTIMIZER_SHARD_PLAN; flat: over the group)
-        self.plan = plan if plan is not None else FlatPlan(process_group)
+        # who owns which slice, and the collectives that bring it there (OPTIMIZER_SHARD_PLAN; None: flat, every rank)
+        self.plan = plan if plan is not None else FlatPlan()
         self.owners, self.owner, self.ranks = self.plan.owners, self.plan.owner, self.plan.ranks
         self.divide_first = compute_dtype == torch.float16  # fp16: the mean before the sum, which cannot overflow
         # The layout takes the groups last first: the no-decay group's biases and LayerNorms (every layer's, the

@@ -20,11 +20,11 @@ into place, after the warm-up (`bert.train.warmup`): all of it before run_start.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 
 import torch
+
+from bert.data.format import atomic_output
 
 KINDS = ("inductor", "aot_autograd", "autotune")  # the artifact kinds counted in the report lines
 
@@ -62,14 +62,10 @@ def save_compile_cache(path: str) -> str:
         return (f"compile cache: nothing to write (nothing cacheable was compiled, or torch could not serialize it: "
                 f"see its warning above); {path} left as it was")
     data, info = saved
-    file = Path(path)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, file)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as tmp:
+            tmp.write_bytes(data)
     except OSError as e:  # only rank 0 writes: raising here would leave the others waiting at run_start
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         return f"compile cache: cannot write {path} ({e.strerror or e}); the run goes on, the next one compiles again"
     return f"compile cache: wrote {_counts(info)} ({len(data):,} bytes) to {path}"

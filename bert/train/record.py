@@ -30,6 +30,12 @@ def _nccl_version() -> str | None:
         return None
 
 
+def shard_plan(optimizer: torch.optim.Optimizer) -> str | None:
+    """The sharded masters' collectives and how many slices a block is cut into (OPTIMIZER_SHARD_PLAN)."""
+    plan = getattr(optimizer, "plan", None)
+    return f"{type(plan).__qualname__}, {plan.owners} owners" if plan is not None else None
+
+
 def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
     cfg, env = run.cfg, run.env
     optimizer, update = type(run.optimizer), type(getattr(run.optimizer, "inner", run.optimizer))
@@ -40,9 +46,7 @@ def resolved_record(run: Run, device: torch.device) -> dict[str, Any]:
             "attention_backend": resolve_backend(cfg.model.attention, device),
             "optimizer_class": f"{optimizer.__module__}.{optimizer.__qualname__}",
             "update_class": f"{update.__module__}.{update.__qualname__}",  # inside a sharded/master-weight optimizer
-            # the sharded masters' collectives and how many slices a block is cut into (OPTIMIZER_SHARD_PLAN)
-            "shard_plan": (f"{type(plan).__qualname__}, {plan.owners} owners" if (plan := getattr(run.optimizer, "plan",
-                                                                                                  None)) else None),
+            "shard_plan": shard_plan(run.optimizer),
             "weight_dtype": str(weights.dtype).removeprefix("torch."),  # the model's (bf16/fp16 with master weights)
             "master_weights": cfg.optim.master_weights,
             "autocast": autocast_dtype(cfg.model.precision, cfg.optim.master_weights) is not None,
