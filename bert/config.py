@@ -141,6 +141,10 @@ class OptimConfig:
                                     "(2d, [004] §3.3), or inside the node then an allreduce across (node, NVIDIA's "
                                     "DistributedFusedLAMB); nodes of GRAD_REDUCE_NODE_SIZE; bert.dist.shard_plan",
                                     env="OPTIMIZER_SHARD_PLAN", registry="bert.dist.shard_plan:SHARD_PLANS")
+    optimizer_shard_gather: str = opt("step", "where the sharded masters' all-gather of the updated weights is "
+                                      "waited for: at the end of the step, or block by block in the next forward, "
+                                      "which it then overlaps (TPU [004] §3.2; bert.optim.gather_ahead)",
+                                      env="OPTIMIZER_SHARD_GATHER", registry="bert.optim.sharded_master:SHARD_GATHERS")
     compile_optimizer: bool = opt(False, "compile the optimizer step (MASTER_WEIGHTS=1: the update over the "
                                   "fp32 masters) with COMPILE's backend, no CUDA graphs; bert.optim.compiled",
                                   env="COMPILE_OPTIMIZER")
@@ -300,6 +304,10 @@ class TrainConfig:
         if optim.optimizer_shard_plan != "flat" and not (optim.master_weights and optim.optimizer_sharding):
             raise ConfigError("optimizer_shard_plan", "OPTIMIZER_SHARD_PLAN", optim.optimizer_shard_plan,
                               "needs OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1 (the sharded masters' collectives)")
+        if optim.optimizer_shard_gather != "step" and optim.optimizer_shard_blocks == 1:
+            raise ConfigError("optimizer_shard_gather", "OPTIMIZER_SHARD_GATHER", optim.optimizer_shard_gather,
+                              "needs OPTIMIZER_SHARD_BLOCKS > 1 (with one block the first layer waits for the whole "
+                              "all-gather), and so OPTIMIZER_SHARDING=1 and MASTER_WEIGHTS=1")
         if optim.optimizer_shard_blocks > 1 and (optim.grad_clip not in ("after", "none")
                                                  or self.dist.grad_buckets != "ddp"):
             raise ConfigError("optimizer_shard_blocks", "OPTIMIZER_SHARD_BLOCKS", optim.optimizer_shard_blocks,

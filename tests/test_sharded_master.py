@@ -549,14 +549,16 @@ def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
     """2 ranks under torchrun, the reduce-scatters in 2 blocks started from the backward: 3 steps, a checkpoint
     (moments and masters gathered), --resume for 3 more == 6 steps in one go, every loss and the saved fp32
     weights. The split run takes OPTIMIZER_SHARD_PLAN=2d over nodes of one rank (the network reduce-scatter alone:
-    the same sums of two values, the same owners), so it must match the flat one bit for bit, and records its plan."""
+    the same sums of two values, the same owners) and waits for the all-gathers in the next forward
+    (OPTIMIZER_SHARD_GATHER=forward, its checkpoint after them), so it must match the flat one bit for bit, and
+    records its plan."""
     from safetensors.torch import load_file
 
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(ROOT / "data/make_synthetic_dataset.py"), "--out", str(data),
                     "--train-samples", "256", "--eval-samples", "64"], check=True, capture_output=True)
     whole, split = tmp_path / "whole", tmp_path / "split"
-    plan = ("--optimizer_shard_plan", "2d", "--grad_reduce_node_size", "1")
+    plan = ("--optimizer_shard_plan", "2d", "--grad_reduce_node_size", "1", "--optimizer_shard_gather", "forward")
     jobs = [driver(data, whole), driver(data, split, "--steps_this_job", "3", *plan)]
     (rc_whole, log_whole), (rc_first, log_first) = map(finish, jobs)
     assert rc_whole == 1, log_whole[-3000:]  # max_steps before the target: aborted
@@ -564,8 +566,9 @@ def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
     rc_second, log_second = finish(driver(data, split, "--resume", "1", *plan))
     assert rc_second == 1, log_second[-3000:]
     assert len(losses(whole)) == 6 and losses(split) == losses(whole)
-    plans = [json.loads((out / "config.json").read_text())["resolved"]["shard_plan"] for out in (whole, split)]
-    assert plans == ["FlatPlan, 2 owners", "TwoDPlan, 2 owners"]
+    records = [json.loads((out / "config.json").read_text()) for out in (whole, split)]
+    assert [r["resolved"]["shard_plan"] for r in records] == ["FlatPlan, 2 owners", "TwoDPlan, 2 owners"]
+    assert [r["config"]["optim"]["optimizer_shard_gather"] for r in records] == ["step", "forward"]
     a = load_file(whole / "checkpoints" / "step_00000006" / "model.safetensors")
     b = load_file(split / "checkpoints" / "step_00000006" / "model.safetensors")
     assert {t.dtype for t in a.values()} == {torch.float32}

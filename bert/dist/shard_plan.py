@@ -39,6 +39,14 @@ from bert.dist.flat_collectives import all_gather_single, reduce_scatter_single
 from bert.dist.hierarchical import Pending, node_groups, own_subgroup
 
 
+def gather_owned(block: Tensor, owners: int, owner: int, group: dist.ProcessGroup | None, async_op: bool
+                 ) -> Pending | None:
+    """In place over `group`: slice `owner` of `owners` equal slices of `block`, from each member to every member."""
+    n = block.numel() // owners
+    work = all_gather_single(block, block[owner * n:(owner + 1) * n], group=group, async_op=async_op)
+    return Pending([work]) if async_op else None
+
+
 class FlatPlan:
     """One reduce-scatter over `group` (None: every rank), one all-gather back ([004] §3.2)."""
 
@@ -57,10 +65,9 @@ class FlatPlan:
         work = reduce_scatter_single(out, block, group=self.group, async_op=async_op)
         return Pending([work]) if async_op else None
 
-    def all_gather(self, block: Tensor) -> None:
-        """In place: every owner's slice of `block` to every rank."""
-        n = block.numel() // self.owners
-        all_gather_single(block, block[self.owner * n:(self.owner + 1) * n], group=self.group)
+    def all_gather(self, block: Tensor, async_op: bool = False) -> Pending | None:
+        """In place: every owner's slice of `block` to every rank; waited on by `.wait()` if async."""
+        return gather_owned(block, self.owners, self.owner, self.group, async_op)
 
 
 class _NodePlans:
@@ -113,11 +120,12 @@ class TwoDPlan(_NodePlans):
                            lambda a: reduce_scatter_single(out, middle, group=self.net_group, async_op=a),  # 1/G
                            block, async_op)
 
-    def all_gather(self, block: Tensor) -> None:
+    def all_gather(self, block: Tensor, async_op: bool = False) -> Pending | None:
         n = block.numel() // self.owners
         share = block[self.local * self.nodes * n:(self.local + 1) * self.nodes * n]  # local rank l's R slices
-        all_gather_single(share, block[self.owner * n:(self.owner + 1) * n], group=self.net_group)
-        all_gather_single(block, share, group=self.node_group)
+        return self._chain(lambda a: gather_owned(share, self.nodes, self.node, self.net_group, a),
+                           lambda a: gather_owned(block, self.size, self.local, self.node_group, a),
+                           block, async_op)
 
 
 class NodePlan(_NodePlans):
@@ -137,9 +145,8 @@ class NodePlan(_NodePlans):
                            lambda a: dist.all_reduce(out, group=self.net_group, async_op=a),  # every node's sum
                            block, async_op)
 
-    def all_gather(self, block: Tensor) -> None:
-        n = block.numel() // self.owners
-        all_gather_single(block, block[self.owner * n:(self.owner + 1) * n], group=self.node_group)
+    def all_gather(self, block: Tensor, async_op: bool = False) -> Pending | None:
+        return gather_owned(block, self.owners, self.owner, self.node_group, async_op)
 
 
 ShardPlan = FlatPlan | TwoDPlan | NodePlan

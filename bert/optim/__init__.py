@@ -91,7 +91,7 @@ def _build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dt
 
         return ShardedMasters(groups, compute_dtype, lr, (cfg.opt_lamb_beta_1, cfg.opt_lamb_beta_2), cfg.opt_epsilon,
                               cfg.max_grad_norm if cfg.grad_clip == "after" else None,
-                              blocks=cfg.optimizer_shard_blocks, plan=plan)
+                              blocks=cfg.optimizer_shard_blocks, plan=plan, gather=cfg.optimizer_shard_gather)
     if cfg.optimizer_sharding:
         from bert.optim.sharded import build_sharded  # needs torch.distributed initialised
 

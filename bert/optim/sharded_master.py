@@ -76,6 +76,7 @@ from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb
 from bert.optim.master import COMPUTE_DTYPES, data_swapped
 
 Groups = list[dict]
+SHARD_GATHERS = ("step", "forward")  # OPTIMIZER_SHARD_GATHER: where the updated weights' all-gather is waited for
 
 
 def rows_below(x: int, starts: list[int], rows: int) -> int:
@@ -117,14 +118,16 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def __init__(self, groups: Groups, compute_dtype: torch.dtype, lr: Tensor | float,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, clip_after: float | None = None,
-                 chunk: int = CHUNK, blocks: int = 1, plan: ShardPlan | None = None):
+                 chunk: int = CHUNK, blocks: int = 1, plan: ShardPlan | None = None, gather: str = "step"):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"sharded master weights need a bf16 or fp16 model, got {compute_dtype}")
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.params or any(p.dtype != torch.float32 for p in self.params):
             raise ValueError("sharded master weights are copied from fp32 parameters: build the optimizer before "
                              "the model is cast")
-        self.clip_after, self.blocks = clip_after, blocks
+        if gather not in SHARD_GATHERS:
+            raise ValueError(f"gather={gather!r} is not one of {', '.join(SHARD_GATHERS)}")
+        self.clip_after, self.blocks, self.gather = clip_after, blocks, gather
         # who owns which slice, and the collectives that bring it there (OPTIMIZER_SHARD_PLAN; None: flat, every rank)
         self.plan = plan if plan is not None else FlatPlan()
         self.owners, self.owner, self.ranks = self.plan.owners, self.plan.owner, self.plan.ranks
@@ -168,6 +171,7 @@ class ShardedMasters(torch.optim.Optimizer):
         self.waiting = [sum(b in bs for bs in self.blocks_of) for b in range(blocks)]
         self.filled = [b for b in range(blocks) if self.waiting[b]]
         self.works: dict[int, Pending] = {}  # the reduce-scatters the backward started (`attach`)
+        self.gathers: dict[int, Pending] = {}  # the all-gathers `step` left to the next forward (gather="forward")
         self.stepped = False  # Lamb has no state before its first step; nor does this
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
 
@@ -279,6 +283,7 @@ class ShardedMasters(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # fp16 only: set by AgreedGradScaler.step, every rank's
         if not check_every_gradient(self.params, "the sharded masters (OPTIMIZER_SHARDING=1) need them all"):
             return
+        self.wait_gathered()  # a forward waits for them all; without one (two steps in a row), here
         started = [self.works.pop(b, None) for b in self.filled]
         if all(w is not None for w in started):  # from the backward (`attach`)
             for work in started:
@@ -305,8 +310,21 @@ class ShardedMasters(torch.optim.Optimizer):
                 lamb_rows(p, g, m, v, t, group, part, found_inf, self._norms)
         self.stepped = True
         self._mine(self.low).copy_(self.masters.view(self.blocks, self.rows, -1))
-        for b in range(self.blocks):  # in place: this rank's slice of each block is the input
-            self.plan.all_gather(self._block(self.low, b))
+        # In place, this rank's slice of each block the input; in the model's order, as the next forward reads them.
+        # "forward": left in flight, each waited for by the first module of the next forward that reads its block.
+        ahead = self.gather == "forward"
+        for b in range(self.blocks):
+            work = self.plan.all_gather(self._block(self.low, b), async_op=ahead)
+            if ahead:
+                self.gathers[b] = work
+
+    def wait_gathered(self, blocks: Iterable[int] | None = None) -> None:
+        """Wait for the all-gathers of `blocks` (None: every block) that `step` left in flight (gather="forward"):
+        on a GPU the caller's stream waits, on the CPU (gloo) the host."""
+        for b in sorted(self.gathers) if blocks is None else blocks:
+            work = self.gathers.pop(b, None)
+            if work is not None:
+                work.wait()
 
     # -- whole checkpoints
     def _gathered(self, shard: Tensor) -> list[Tensor]:
@@ -361,6 +379,7 @@ class ShardedMasters(torch.optim.Optimizer):
         """Inside, each parameter's data is its whole fp32 master (all-gathered: every rank must enter), so saving
         the model saves the masters and loading it writes them. On exit each rank keeps its rows as its masters and
         the model's weights are refreshed from them."""
+        self.wait_gathered()  # the model's weights are written below
         whole = self._gathered(self.masters)
         with torch.no_grad():
             try:

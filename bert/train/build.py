@@ -28,6 +28,7 @@ from bert.model.init_checkpoint import load_init_checkpoint
 from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
 from bert.optim.compiled import compile_step
+from bert.optim.gather_ahead import gather_in_forward
 from bert.optim.sharded import local_only
 from bert.optim.sharded_master import AgreedGradScaler
 from bert.static_shapes import eval_token_bucket
@@ -101,6 +102,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
     ddp = apply_ddp(model, cfg.dist)
     if hasattr(optimizer, "attach"):  # the sharded masters start their reduce-scatters from DDP's backward
         optimizer.attach(ddp)
+    if cfg.optim.optimizer_shard_gather == "forward":  # and the next forward waits for their all-gathers
+        gather_in_forward(model, optimizer)
     clipper = install_clipping(ddp, hook_clip_mode(cfg.optim), cfg.optim.max_grad_norm, scaler,
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env),
                                mean_at=mean_placement(cfg.model.precision, sharded))

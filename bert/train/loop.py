@@ -22,6 +22,7 @@ from bert.dist.clip import Clipper
 from bert.dist.env import DistEnv
 from bert.model.fp8_delayed import AmaxState
 from bert.optim import WarmupPolyDecay
+from bert.optim.gather_ahead import settle
 from bert.train.checkpoint import save_checkpoint
 from bert.train.evaluate import EvalSchedule, evaluate
 from bert.train.faults import StopAgreement, check_finite, mean_over_ranks
@@ -168,5 +169,6 @@ def train(run: Run) -> str:
         if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
             run.checkpoint()
     run.stop.drain()
+    settle(run.optimizer)  # OPTIMIZER_SHARD_GATHER=forward: the last step's all-gathers, which no forward waited for
     run.profiler.close()  # a window the run ended inside
     return status

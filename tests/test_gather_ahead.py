@@ -1,0 +1,191 @@
+"""OPTIMIZER_SHARD_GATHER=forward (bert.optim.gather_ahead) against the step's own all-gather, in 2 gloo processes.
+
+The reference is the same sharded masters with gather="step" (tests/test_sharded_master.py checks those against
+the unsharded update): waiting for the all-gather later changes no value, so every loss and weight must be equal,
+bit for bit. gloo's all-gather of a few hundred kB may well be over before the forward reads its block, so a missing
+wait could go unseen; the plan here (`DeferredPlan`) therefore moves nothing until its all-gather is waited for. A
+unit that reads its weights without waiting reads other ranks' rows of the step before: the run without the hooks
+shows that this changes the losses.
+
+A tiny BERT of 3 layers in 3 blocks of the flat layout (rows of 2,048 elements), 2 ranks, 4 steps through DDP with
+the reduce-scatters started from the backward, an eval forward between steps; eager, and compiled as one graph and
+per layer (dynamo calls the waits between the units, in order).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bert.config import ConfigError, from_env_and_args
+from bert.dist.clip import install_clipping
+from bert.dist.hierarchical import Pending
+from bert.dist.reduce import mean_placement
+from bert.dist.shard_plan import FlatPlan
+from bert.model import BertConfig, BertForPreTraining
+from bert.model.compile import compile_model
+from bert.optim.gather_ahead import forward_units, gather_in_forward, settle, unit_blocks
+from bert.optim.master import fp32_weights
+from bert.optim.param_groups import decay_groups
+from bert.optim.sharded import local_only
+from bert.optim.sharded_master import ShardedMasters
+from bert.synthetic import random_batch
+
+WORLD, BLOCKS, STEPS = 2, 3, 4
+VOCAB = 1998
+
+
+def small_model() -> BertForPreTraining:
+    torch.manual_seed(0)
+    cfg = replace(BertConfig.load("tiny"), vocab_size=2000, real_vocab_size=VOCAB, num_hidden_layers=3)
+    return BertForPreTraining(cfg.with_dropout(0.0), attention="padded")
+
+
+class DeferredPlan(FlatPlan):
+    """FlatPlan whose async all-gathers move nothing until waited for; `events` records when each block arrives."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events, self.issued = events, 0
+
+    def all_gather(self, block: torch.Tensor, async_op: bool = False) -> Pending | None:
+        if not async_op:
+            return super().all_gather(block)
+        b, self.issued = self.issued % BLOCKS, self.issued + 1  # `step` issues blocks 0..B-1 in order
+
+        def arrive() -> None:
+            super(DeferredPlan, self).all_gather(block)
+            self.events.append(("gathered", b))
+
+        return Pending([], then=arrive)
+
+
+def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) -> dict:
+    model, events = small_model(), []
+    opt = ShardedMasters(decay_groups(model, 0.01), torch.bfloat16, torch.tensor(2e-3), blocks=BLOCKS,
+                         plan=DeferredPlan(events), gather=gather)
+    ddp = DDP(model)
+    opt.attach(ddp)
+    clipper = install_clipping(ddp, "none", 1.0, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
+    if hooks and gather == "forward":
+        gather_in_forward(model, opt)
+    if scope is not None:
+        compile_model(model, "debug", torch.device("cpu"), scope)
+    units = forward_units(model)
+    for i, unit in enumerate(units):  # after the waits, which were registered first
+        unit.register_forward_pre_hook(lambda m, a, i=i: events.append(("unit", i)))
+    losses, pending = [], []
+    for step in range(STEPS):
+        events.clear()
+        batch = random_batch((37, 5, 128, 2 + step), seed=10 * rank + step, vocab_size=VOCAB)
+        loss = ddp(batch).loss
+        (loss * clipper.loss_factor).backward()
+        opt.step()
+        pending.append(len(opt.gathers))
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+        if step == 1:  # an evaluation between two steps reads the weights through the same hooks
+            model.eval()
+            with torch.no_grad():
+                losses.append(model(random_batch((20, 64), seed=99, vocab_size=VOCAB)).loss.float())
+            model.train()
+    first_forward = list(events)  # the last step's training forward (events since its start)
+    settle(opt)
+    low = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with fp32_weights(opt):
+        masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": torch.stack(losses), "low": low, "masters": masters, "pending": pending,
+            "events": first_forward, "unit_blocks": unit_blocks(units, opt), "left": len(opt.gathers)}
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    result = {"step": train(rank, "step"), "forward": train(rank, "forward"),
+              "unhooked": train(rank, "forward", hooks=False),
+              "compiled": {scope: train(rank, "forward", scope=scope) for scope in ("model", "layers")}}
+    torch.save(result, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("gather_ahead")
+    mp.spawn(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
+    return [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(WORLD)]
+
+
+def equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[n], b[n]) for n in b)
+
+
+@pytest.mark.slow
+def test_waiting_in_the_forward_changes_no_value(results):
+    for r in results:
+        want = r["step"]
+        for got in (r["forward"], *r["compiled"].values()):
+            assert torch.equal(got["losses"], want["losses"])
+            assert equal(got["low"], want["low"]) and equal(got["masters"], want["masters"])
+    assert equal(results[0]["forward"]["low"], results[1]["forward"]["low"])  # every rank's model whole
+
+
+@pytest.mark.slow
+def test_without_the_waits_the_forward_reads_stale_rows(results):
+    for r in results:
+        assert not torch.equal(r["unhooked"]["losses"], r["step"]["losses"])
+
+
+@pytest.mark.slow
+def test_each_unit_waits_for_its_blocks_and_the_last_arrive_after_the_first_units_ran(results):
+    for r in results:
+        assert r["step"]["pending"] == [0] * STEPS
+        for run in (r["forward"], *r["compiled"].values()):
+            assert run["pending"] == [BLOCKS] * STEPS and run["left"] == 0
+            events, needs = run["events"], run["unit_blocks"]
+            assert sorted(e[1] for e in events if e[0] == "gathered") == list(range(BLOCKS))
+            for at, (kind, i) in enumerate(events):
+                if kind == "unit":  # every block the unit reads arrived before it ran
+                    assert set(needs[i]) <= {b for k, b in events[:at] if k == "gathered"}, (i, events)
+            assert events.index(("gathered", BLOCKS - 1)) > events.index(("unit", 0))  # overlap: not all up front
+        assert r["unhooked"]["events"][:1] != [("gathered", 0)]  # the control: nothing arrived before the forward
+
+
+def test_every_parameter_lies_in_a_unit():
+    model = small_model()
+    params = list(model.parameters())
+    fake = types.SimpleNamespace(params=params, blocks_of=[range(i % 3, i % 3 + 1) for i in range(len(params))])
+    blocks = unit_blocks(forward_units(model), fake)
+    assert blocks[0] == [0, 1, 2] and all(blocks)  # the embeddings' parameters lie in every block here
+    model.extra = nn.Parameter(torch.zeros(3))  # read by no unit
+    fake.params = list(model.parameters())
+    fake.blocks_of.append(range(0, 1))
+    with pytest.raises(ValueError, match="1 parameters lie in no forward unit"):
+        unit_blocks(forward_units(model), fake)
+
+
+SHARDED = {"DATADIR_PHASE2": "/d", "EVALDIR": "/e", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
+           "MAX_STEPS": "10", "OPTIMIZER_SHARDING": "1", "MASTER_WEIGHTS": "1", "PRECISION": "bf16",
+           "OPTIMIZER_LAYOUT": "flat"}
+
+
+def config(**env: str):
+    return from_env_and_args([], {**SHARDED, **env})
+
+
+def test_the_config_takes_forward_with_blocks_only():
+    forward = config(OPTIMIZER_SHARD_BLOCKS="3", OPTIMIZER_SHARD_GATHER="forward")
+    assert forward.optim.optimizer_shard_gather == "forward"
+    assert config().optim.optimizer_shard_gather == "step"
+    with pytest.raises(ConfigError, match=r"OPTIMIZER_SHARD_GATHER = 'forward' needs OPTIMIZER_SHARD_BLOCKS > 1"):
+        config(OPTIMIZER_SHARD_GATHER="forward")
+    with pytest.raises(ConfigError, match=r"OPTIMIZER_SHARD_GATHER = 'ahead' must be one of step, forward"):
+        config(OPTIMIZER_SHARD_BLOCKS="3", OPTIMIZER_SHARD_GATHER="ahead")
+    with pytest.raises(ConfigError, match="OPTIMIZER_SHARD_BLOCKS"):  # blocks need the sharded masters
+        config(OPTIMIZER_SHARDING="0", OPTIMIZER_SHARD_BLOCKS="3", OPTIMIZER_SHARD_GATHER="forward")
