@@ -9,7 +9,9 @@ shows that this changes the losses.
 
 A tiny BERT of 3 layers in 3 blocks of the flat layout (rows of 2,048 elements), 2 ranks, 4 steps through DDP with
 the reduce-scatters started from the backward, an eval forward between steps; eager, and compiled as one graph and
-per layer (dynamo calls the waits between the units, in order).
+per layer (dynamo calls the waits between the units, in order). Every all-gather is waited for once (by a unit, or
+without the hooks by the next step), and a checkpoint's load between a step and the next forward is not overwritten
+by the step's all-gathers landing after it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class DeferredPlan(FlatPlan):
 
     def __init__(self, events: list):
         super().__init__()
-        self.events, self.issued = events, 0
+        self.events, self.issued, self.arrived = events, 0, 0
 
     def all_gather(self, block: torch.Tensor, async_op: bool = False) -> Pending | None:
         if not async_op:
@@ -63,14 +65,20 @@ class DeferredPlan(FlatPlan):
         def arrive() -> None:
             super(DeferredPlan, self).all_gather(block)
             self.events.append(("gathered", b))
+            self.arrived += 1
 
         return Pending([], then=arrive)
 
 
+def build(gather: str, events: list) -> tuple[BertForPreTraining, ShardedMasters]:
+    model = small_model()
+    return model, ShardedMasters(decay_groups(model, 0.01), torch.bfloat16, torch.tensor(2e-3), blocks=BLOCKS,
+                                 plan=DeferredPlan(events), gather=gather)
+
+
 def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) -> dict:
-    model, events = small_model(), []
-    opt = ShardedMasters(decay_groups(model, 0.01), torch.bfloat16, torch.tensor(2e-3), blocks=BLOCKS,
-                         plan=DeferredPlan(events), gather=gather)
+    events = []
+    model, opt = build(gather, events)
     ddp = DDP(model)
     opt.attach(ddp)
     clipper = install_clipping(ddp, "none", 1.0, None, reduce=local_only(), mean_at=mean_placement("bf16", True))
@@ -102,7 +110,23 @@ def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) 
     with fp32_weights(opt):
         masters = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": torch.stack(losses), "low": low, "masters": masters, "pending": pending,
-            "events": first_forward, "unit_blocks": unit_blocks(units, opt), "left": len(opt.gathers)}
+            "events": first_forward, "unit_blocks": unit_blocks(units, opt), "left": len(opt.gathers),
+            "issued": opt.plan.issued, "arrived": opt.plan.arrived}
+
+
+def load_while_gathering(rank: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's load (`masters_in_model`) between a step and the next forward: the step's all-gathers must be
+    waited for before it, or they land after it, over the loaded weights."""
+    model, opt = build("forward", [])
+    gather_in_forward(model, opt)
+    batch = random_batch((37, 5), seed=rank, vocab_size=VOCAB)
+    model(batch).loss.backward()
+    opt.step()
+    with fp32_weights(opt):
+        for p in model.parameters():
+            p.copy_(torch.full_like(p, 0.375))
+    model(batch)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def worker(rank: int, store: str, out: str) -> None:
@@ -110,7 +134,8 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     result = {"step": train(rank, "step"), "forward": train(rank, "forward"),
               "unhooked": train(rank, "forward", hooks=False),
-              "compiled": {scope: train(rank, "forward", scope=scope) for scope in ("model", "layers")}}
+              "compiled": {scope: train(rank, "forward", scope=scope) for scope in ("model", "layers")},
+              "loaded": load_while_gathering(rank)}
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -137,6 +162,12 @@ def test_waiting_in_the_forward_changes_no_value(results):
 
 
 @pytest.mark.slow
+def test_a_load_between_the_step_and_the_forward_is_not_overwritten_by_the_gathers(results):
+    for r in results:
+        assert all(torch.equal(w, torch.full_like(w, 0.375)) for w in r["loaded"].values())
+
+
+@pytest.mark.slow
 def test_without_the_waits_the_forward_reads_stale_rows(results):
     for r in results:
         assert not torch.equal(r["unhooked"]["losses"], r["step"]["losses"])
@@ -146,6 +177,8 @@ def test_without_the_waits_the_forward_reads_stale_rows(results):
 def test_each_unit_waits_for_its_blocks_and_the_last_arrive_after_the_first_units_ran(results):
     for r in results:
         assert r["step"]["pending"] == [0] * STEPS
+        for run in (r["forward"], *r["compiled"].values(), r["unhooked"]):
+            assert run["issued"] == run["arrived"] == BLOCKS * STEPS  # each waited for once: by a unit or the step
         for run in (r["forward"], *r["compiled"].values()):
             assert run["pending"] == [BLOCKS] * STEPS and run["left"] == 0
             events, needs = run["events"], run["unit_blocks"]

@@ -14,7 +14,8 @@ and 1/N of the fp32 masters and of LAMB's moments. Per step:
      shard boundary needs ||p|| and ||u|| whole: every rank sums its rows per tensor (float64) and one allreduce of
      those 2T partial sums (T tensors with weight decay) completes them;
   5. the rank's masters are rounded into its rows of the model's flat weight buffer, which is then all-gathered in
-     place: every rank's model is whole again, in the same bits.
+     place: every rank's model is whole again, in the same bits. Waited for here (gather="step"), or left in flight
+     for the next forward to wait for block by block (gather="forward", bert.optim.gather_ahead).
 
 Steps 2 and 5 are one reduce-scatter and one all-gather over every rank as written above (OPTIMIZER_SHARD_PLAN=flat,
 the default); `bert.dist.shard_plan` also runs them node by node ([004] §3.3's two-dimensional summation, `2d`) or
