@@ -1,4 +1,5 @@
-"""COMPILE (bert.model.compile) and the compile warm-up before run_start (bert.train.warmup).
+"""COMPILE (bert.model.compile) and the compile warm-up's own batches (bert.train.warmup; through the driver:
+tests/test_compile_warmup.py).
 
 The compiled model is checked against the eager one on several token counts with one captured graph
 (dynamic over T). The CI uses COMPILE=debug (dynamo + AOT autograd, run eagerly): inductor's CPU code
@@ -7,9 +8,7 @@ same check with inductor.
 """
 
 import importlib.util
-import json
 import os
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.compile import COMPILE_MODES, _cxx_compiler, check_compile, compile_model
 from bert.model.cudnn_varlen import backward_is_fixed
 from bert.synthetic import random_batch
-from bert.train.warmup import eval_warmup_batches, warm_up, warmup_batch, warmup_batches
+from bert.train.warmup import warm_up, warmup_batch
 
 CPU = torch.device("cpu")
 LENGTH_SETS = [(37, 5, 128, 2), (64, 9, 33, 100), (12, 300, 7, 40)]  # same B, different T and M
@@ -268,172 +267,6 @@ def test_inductor_compiled_equals_eager_on_every_token_count():
     compiled_equals_eager("default", atol=1e-5)
 
 
-@pytest.mark.slow
-def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, synthetic_data):
-    """One rank, COMPILE=debug and STATIC_TOKENS=128: the compile time is printed and logged inside the
-    untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log. With
-    COMPILE_CACHE the file is read before the warm-up compiles and written after it (tests/test_compile_cache.py:
-    COMPILE=debug runs its graphs eagerly, so there is nothing to write)."""
-    from test_train import PY, ROOT, checker, common_args, free_port, mllog
-
-    out = tmp_path / "run"
-    args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,
-                       eval_iter_samples=32, num_eval_examples=32, eval_batch_size=32, compile="debug",
-                       static_tokens=128, skip_checkpoint=1, compile_cache=tmp_path / "cache.bin")
-    run = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                          str(free_port()), str(ROOT / "run_pretraining.py"), *args],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: max_steps before the target (aborted)
-    assert run.stdout.count("compile: COMPILE=debug: first forward+backward took") == 1
-    order = [run.stdout.index(line) for line in ("compile cache: " + str(tmp_path / "cache.bin") + " does not exist",
-                                                 "compile: COMPILE=debug", "compile cache: nothing to write")]
-    assert order == sorted(order) and not (tmp_path / "cache.bin").exists()
-    keys = [e["key"] for e in mllog(out / "result_0.txt")]
-    assert keys.index("init_start") < keys.index("model_compile_seconds") < keys.index("init_stop")
-    assert "eval_accuracy" in keys and "run_stop" in keys
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r for r in records if "compiled_after_run_start" in r] == [{"compiled_after_run_start": {}}]
-    cc = checker(out / "result_0.txt", tmp_path)
-    assert cc.returncode == 0, cc.stdout + cc.stderr
-
-
-def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(world_of_one, tmp_path, monkeypatch):
-    """The driver's build and compile warm-up (COMPILE=debug; 10 eval examples in batches of 4: sizes 4, 4, 2) read
-    no sample: the rules' clock starts before any part of the system touches the dataset (bert.data.eval_set).
-    After run_start the first evaluation reads the eval set once and compiles nothing (before the eval warm-up it
-    compiled the whole forward again: grad mode and the training flag are guarded), and neither does a training
-    step or a second evaluation."""
-    from script_modules import load_script
-    from torch._dynamo.utils import counters
-
-    from bert.data.reader import SampleReader
-    from bert.train.evaluate import evaluate
-    from bert.train.loop import train_step
-    from bert.train.mlperf_log import MLPerfLog
-    from bert.train.warmup import compile_before_run
-
-    hs = load_script("bench/host_syncs.py")
-    data = hs.write_random_shards(tmp_path / "data", eval_samples=10)
-    reads: list[int] = []
-    read = SampleReader.read
-    monkeypatch.setattr(SampleReader, "read", lambda self, ids: reads.append(len(ids)) or read(self, ids))
-    torch._dynamo.reset()
-    settings = dict(compile="debug", num_eval_examples=10, eval_iter_start_samples=16)  # an eval within 4 steps
-    run = hs.build(hs.config(data, tmp_path / "out", settings, max_steps=4))
-    assert run.eval_set.batch_sizes == [4, 4, 2] and run.eval_samples == 10
-    compile_before_run(run, MLPerfLog("", enabled=False), CPU)
-    assert reads == [] and not run.eval_set.loaded
-    graphs = counters["stats"]["unique_graphs"]
-    evaluate(run.ddp.module, run.eval_set, run.autocast())
-    assert sorted(reads) == [2, 4, 4] and counters["stats"]["unique_graphs"] == graphs
-    try:
-        train_step(run, iter(run.loader))
-    finally:
-        run.loader.close()  # its thread read the training batches
-    before = len(reads)
-    evaluate(run.ddp.module, run.eval_set, run.autocast())
-    assert len(reads) == before  # kept from the first evaluation
-    assert counters["stats"]["unique_graphs"] == graphs
-
-
-def test_cuda_graph_warm_up_runs_one_batch_per_likely_token_bucket():
-    """Under a CUDA-graph COMPILE mode with STATIC_TOKENS the warm-up covers every bucket `likely_token_buckets`
-    names (each then recorded before run_start); other modes warm up on one batch."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from bert.config import from_flat
-    from bert.lengths import WIKI_PHASE2
-    from bert.static_shapes import likely_token_buckets
-
-    lengths = WIKI_PHASE2.sample(20_000, np.random.default_rng(0))
-    module = SimpleNamespace(config=BertConfig.load("tiny"))
-
-    def batches(compile_mode: str, static: int) -> list:
-        cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=16, bert_config_path="tiny", max_steps=10,
-                        learning_rate=1e-3, compile=compile_mode, static_tokens=static)
-        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), loader=SimpleNamespace(
-            sample_lengths=lengths))
-        return warmup_batches(run, CPU)
-
-    graphs = batches("reduce-overhead", 512)
-    assert [b.num_tokens for b in graphs] == likely_token_buckets(lengths, 16, 512) and len(graphs) > 3
-    assert all(b.num_sequences == 17 for b in graphs)
-    assert len(batches("default", 512)) == 1 and len(batches("reduce-overhead", 0)) == 1
-
-
-def test_cuda_graph_warm_up_runs_every_padded_eval_shape(tmp_path):
-    """With STATIC_TOKENS the eval batches are padded like the training batches, and under a CUDA-graph COMPILE mode
-    the eval warm-up's synthetic batches take exactly their shapes (tokens, masked rows, sequences, max_seqlen),
-    known from the length index before a sample is read: the first evaluation records no graph. Other modes: one
-    batch per eval batch size, with the padding sequence the eval batches have. The eval's bucket is its own
-    (STATIC_TOKENS capped at one sequence, as the driver builds the eval set), not the training batches'."""
-    from types import SimpleNamespace
-
-    from script_modules import load_script
-
-    from bert.config import from_flat
-    from bert.data.eval_set import EvalSet
-    from bert.static_shapes import eval_token_bucket
-    from bert.train.loop import TrainState
-
-    data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=60)
-    module = SimpleNamespace(config=BertConfig.load(str(data / "bert_config.json")))
-
-    def shape(b) -> tuple[int, int, int, int]:
-        return b.num_tokens, b.masked_labels.numel(), b.num_sequences, b.seq.max_seqlen
-
-    def warm(compile_mode: str, static: int = 256) -> tuple[list, EvalSet]:
-        cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
-                        max_steps=10, learning_rate=1e-3, compile=compile_mode, static_tokens=static,
-                        eval_iter_samples=40)
-        evals = EvalSet(data / "eval_varlength", 8, 1, 0, 60, static_tokens=eval_token_bucket(static))
-        run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=module), eval_set=evals, state=TrainState(),
-                              global_batch_size=8)
-        return eval_warmup_batches(run, CPU), evals
-
-    graphs, evals = warm("reduce-overhead")
-    assert not evals.loaded  # the shapes came from the length index
-    real = [shape(b) for b in evals]
-    assert all(t % 256 == 0 for t, *_ in real) and len(set(real)) > 2
-    assert sorted(shape(b) for b in graphs) == sorted(set(real))
-    dynamic, evals = warm("default")
-    assert sorted(b.num_sequences for b in dynamic) == sorted({s for _, _, s, _ in real}) == [5, 9]  # 7 x 8 + 4
-    # STATIC_TOKENS=1024: training batches in 1024-token buckets, the eval's in 512-token ones
-    graphs, evals = warm("reduce-overhead", 1024)
-    real = [shape(b) for b in evals]
-    assert all(t % 512 == 0 for t, *_ in real) and any(t % 1024 for t, *_ in real)
-    assert sorted(shape(b) for b in graphs) == sorted(set(real))
-    dynamic, _ = warm("default", 1024)
-    assert all(b.num_tokens == -(-(sum(b.seq.lengths[:-1]) + 1) // 512) * 512 for b in dynamic)
-
-
-@pytest.mark.parametrize("start, limit, evaluates", [(80, 10**9, True), (88, 10**9, False), (80, 72, False),
-                                                     (0, 10**9, False)])
-def test_a_run_that_cannot_reach_an_evaluation_compiles_no_eval_graph(tmp_path, start, limit, evaluates):
-    """bench/train_gpu.py sets the first evaluation out of reach: its compiled drivers skip the eval warm-up (a whole
-    inference compile). 10 steps of 8 sequences: an evaluation at sample 80 is reached (the loop evaluates before it
-    checks its limits), at 88 not, nor at 80 when MAX_SAMPLES_TERMINATION=72 stops the run at step 9; 0 is the
-    rules' interval for a batch of 8 (over 150,000 samples)."""
-    from types import SimpleNamespace
-
-    from script_modules import load_script
-
-    from bert.config import from_flat
-    from bert.data.eval_set import EvalSet
-    from bert.train.loop import TrainState
-
-    data = load_script("bench/host_syncs.py").write_random_shards(tmp_path, eval_samples=20)
-    cfg = from_flat(input_dir="d", eval_dir="e", train_batch_size=8, eval_batch_size=8, bert_config_path="tiny",
-                    max_steps=10, learning_rate=1e-3, compile="default", eval_iter_start_samples=start,
-                    max_samples_termination=limit)
-    run = SimpleNamespace(cfg=cfg, ddp=SimpleNamespace(module=SimpleNamespace(config=BertConfig.load(
-        str(data / "bert_config.json")))), eval_set=EvalSet(data / "eval_varlength", 8, 1, 0, 20),
-        state=TrainState(), global_batch_size=8)
-    assert bool(eval_warmup_batches(run, CPU)) == evaluates
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name, static", [("default", 0), ("reduce-overhead", 512)])
 @pytest.mark.parametrize("attention", ["varlen", pytest.param("cudnn", marks=pytest.mark.skipif(
@@ -465,68 +298,3 @@ def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-2)
         for g, w, r in zip(got_grads, want_grads, ref_grads):
             assert (g - r).norm() <= 2 * (w - r).norm() + 1e-3 * r.norm() + 1e-6
-
-
-def test_what_compiles_after_run_start_is_reported(tmp_path):
-    """The driver's closing record (bert.train.warmup.CompileWatch): `{}` when the warm-up compiled every graph,
-    the moved counters when a graph compiled inside the timed run, everything when dynamo was first imported after
-    run_start, and no record for a run that compiles nothing (COMPILE=off, COMPILE_OPTIMIZER=0)."""
-    from bert.config import from_flat
-    from bert.train import warmup
-    from bert.train.progress import Progress
-
-    def records(compile: str = "debug", dynamo_at_start: bool = True, during=None) -> list[dict]:
-        progress = Progress(tmp_path, enabled=True)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=True)
-        f(torch.ones(3))
-        with pytest.MonkeyPatch.context() as mp:
-            if not dynamo_at_start:
-                mp.setattr(warmup, "compile_counters", lambda: None)
-            watch = warmup.CompileWatch(from_flat(bert_config_path="tiny", compile=compile))
-        f(torch.ones(5))  # the same graph
-        if during is not None:
-            torch.compile(during, backend="eager")(torch.ones(4))
-        watch.report(progress)
-        progress.close()
-        return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-
-    assert records() == [{"compiled_after_run_start": {}}]
-    moved = records(during=lambda x: x.sin())[0]["compiled_after_run_start"]
-    assert moved["stats"]["unique_graphs"] == 1
-    assert records(dynamo_at_start=False)[0]["compiled_after_run_start"]["stats"]["unique_graphs"] == 1
-    assert records(compile="off", during=lambda x: x.cos()) == []
-
-
-def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant():
-    """A warm-up batch with as many masked rows as the hidden size made the heads' graph static in the masked count:
-    the first training step after run_start compiled it again (seen on the CPU, COMPILE=default, SEED=20504). The
-    warm-up draws again when a size coincides with the model's dimensions (`model_sizes`) or another size."""
-    from test_last_layer import CFG
-
-    from bert.train.warmup import coincides, model_sizes
-
-    avoid = model_sizes(CFG)
-    assert {CFG.hidden_size, CFG.intermediate_size, CFG.vocab_size, 8} <= avoid  # 8: the head size
-    seed = 21  # its first draw: 4 sequences, 32 masked rows, CFG's hidden size
-    plain = warmup_batch(4, 100, CPU, CFG.real_vocab_size, seed=seed)
-    assert plain.masked_positions.numel() == CFG.hidden_size and coincides(plain, avoid)
-    chosen = warmup_batch(4, 100, CPU, CFG.real_vocab_size, seed=seed, avoid=avoid)
-    assert not coincides(chosen, avoid) and chosen.num_sequences == 4
-    later = random_batch((30, 70, 55, 90), seed=5, vocab_size=CFG.real_vocab_size)
-    assert not coincides(later, avoid)
-
-    def graphs_after_a_training_step(warm) -> int:
-        torch.manual_seed(0)
-        model = BertForPreTraining(CFG, attention="loop")
-        compile_model(model, "debug", CPU)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model(later).loss.backward()
-        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-
-    assert graphs_after_a_training_step(plain) == 1  # the heads' graph, again, as in the timed run
-    assert graphs_after_a_training_step(chosen) == 0

@@ -51,7 +51,8 @@ def small_model() -> BertForPreTraining:
 
 
 class DeferredPlan(FlatPlan):
-    """FlatPlan whose async all-gathers move nothing until waited for; `events` records when each block arrives."""
+    """FlatPlan whose async all-gathers move nothing until waited for, and then move the rows the rank held when it
+    started them, as a collective in flight would; `events` records when each block arrives."""
 
     def __init__(self, events: list):
         super().__init__()
@@ -61,8 +62,12 @@ class DeferredPlan(FlatPlan):
         if not async_op:
             return super().all_gather(block)
         b, self.issued = self.issued % BLOCKS, self.issued + 1  # `step` issues blocks 0..B-1 in order
+        n = block.numel() // self.owners
+        mine = block[self.owner * n:(self.owner + 1) * n]
+        sent = mine.clone()  # what a collective in flight reads: the rank's rows when it was started
 
         def arrive() -> None:
+            mine.copy_(sent)
             super(DeferredPlan, self).all_gather(block)
             self.events.append(("gathered", b))
             self.arrived += 1
