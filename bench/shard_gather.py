@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="base")
     parser.add_argument("--blocks", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sequences", type=int, default=4, help="sequences a rank per step")
     parser.add_argument("--json", default=str(ROOT / "results" / "bench" / "shard_gather.json"))
     args = parser.parse_args(argv)

@@ -250,6 +250,20 @@ def run_fp16(rank: int, plan=None) -> dict:
     return {"got": masters_of(opt, model), "want": masters_of(ref, ref_model), "scales": scales}
 
 
+def gathered_both_ways(rank: int, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block whose slice `plan.owner` holds this rank's values, all-gathered as `step` does it (in one call) and
+    as OPTIMIZER_SHARD_GATHER=forward does (started, then waited for: under 2d the second stage in the wait)."""
+    n, out = 3, []
+    for async_op in (False, True):
+        block = torch.zeros(plan.owners * n, dtype=torch.bfloat16)
+        block[plan.owner * n:(plan.owner + 1) * n] = torch.arange(1, n + 1) + 10 * rank
+        work = plan.all_gather(block, async_op=async_op)
+        if work is not None:
+            work.wait()
+        out.append(block)
+    return out[0], out[1]
+
+
 def worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -303,13 +317,14 @@ def worker(rank: int, store: str, out: str) -> None:
     if rank < 3:
         result["fp16_sum_overflow"] = run_fp16_sum_overflow(triple)
     result["plans"] = {}
+    result["gathered_flat"] = gathered_both_ways(rank, FlatPlan())
     for name in ("2d", "node"):  # 2 nodes of 2 ranks; every rank builds the groups, in the same order
         plan = build_shard_plan(name, 2)
         one, three = run_direct(rank, plan=plan), run_direct(rank, blocks=3, plan=plan)
         result["plans"][name] = {"got": one["got"], "low": one["low"], "state": one["state"][0],
                                  "owner": plan.owner, "shard": one["opt"].masters.clone(),
                                  "blocks": three["got"], "hooked": run_hooked(rank, 3, plan)["got"],
-                                 "fp16": run_fp16(rank, plan),
+                                 "fp16": run_fp16(rank, plan), "gathered": gathered_both_ways(rank, plan),
                                  "stale": (run_stale(rank, 3, plan, synced=True), run_stale(rank, 1, plan),
                                            run_stale(rank, 3, plan, synced=True, partial=True))}
     torch.save(result, f"{out}.{rank}")
@@ -575,6 +590,15 @@ def test_the_driver_resumes_a_sharded_run_exactly(tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
     first = load_file(split / "checkpoints" / "step_00000003" / "model.safetensors")
     assert any(not torch.equal(first[n], a[n]) for n in a)
+
+
+@pytest.mark.slow
+def test_an_all_gather_started_then_waited_for_equals_one_done_at_once(results):
+    """OPTIMIZER_SHARD_GATHER=forward's path through each plan, 4 ranks as 2 nodes of 2: the same block, every slice
+    filled, as the all-gather `step` waits for at once (which the tests above check against the reference)."""
+    for r in results:
+        for sync, later in (r["gathered_flat"], *(r["plans"][name]["gathered"] for name in ("2d", "node"))):
+            assert torch.equal(sync, later) and bool((sync != 0).all())
 
 
 @pytest.mark.slow

@@ -11,11 +11,13 @@ So `step` starts each block's all-gather and returns (in block order, the order 
 forward pre-hook on each unit of the model (the embeddings, each encoder layer, the pooler, the two heads) waits
 for the blocks holding that unit's parameters, before its first read of them. On a GPU the wait is the compute
 stream waiting on the collective's (no host sync); on the CPU, gloo's wait holds the host. The hooks are
-`torch.compiler.disable`d: under COMPILE, dynamo calls them eagerly between the units, in order.
+`torch.compiler.disable`d: under COMPILE, dynamo calls them eagerly between the units, in order, each a graph
+break, so COMPILE_SCOPE=model is cut at every unit as `layers` is (nothing fuses across two units either way).
 
 Everything else that touches the model's weights waits for what is left first: the next `step` (before it writes
-this rank's rows), `masters_in_model` (checkpoints), and `settle` at the end of training. The eval's forward runs
-through the same hooks.
+this rank's rows), `masters_in_model` (checkpoints), and `settle` before an evaluation (a rank with no eval batch
+runs no forward, and under the 2d plan on gloo a wait issues the second stage: every rank must wait alike) and at
+the end of training.
 
 With one block the first unit waits for the whole all-gather, which is the step's wait moved later; the config
 therefore asks for OPTIMIZER_SHARD_BLOCKS > 1. The blocks are the reduce-scatter's: B blocks of the flat layout.

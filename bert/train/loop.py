@@ -151,6 +151,9 @@ def train(run: Run) -> str:
             window_steps = 0
         # --- evaluation on the rules' schedule; stop at the target
         if state.evals.due(state.samples):
+            # OPTIMIZER_SHARD_GATHER=forward: a rank without eval batches (fewer sequences than ranks) runs no
+            # forward to wait in, so every rank finishes the step's all-gathers here, in one order
+            settle(run.optimizer)
             run.log.start("eval_start", state.samples, {"epoch_num": state.samples})
             state.last_accuracy = evaluate(run.ddp.module, run.eval_set, run.autocast())
             run.log.end("eval_stop", state.samples, {"epoch_num": state.samples})
