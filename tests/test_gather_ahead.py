@@ -8,10 +8,10 @@ unit that reads its weights without waiting reads other ranks' rows of the step 
 shows that this changes the losses.
 
 A tiny BERT of 3 layers in 3 blocks of the flat layout (rows of 2,048 elements), 2 ranks, 4 steps through DDP with
-the reduce-scatters started from the backward, an eval forward between steps; eager, and compiled as one graph and
-per layer (dynamo calls the waits between the units, in order). Every all-gather is waited for once (by a unit, or
-without the hooks by the next step), and a checkpoint's load between a step and the next forward is not overwritten
-by the step's all-gathers landing after it.
+the reduce-scatters started from the backward, an eval forward between steps; eager, and for 2 steps compiled as
+one graph and per layer (dynamo calls the waits between the units, in order). Every all-gather is waited for once
+(by a unit, or without the hooks by the next step), and a checkpoint's load between a step and the next forward is
+not overwritten by the step's all-gathers landing after it.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def build(gather: str, events: list) -> tuple[BertForPreTraining, ShardedMasters
                                  plan=DeferredPlan(events), gather=gather)
 
 
-def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) -> dict:
+def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None, steps: int = STEPS,
+          evaluate: bool = True) -> dict:
     events = []
     model, opt = build(gather, events)
     ddp = DDP(model)
@@ -95,7 +96,7 @@ def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) 
     for i, unit in enumerate(units):  # after the waits, which were registered first
         unit.register_forward_pre_hook(lambda m, a, i=i: events.append(("unit", i)))
     losses, pending = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         events.clear()
         batch = random_batch((37, 5, 128, 2 + step), seed=10 * rank + step, vocab_size=VOCAB)
         loss = ddp(batch).loss
@@ -104,7 +105,7 @@ def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) 
         pending.append(len(opt.gathers))
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
-        if step == 1:  # an evaluation between two steps reads the weights through the same hooks
+        if step == 1 and evaluate:  # an evaluation between two steps reads the weights through the same hooks
             model.eval()
             with torch.no_grad():
                 losses.append(model(random_batch((20, 64), seed=99, vocab_size=VOCAB)).loss.float())
@@ -116,7 +117,7 @@ def train(rank: int, gather: str, hooks: bool = True, scope: str | None = None) 
         masters = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": torch.stack(losses), "low": low, "masters": masters, "pending": pending,
             "events": first_forward, "unit_blocks": unit_blocks(units, opt), "left": len(opt.gathers),
-            "issued": opt.plan.issued, "arrived": opt.plan.arrived}
+            "issued": opt.plan.issued, "arrived": opt.plan.arrived, "steps": steps}
 
 
 def load_while_gathering(rank: int) -> dict[str, torch.Tensor]:
@@ -137,9 +138,13 @@ def load_while_gathering(rank: int) -> dict[str, torch.Tensor]:
 def worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    # compiled: 2 steps and no eval (an eval recompiles every graph for the eval mode: half a minute under `model`,
+    # whose graph the waits cut at every unit), against the `step` run of the same
     result = {"step": train(rank, "step"), "forward": train(rank, "forward"),
               "unhooked": train(rank, "forward", hooks=False),
-              "compiled": {scope: train(rank, "forward", scope=scope) for scope in ("model", "layers")},
+              "short": train(rank, "step", steps=2, evaluate=False),
+              "compiled": {scope: train(rank, "forward", scope=scope, steps=2, evaluate=False)
+                           for scope in ("model", "layers")},
               "loaded": load_while_gathering(rank)}
     torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
@@ -159,8 +164,8 @@ def equal(a: dict, b: dict) -> bool:
 @pytest.mark.slow
 def test_waiting_in_the_forward_changes_no_value(results):
     for r in results:
-        want = r["step"]
         for got in (r["forward"], *r["compiled"].values()):
+            want = r["step"] if got["steps"] == STEPS else r["short"]
             assert torch.equal(got["losses"], want["losses"])
             assert equal(got["low"], want["low"]) and equal(got["masters"], want["masters"])
     assert equal(results[0]["forward"]["low"], results[1]["forward"]["low"])  # every rank's model whole
@@ -183,9 +188,9 @@ def test_each_unit_waits_for_its_blocks_and_the_last_arrive_after_the_first_unit
     for r in results:
         assert r["step"]["pending"] == [0] * STEPS
         for run in (r["forward"], *r["compiled"].values(), r["unhooked"]):
-            assert run["issued"] == run["arrived"] == BLOCKS * STEPS  # each waited for once: by a unit or the step
+            assert run["issued"] == run["arrived"] == BLOCKS * run["steps"]  # each waited for once: a unit or a step
         for run in (r["forward"], *r["compiled"].values()):
-            assert run["pending"] == [BLOCKS] * STEPS and run["left"] == 0
+            assert run["pending"] == [BLOCKS] * run["steps"] and run["left"] == 0
             events, needs = run["events"], run["unit_blocks"]
             assert sorted(e[1] for e in events if e[0] == "gathered") == list(range(BLOCKS))
             for at, (kind, i) in enumerate(events):

@@ -25,7 +25,7 @@ def test_computed_plans_agree_at_one_node_and_cut_the_rings_steps_across_nodes()
 @pytest.mark.slow
 def test_measured_bytes_follow_the_plans(tmp_path):
     out = tmp_path / "plans.json"  # a process of its own: the ranks it spawns import the script by its path
-    run = subprocess.run([sys.executable, str(ROOT / "bench/shard_plans.py"), "--nodes", "1", "8", "--steps", "2",
+    run = subprocess.run([sys.executable, str(ROOT / "bench/shard_plans.py"), "--nodes", "1", "8", "--steps", "1",
                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "measured: BERT tiny" in run.stdout

@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import numpy as np
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from bert.config import ModelConfig, TrainConfig
 from bert.data.index_agreement import check_index_agreement
@@ -78,8 +77,11 @@ def build_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler
     must agree on an overflowed step from its own gradients: ShardedGradScaler when it unscales them, our
     AgreedGradScaler when the sharded masters take the scale and flag into their step."""
     sharded = cfg.optim.optimizer_sharding
-    kind = (AgreedGradScaler if sharded and cfg.optim.master_weights else ShardedGradScaler if sharded
-            else torch.amp.GradScaler)
+    kind = torch.amp.GradScaler
+    if sharded and cfg.optim.master_weights:
+        kind = AgreedGradScaler
+    elif sharded:  # imported here: torch's FSDP package, which it lives in, takes 0.7 s to import, in every process
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as kind
     return kind(device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
 
 
