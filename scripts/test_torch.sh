@@ -25,4 +25,4 @@ TORCHAO=${TORCHAO-$(PYTHONPATH=$PWD "$VENV/bin/python" -c 'from bert.model.fp8 i
 # PYTHON named the interpreter for the venv; run_and_time.sh reads the same name for the driver's, so it must not
 # reach the tests (the base python3.12 has no torch: every run_and_time.sh test failed on its metadata)
 unset PYTHON
-PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+PATH="$PWD/$VENV/bin:$PATH" exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-4}" --dist loadfile "$@"
