@@ -80,6 +80,14 @@ Groups = list[dict]
 SHARD_GATHERS = ("step", "forward")  # OPTIMIZER_SHARD_GATHER: where the updated weights' all-gather is waited for
 
 
+def finish(works: dict[int, Pending], blocks: Iterable[int]) -> None:
+    """Wait for the works of `blocks` (in that order) and forget them; a block with none is nothing to do."""
+    for b in blocks:
+        work = works.pop(b, None)
+        if work is not None:
+            work.wait()
+
+
 def rows_below(x: int, starts: list[int], rows: int) -> int:
     """How many of a rank's layout rows (`rows` from each of `starts`) lie below layout row x: the shard row where
     layout row x would go (the slices follow each other in the shard as in the layout)."""
@@ -220,10 +228,7 @@ class ShardedMasters(torch.optim.Optimizer):
 
     def _drop_stale(self, blocks: Iterable[int]) -> None:
         """Finish and forget the reduce-scatters of a backward no step took."""
-        for b in blocks:
-            stale = self.works.pop(b, None)
-            if stale is not None:
-                stale.wait()
+        finish(self.works, blocks)
 
     @torch.no_grad()
     def _ready(self, i: int, p: Tensor) -> None:
@@ -322,10 +327,7 @@ class ShardedMasters(torch.optim.Optimizer):
     def wait_gathered(self, blocks: Iterable[int] | None = None) -> None:
         """Wait for the all-gathers of `blocks` (None: every block) that `step` left in flight (gather="forward"):
         on a GPU the caller's stream waits, on the CPU (gloo) the host."""
-        for b in sorted(self.gathers) if blocks is None else blocks:
-            work = self.gathers.pop(b, None)
-            if work is not None:
-                work.wait()
+        finish(self.gathers, sorted(self.gathers) if blocks is None else blocks)
 
     # -- whole checkpoints
     def _gathered(self, shard: Tensor) -> list[Tensor]:
