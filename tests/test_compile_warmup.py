@@ -23,7 +23,8 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log. With
     COMPILE_CACHE the file is read before the warm-up compiles and written after it (tests/test_compile_cache.py:
     COMPILE=debug runs its graphs eagerly, so there is nothing to write)."""
-    from test_train import PY, ROOT, checker, common_args, free_port, mllog
+    from ports import free_port
+    from test_train import PY, ROOT, checker, common_args, mllog
 
     out = tmp_path / "run"
     args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 from bert.config import from_flat
 from bert.dist.clip import install_clipping
@@ -66,10 +66,7 @@ def run_stops(out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_nonzero_within_the_timeout(data, tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": str(free_port())}
     outs = [tmp_path / "rank0", tmp_path / "rank1"]
     procs = [driver(data, outs[r], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     try:

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -366,12 +366,6 @@ def test_hierarchical_sums_buffers_handed_over_at_once_one_by_one_or_interleaved
             assert len(sums) == len(SIZES), case
             for k, (g, w) in enumerate(zip(sums, want)):
                 assert torch.equal(g, w), (rank, case, k)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -3,25 +3,19 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 from multiproc.id_shards import batch_ids, write_id_shards
+from ports import free_port
 
 from bert.data.pipeline import TrainLoader
 from bert.lengths import WIKI_PHASE2
 
 SCRIPT = Path(__file__).parent / "multiproc" / "loader_ranks.py"
 STEPS, LOCAL_BATCH, STRATEGY = 6, 4, "samsung"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_ranks_match_single_process(tmp_path):

@@ -117,7 +117,7 @@ def process(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_ps_equals_flat_allreduce_for_raw_buffers_and_every_clip_mode(tmp_path):
-    from test_train import free_port
+    from ports import free_port
 
     world = WORKERS + SERVERS
     out = str(tmp_path / "r")
@@ -335,7 +335,7 @@ def cuda_process(rank: int, world: int, port: int, out: str) -> None:
 def test_cuda_buckets_go_through_pinned_copies_and_come_back_summed(tmp_path):
     """On a GPU the client copies each bucket out and its sum back without holding the autograd thread (pinned
     memory, an event, a stream of its own): the sums still land in the buckets DDP handed over."""
-    from test_train import free_port
+    from ports import free_port
 
     out = str(tmp_path / "c")
     mp.start_processes(cuda_process, args=(3, free_port(), out), nprocs=3, start_method="spawn")

@@ -29,7 +29,6 @@ import copy
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -531,12 +531,6 @@ def test_the_config_takes_bf16_fp16_and_fp8_flat_lamb():
         cfg = from_env_and_args([], {**BASE, "PRECISION": precision, "OPTIMIZER_LAYOUT": "flat",
                                      "STATIC_TOKENS": "512", "GRAD_CLIP": "after"})
         assert cfg.optim.master_weights and cfg.optim.optimizer_sharding and hook_clip_mode(cfg.optim) == "none"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:

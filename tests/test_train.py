@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ports import free_port
 
 from bert.batch import Sample
 from bert.data.format import VarlenShard, write_varlength_shard
@@ -26,12 +26,6 @@ from bert.train.evaluate import EvalSchedule, rules_eval_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
