@@ -221,3 +221,37 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     assert "== compile caches: 16 MiB packed, over the 10 MiB that can come back (CACHE_LIMIT_MIB=10): not brought " \
         "back" in out.stdout, out.stdout
     assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["cuda_session.tgz"]  # no part, no folder
+
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_call_brings_back_what_both_runs_compiled(tmp_path):
+    """Two runs of the script in one device call (one $OUT): the second's parts replace the first's, so they must
+    hold the caches compiled since the call's start, not since the second run's; a new call (an empty $OUT) starts
+    afresh and sends none of them again."""
+    import tarfile
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "SHARDS": str(tmp_path / "s"),
+           "CACHES": str(tmp_path / "caches"), "SHARD_SAMPLES": "200",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    caches = tmp_path / "caches" / "NVIDIA_H100"
+    caches.mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+
+    def run(out: str) -> None:
+        done = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, env={**env, "OUT": str(tmp_path / out)},
+                              capture_output=True, text=True, timeout=120)
+        assert "== shards: exit 0" in done.stdout, done.stdout + done.stderr
+
+    run("out")
+    start = (tmp_path / "work" / ".call_start").stat().st_mtime
+    (caches / "first.bin").write_bytes(b"f" * 100)  # as the first run's driver writes it, after the call started
+    os.utime(caches / "first.bin", (start + 0.5, start + 0.5))
+    run("out")
+    parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
+    assert parts, "the cache written during the first run did not come back"
+    (tmp_path / "joined.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "joined.tgz") as archive:
+        assert archive.getnames() == ["./NVIDIA_H100/first.bin"]
+    (tmp_path / "out2").mkdir()
+    run("out2")
+    assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["cuda_session.tgz"]

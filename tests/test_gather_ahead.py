@@ -23,9 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_loop import BATCH, finish, make_run
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import bert.train.loop as loop
 from bert.config import ConfigError, from_env_and_args
 from bert.dist.clip import install_clipping
 from bert.dist.hierarchical import Pending
@@ -198,6 +200,27 @@ def test_each_unit_waits_for_its_blocks_and_the_last_arrive_after_the_first_unit
                     assert set(needs[i]) <= {b for k, b in events[:at] if k == "gathered"}, (i, events)
             assert events.index(("gathered", BLOCKS - 1)) > events.index(("unit", 0))  # overlap: not all up front
         assert r["unhooked"]["events"][:1] != [("gathered", 0)]  # the control: nothing arrived before the forward
+
+
+def test_the_driver_waits_in_each_unit_and_settles_before_each_evaluation(world_of_one, synthetic_data, tmp_path,
+                                                                          monkeypatch):
+    """The real `build_run` and `train` (a world of one): the run's model waits once per unit for that unit's blocks,
+    and no all-gather is still in flight when an evaluation starts (a rank without eval batches would wait in no
+    forward) or when `train` returns."""
+    run = make_run(synthetic_data, tmp_path, optimizer_sharding=True, master_weights=True, precision="bf16",
+                   optimizer_layout="flat", optimizer_shard_blocks=BLOCKS, optimizer_shard_gather="forward",
+                   max_steps=4, eval_iter_start_samples=BATCH, eval_iter_samples=2 * BATCH)
+    opt, waits, in_flight = run.optimizer, [], []
+    wait = opt.wait_gathered
+    opt.wait_gathered = lambda blocks=None: (waits.append(blocks), wait(blocks))  # the hooks look it up per call
+    real = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda *a: (in_flight.append(len(opt.gathers)), real(*a))[1])
+    finish(run)
+    units = unit_blocks(forward_units(run.ddp.module), opt)
+    per_forward = [list(b) for b in waits if b is not None]
+    assert len(per_forward) == 6 * len(units)  # 4 training forwards and 2 evaluations, each unit once
+    assert sorted(per_forward[:len(units)]) == sorted(units)
+    assert in_flight == [0, 0] and not opt.gathers  # evaluations after steps 1 and 3; the end after step 4
 
 
 def test_every_parameter_lies_in_a_unit():
