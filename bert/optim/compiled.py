@@ -40,9 +40,11 @@ def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Opt
     backend, mode = COMPILE_MODES[name]
     mode = WITHOUT_CUDA_GRAPHS.get(mode, mode)
     if isinstance(optimizer, MasterWeights) and optimizer.layout and backend == "inductor":
-        # OPTIMIZER_LAYOUT=flat: torch 2.11's inductor fails on the flat update on CUDA, in the loop reordering
+        # OPTIMIZER_LAYOUT=flat: torch 2.11's inductor failed on the flat update on CUDA, in the loop reordering
         # it tries when fusing (scheduler.reorder_loops_by_dep_pair: `assert isinstance(snode, SchedulerNode)`, seen
-        # on an H100 and an H200; inductor never reorders loops on the CPU). The mode's options without it.
+        # on an H100 and an H200; inductor never reorders loops on the CPU). The mode's options without it. That
+        # graph cast the gradients into the flat buffer; since `MasterWeights.step` casts them before it, the fake
+        # H100 (bench/gpu_compile.py) compiles it with or without this: kept until a GPU has compiled it.
         options = {**torch._inductor.list_mode_options(mode), "loop_ordering_after_fusion": False}
         if hasattr(torch._inductor.config, "loop_reindexing_after_fusion"):  # torch >= 2.12 reorders through it too
             options["loop_reindexing_after_fusion"] = False

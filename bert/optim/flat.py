@@ -186,7 +186,8 @@ class FlatLamb(Lamb):
             device, rows = self.weights.device, counts[i:i + k]
             ends = list(itertools.accumulate(rows))
             owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(rows, dtype=torch.int64,
-                                                                                         device=device))
+                                                                                         device=device),
+                                            output_size=sum(rows))  # known here: no host read of the rows back
             self.parts.append(_Part(starts[i], starts[i] + ends[-1], torch.tensor([0, *ends[:-1]], device=device),
                                     torch.tensor(ends, device=device), owner) if k else None)
             i += k

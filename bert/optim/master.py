@@ -135,7 +135,12 @@ class MasterWeights(torch.optim.Optimizer):
         # torch's fused AdamW and our Lamb read it (None: a step as usual). Set here, not in `update_masters`:
         # torch 2.11's dynamo cannot trace a setattr on the inner optimizer (COMPILE_OPTIMIZER=1)
         self.inner.found_inf = found_inf
-        self.update_masters([p for p, _ in pairs], [m for _, m in pairs], inv_scale, found_inf)
+        params = [p for p, _ in pairs]
+        if self.layout:  # cast into the flat gradient's views here, outside COMPILE_OPTIMIZER's graph: there each
+            # view's write became a temporary and a copy back into the buffer, ~300 kernels for BERT-large, and the
+            # foreach copy's one Triton kernel over ~130 tensors overflowed Python's stack (bench/gpu_compile.py)
+            torch._foreach_copy_(self.inner.grad_views, [p.grad for p in params])
+        self.update_masters(params, [m for _, m in pairs], inv_scale, found_inf)
 
     def _update_masters(self, params: list[Tensor], masters: list[Tensor], inv_scale: Tensor | None,
                         found_inf: Tensor | None = None) -> None:
@@ -143,15 +148,16 @@ class MasterWeights(torch.optim.Optimizer):
         between steps (the LR, the scale and the overflow flag are tensors), so COMPILE_OPTIMIZER=1 compiles it
         whole. With `found_inf` an overflowed step runs on zeroed gradients and the inner optimizer is told to
         change nothing (step 2 on the device); `step` has told the inner optimizer the same flag."""
-        if self.layout:  # OPTIMIZER_LAYOUT=flat: the inner optimizer's flat gradient (every master has one)
-            flat, grads = self.inner.grad, self.inner.grad_views
+        if self.layout:  # OPTIMIZER_LAYOUT=flat: the inner optimizer's flat gradient, which `step` has filled
+            flat, grads = self.inner.grad, None
         elif inv_scale is None:  # bf16: a gradient per master, nothing to unscale or zero
             flat, grads = None, [torch.empty_like(m) for m in masters]
         else:  # fp16: views of one flat gradient, so that the unscale and the zeroing are one kernel each
             sizes = [m.numel() for m in masters]
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
             grads = [g.view_as(m) for g, m in zip(flat.split(sizes), masters)]
-        torch._foreach_copy_(grads, [p.grad for p in params])
+        if grads is not None:
+            torch._foreach_copy_(grads, [p.grad for p in params])
         if inv_scale is not None:
             flat.mul_(inv_scale)
             if found_inf is not None:

@@ -1,0 +1,163 @@
+"""Compile the driver's GPU graphs for an H100 on this CPU (bench/fake_h100.py): does each compile, how many Triton
+kernels, how long. A compile that fails on the GPU (torch 2.11's inductor on the flat LAMB update did, on an H100 and
+an H200) fails here the same way, before device time is spent on it.
+
+Each target runs in a process of its own with an empty inductor cache, built as the driver builds it
+(`build_model`, `build_optimizer`, `compile_step`: BERT `--bert-config`, bf16 weights with fp32 masters, LAMB,
+flash varlen attention) under a fake CUDA device, and "runs" a forward on a batch of `--tokens` tokens or an
+optimizer step: the graphs are compiled as on the GPU, and nothing is computed. No backward (bench/fake_h100.py:
+autograd's engine needs a real device, even to trace one): a model target compiles the training forward under no_grad,
+what inductor generates for the forward of a training step (dropout included) without the graph's saved activations;
+an update target takes gradients made as zeros of the parameters' shapes. Needs torch's CUDA build:
+
+    .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets flat-update flat-update-cast-in-graph
+
+Targets (`TARGETS`): the update alone (the model eager) or the model's forward alone (the update eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # fake_h100
+
+TARGETS = {  # name: (the driver's settings, what is compiled)
+    "flat-update": ({"optimizer_layout": "flat", "compile_optimizer": True}, "update"),
+    # the same graph with inductor's own options, without compile_step's loop-ordering workaround
+    "flat-update-inductor-options": ({"optimizer_layout": "flat", "compile_optimizer": True}, "update-defaults"),
+    # the graph the H100 and H200 failed on (2026-11-26): the gradients' cast into the flat buffer inside it
+    "flat-update-cast-in-graph": ({"optimizer_layout": "flat", "compile_optimizer": True}, "update-cast-in-graph"),
+    "tensors-update": ({"optimizer_layout": "tensors", "compile_optimizer": True}, "update"),
+    "model-forward": ({"compile": "default", "compile_scope": "model"}, "model"),
+    "layers-forward": ({"compile": "default", "compile_scope": "layers"}, "model"),
+    "fp8-delayed-layers-forward": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                            "fp8_recipe": "delayed", "static_tokens": 512}, "model"),
+}
+# rows that fail on torch 2.11 by design (the GPUs' failure, reproduced here) or for a limit of the fake (fake_h100):
+# they do not make the exit status non-zero
+EXPECTED_TO_FAIL = ("flat-update-cast-in-graph", "tensors-update")
+
+
+def innermost(tb: str) -> str:
+    """The last frame of torch's or Triton's code in a traceback: where the compile failed."""
+    frames = [line.strip() for line in tb.splitlines() if line.strip().startswith("File ")]
+    ours = [f for f in frames if "/torch/" in f or "/triton/" in f]
+    return (ours or frames or ["?"])[-1]
+
+
+def run_target(name: str, bert_config: str, tokens: int) -> dict:
+    import fake_h100
+
+    mode = fake_h100.install()
+    import torch
+    from torch._inductor import metrics
+
+    from bert.config import from_flat
+    from bert.optim import build_optimizer
+    from bert.optim.compiled import compile_step
+    from bert.synthetic import random_batch
+    from bert.train.build import build_model
+
+    settings, what = TARGETS[name]
+    cfg = from_flat(**{"bert_config_path": bert_config, "attention": "varlen", "master_weights": True,
+                       "precision": "bf16", "grad_clip": "after", "learning_rate": 1e-3, "max_steps": 1000,
+                       "weight_decay_rate": 0.01, **settings})
+    device = torch.device("cuda", 0)
+    start = time.perf_counter()
+    row = {"target": name, "bert_config": bert_config, "torch": torch.__version__, "tokens": tokens}
+    try:
+        with mode, device:
+            torch.manual_seed(0)
+            model = build_model(cfg.model, device)
+            opt = build_optimizer(model, cfg.optim, torch.bfloat16)
+            if what == "update":
+                compile_step(opt, "default")
+            elif what == "update-defaults":
+                opt.update_masters = torch.compile(opt.update_masters, backend="inductor")
+            elif what == "update-cast-in-graph":
+                update = opt.update_masters
+
+                def cast_and_update(params, masters, inv_scale, found_inf):
+                    torch._foreach_copy_(opt.inner.grad_views, [p.grad for p in params])
+                    update(params, masters, inv_scale, found_inf)
+
+                opt.update_masters = torch.compile(cast_and_update, backend="inductor")
+            lengths, left = [], tokens  # phase-2-like sequences of at most 512 tokens
+            while left > 0:
+                lengths.append(min(left, 128 + 97 * len(lengths) % 385))
+                left -= lengths[-1]
+            batch = random_batch(tuple(lengths), seed=0, vocab_size=model.config.vocab_size).to(device)
+            if what == "model":
+                with torch.no_grad():
+                    model(batch)
+            else:
+                for param in model.parameters():  # the backward's gradients, in metadata only
+                    param.grad = torch.zeros_like(param)
+                opt.step()  # cast-in-graph: step's eager cast runs too, and the graph casts again: the same graph
+        row.update(compiled=True, error=None, where=None)
+    except Exception as e:  # the row says what failed and where; the table goes on
+        row.update(compiled=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
+                   where=innermost(traceback.format_exc()))
+    row.update(seconds=round(time.perf_counter() - start, 1), triton_kernels=metrics.generated_kernel_count)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    p.add_argument("--bert-config", default="large")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens in the one batch (the graphs are dynamic)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per target")
+    p.add_argument("--json", default=str(ROOT / "results" / "bench" / "gpu_compile.json"))
+    p.add_argument("--one", help=argparse.SUPPRESS)  # a target in this process (the parent's child)
+    args = p.parse_args()
+    if args.one:
+        print("ROW " + json.dumps(run_target(args.one, args.bert_config, args.tokens)))
+        return 0
+    import fake_h100
+
+    why = fake_h100.usable()
+    if why:
+        print(f"gpu_compile: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
+        return 2
+    rows = []
+    for name in args.targets:
+        with tempfile.TemporaryDirectory() as cache:  # a cold compile, as on a bare device machine
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                   "PYTHONPATH": str(ROOT)}
+            try:
+                done = subprocess.run([sys.executable, __file__, "--one", name, "--bert-config", args.bert_config,
+                                       "--tokens", str(args.tokens)], capture_output=True, text=True, env=env,
+                                      timeout=args.timeout)
+                found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+                row = json.loads(found[-1]) if found else {
+                    "target": name, "compiled": False, "error": f"exit {done.returncode}: {done.stderr[-300:]}"}
+            except subprocess.TimeoutExpired:
+                row = {"target": name, "compiled": False, "error": f"over --timeout {args.timeout} s"}
+        rows.append(row)
+        kernels, seconds = row.get("triton_kernels", "-"), row.get("seconds", "-")
+        print(f"{row['target']:26} {'compiled' if row['compiled'] else 'FAILED':9} {kernels!s:>5} kernels "
+              f"{seconds!s:>6} s  {row.get('error') or ''}")
+        if row.get("where"):
+            print(f"{'':26} at {row['where']}")
+    import torch
+
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(),
+                                           "torch": torch.__version__, "fake_gpu": "H100 (bench/fake_h100.py)",
+                                           "rows": rows}, indent=1) + "\n")
+    return 0 if all(r["compiled"] for r in rows if r["target"] not in EXPECTED_TO_FAIL) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
