@@ -61,8 +61,8 @@ CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
 # pack_caches: what this call compiled. The device tool hands each call an empty $OUT, so a run that finds this
 # script's archive there is the call's second (`bash ... a; bash ... b`): it keeps the first's start, and what both
-# compiled comes back (its parts replace the first's).
-if [[ ! -e $OUT/cuda_session.tgz || ! -e $WORK/.call_start ]]; then touch "$WORK/.call_start"; fi
+# compiled comes back (its parts replace the first's). A rehearsal's $OUT is never emptied: each starts afresh.
+if [[ $REHEARSE == 1 || ! -e $OUT/cuda_session.tgz || ! -e $WORK/.call_start ]]; then touch "$WORK/.call_start"; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # a later call on the warm machine, without `setup`, still finds the wheels an earlier call's setup installed (one
 # such call lost 50 s of device time to a missing mlperf-logging)

@@ -9,8 +9,9 @@ ptxas Triton ships. What needs the device is answered here instead:
 
 - device properties: an H100 SXM's (132 SMs, compute capability 9.0);
 - Triton's driver: a target of cuda/90, kernels "loaded" as handles of 0, launches that do nothing;
-- inductor's own launcher (it dlopens libcuda) is off, and so is the constant folding that runs kernels while
-  compiling (`constant_fold_uniform_value`), a pass whose absence changes no kernel the rest of the graph needs;
+- inductor's own launcher (it dlopens libcuda) is off, and so is a constant folding that runs kernels while
+  compiling (`constant_fold_uniform_value`: a tensor of one value becomes a constant); without it such a tensor
+  stays a kernel of its own, so the fake may count a kernel or two the GPU would not make;
 - the compiled wrapper's buffers are fake tensors, so a graph "runs": its outputs have the right metadata and the next
   graph (the next layer, the heads) compiles from them as on the GPU. Nothing is computed: a library kernel the
   wrapper calls into a buffer (a cuBLAS GEMM, a scaled GEMM) is not called.

@@ -243,10 +243,11 @@ def test_a_second_run_in_the_same_call_brings_back_what_both_runs_compiled(tmp_p
         assert "== shards: exit 0" in done.stdout, done.stdout + done.stderr
 
     run("out")
-    start = (tmp_path / "work" / ".call_start").stat().st_mtime
-    (caches / "first.bin").write_bytes(b"f" * 100)  # as the first run's driver writes it, after the call started
-    os.utime(caches / "first.bin", (start + 0.5, start + 0.5))
-    run("out")
+    start = (tmp_path / "work" / ".call_start").stat().st_mtime - 10  # the call started 10 s ago
+    os.utime(tmp_path / "work" / ".call_start", (start, start))
+    (caches / "first.bin").write_bytes(b"f" * 100)  # as the first run's driver wrote it, 5 s after the call started
+    os.utime(caches / "first.bin", (start + 5, start + 5))
+    run("out")  # a restarted call start (now) would leave first.bin out
     parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
     assert parts, "the cache written during the first run did not come back"
     (tmp_path / "joined.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))

@@ -18,16 +18,18 @@ WHY = fake_h100.usable()
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
-def test_the_flat_update_compiles_for_the_gpu_and_inductors_own_options_do_not(tmp_path):
+def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_fails_here(tmp_path):
     out = tmp_path / "gpu_compile.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--targets", "flat-update",
                            "flat-update-cast-in-graph", "layers-forward", "--bert-config", "tiny", "--tokens", "512",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = {r["target"]: r for r in json.loads(out.read_text())["rows"]}
-    # a few passes over whole buffers: the gradients are cast into the flat buffer before the graph (MasterWeights.step)
-    # which, inside it, took a temporary and a copy back per tensor (51 kernels for BERT tiny, 317 for large)
-    assert rows["flat-update"]["compiled"] and 5 <= rows["flat-update"]["triton_kernels"] <= 20
+    # two graphs (the first step's, which makes the state, and every later step's), no break, each a few passes over
+    # whole buffers: the gradients are cast into the flat buffer before the graph (MasterWeights.step), where inside
+    # it each tensor took a temporary and a copy back (51 kernels a graph for BERT tiny, 317 for large)
+    flat = rows["flat-update"]
+    assert flat["compiled"] and (flat["graphs"], flat["graph_breaks"]) == (2, 0) and 10 <= flat["triton_kernels"] <= 40
     assert rows["layers-forward"]["compiled"] and rows["layers-forward"]["triton_kernels"] > 5
     in_graph = rows["flat-update-cast-in-graph"]
     if torch.__version__.startswith("2.11."):  # the release the device machines run, which failed on them
@@ -39,6 +41,6 @@ def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
         pytest.skip("this torch can compile for the fake GPU")
     done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--json", str(tmp_path / "x.json")],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 2 and done.stdout.startswith("gpu_compile: torch ") and "test_torch.sh 2.11.0" in \
+    assert done.returncode == 2 and done.stdout.startswith(f"gpu_compile: {WHY};") and "test_torch.sh 2.11.0" in \
         done.stdout, done.stdout + done.stderr
     assert not (tmp_path / "x.json").exists()

@@ -1,9 +1,10 @@
 """`COMPILE_OPTIMIZER=1`: the optimizer step compiled with COMPILE's backend, as torch's compiled-optimizer
 recipe does (`torch.compile` of `optimizer.step`, the LR a device tensor so a new LR is new data, not a
 recompile). Under MASTER_WEIGHTS=1 what is compiled is the update over the fp32 masters
-(`MasterWeights.update_masters`: cast the gradients up, fp16 unscale, `after` clip, the inner LAMB/AdamW, copy
-back), so inductor fuses the casts and the fp16 overflow skip into the update (bert.optim.master; with AdamW,
-whose capturable foreach kernels take no overflow flag, the check before it stays eager and on the host).
+(`MasterWeights.update_masters`: cast the gradients up (the flat layout casts them before it, in `step`), fp16
+unscale, `after` clip, the inner LAMB/AdamW, copy back), so inductor fuses the casts and the fp16 overflow skip into
+the update (bert.optim.master; with AdamW, whose capturable foreach kernels take no overflow flag, the check before it
+stays eager and on the host).
 
 No CUDA graphs: COMPILE=reduce-overhead compiles the step with inductor's default mode (max-autotune with
 max-autotune-no-cudagraphs). Compiled LAMB replayed as a CUDA graph segfaulted on the H100 under torch 2.11
