@@ -15,11 +15,13 @@ against the program that would receive it:
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,13 @@ from bert.model.attention import resolve_backend
 from bert.model.compile import COMPILE_MODES, check_compile
 
 sys.path.insert(0, str(ROOT / "bench"))  # train_gpu.py imports bench/model.py
+
+
+def brought_back(out: Path) -> dict[str, bytes]:
+    """The compile caches a call brings back in `out`: its parts joined, the archive's files by name."""
+    joined = io.BytesIO(b"".join(p.read_bytes() for p in sorted(out.glob("compile_cache.tgz.part-*"))))
+    with tarfile.open(fileobj=joined) as archive:
+        return {m.name: archive.extractfile(m).read() for m in archive.getmembers() if m.isfile()}
 sys.path.insert(0, str(ROOT / "data"))
 model_bench = load_script("bench/model.py")
 train_gpu = load_script("bench/train_gpu.py")
@@ -184,8 +193,6 @@ def test_a_failing_fp8_linear_variant_costs_its_row_not_the_table():
 def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_path):
     """The device tool ends a call at its limit and loses what the running step wrote: a step's limit (shards: 300 s)
     is cut to the DEADLINE less 15 s to pack, and a step with under 30 s left is skipped."""
-    import tarfile
-
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "SHARDS": str(tmp_path / "s"),
            "DEADLINE": "46", "CACHES": str(tmp_path / "caches"), "SHARD_SAMPLES": "20000"}
     # a compile cache carried in (older than the call) and one a driver of this call wrote (newer): only the new one
@@ -210,10 +217,7 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
     assert [p.name for p in parts] == ["compile_cache.tgz.part-00", "compile_cache.tgz.part-01"]
     assert parts[0].stat().st_size == 15 * 2**20
-    (tmp_path / "joined.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
-    with tarfile.open(tmp_path / "joined.tgz") as archive:
-        assert archive.getnames() == ["./NVIDIA_H200/new.bin"]
-        assert archive.extractfile("./NVIDIA_H200/new.bin").read() == (caches / "new.bin").read_bytes()
+    assert brought_back(tmp_path / "out") == {"./NVIDIA_H200/new.bin": (caches / "new.bin").read_bytes()}
     # caches over CACHE_LIMIT_MIB would come back cut (the tool returns 64 MiB in all): said, and left behind
     (tmp_path / "out2").mkdir()
     out = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -227,9 +231,7 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
 def test_a_second_run_in_the_same_call_brings_back_what_both_runs_compiled(tmp_path):
     """Two runs of the script in one device call (one $OUT): the second's parts replace the first's, so they must
     hold the caches compiled since the call's start, not since the second run's; a new call (an empty $OUT) starts
-    afresh and sends none of them again."""
-    import tarfile
-
+    afresh and sends none of them again; a rehearsal (REHEARSE=1) always starts afresh."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "SHARDS": str(tmp_path / "s"),
            "CACHES": str(tmp_path / "caches"), "SHARD_SAMPLES": "200",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -237,9 +239,10 @@ def test_a_second_run_in_the_same_call_brings_back_what_both_runs_compiled(tmp_p
     caches.mkdir(parents=True)
     (tmp_path / "out").mkdir()
 
-    def run(out: str) -> None:
-        done = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, env={**env, "OUT": str(tmp_path / out)},
-                              capture_output=True, text=True, timeout=120)
+    def run(out: str, **more: str) -> None:
+        done = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT,
+                              env={**env, "OUT": str(tmp_path / out), **more}, capture_output=True, text=True,
+                              timeout=120)
         assert "== shards: exit 0" in done.stdout, done.stdout + done.stderr
 
     run("out")
@@ -248,11 +251,12 @@ def test_a_second_run_in_the_same_call_brings_back_what_both_runs_compiled(tmp_p
     (caches / "first.bin").write_bytes(b"f" * 100)  # as the first run's driver wrote it, 5 s after the call started
     os.utime(caches / "first.bin", (start + 5, start + 5))
     run("out")  # a restarted call start (now) would leave first.bin out
-    parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
-    assert parts, "the cache written during the first run did not come back"
-    (tmp_path / "joined.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
-    with tarfile.open(tmp_path / "joined.tgz") as archive:
-        assert archive.getnames() == ["./NVIDIA_H100/first.bin"]
+    assert list((tmp_path / "out").glob("compile_cache.tgz.part-*")), "the first run's cache did not come back"
+    assert list(brought_back(tmp_path / "out")) == ["./NVIDIA_H100/first.bin"]
     (tmp_path / "out2").mkdir()
     run("out2")
     assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["cuda_session.tgz"]
+    # a rehearsal's $OUT is never emptied, so it would always look like a second run: each rehearsal starts afresh
+    os.utime(tmp_path / "work" / ".call_start", (start, start))
+    run("out2", REHEARSE="1")
+    assert (tmp_path / "work" / ".call_start").stat().st_mtime > start + 5
