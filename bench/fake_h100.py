@@ -7,7 +7,7 @@ cannot make even a fake CUDA tensor. The model and optimizer are built under a `
 scheduler: Triton kernels, not the CPU's C++), generates and compiles every Triton kernel to sm_90 code with the
 ptxas Triton ships. What needs the device is answered here instead:
 
-- device properties: an H100 SXM's (132 SMs, compute capability 9.0);
+- device properties: an H100 SXM's (132 SMs, compute capability 9.0, 3.35 TB/s);
 - Triton's driver: a target of cuda/90, kernels "loaded" as handles of 0, launches that do nothing;
 - inductor's own launcher (it dlopens libcuda) is off, and so is a constant folding that runs kernels while
   compiling (`constant_fold_uniform_value`: a tensor of one value becomes a constant); without it such a tensor
@@ -16,9 +16,16 @@ ptxas Triton ships. What needs the device is answered here instead:
   graph (the next layer, the heads) compiles from them as on the GPU. Nothing is computed: a library kernel the
   wrapper calls into a buffer (a cuBLAS GEMM, a scaled GEMM) is not called.
 
-No backward: autograd's engine runs a CUDA tensor's backward on a thread of that device, and starting it asks the CUDA
-driver about the device, even for fake tensors; AOT autograd's trace of a training graph runs that engine. So a model
-compiles here in inference (no_grad), and an update on gradients made as zeros of the parameters' shapes.
+Backward: autograd's engine runs a CUDA tensor's backward on a thread of that device, and it asks the CUDA runtime how
+many devices there are (none here) and the driver whether the device has a context, even for fake tensors; AOT
+autograd's trace of a training graph runs that engine. `native_env` builds two stand-ins with the C compiler, a
+library preloaded over four functions of the CUDA runtime (one device, which is current, and its stream priorities)
+and a `libcuda.so.1` that answers the context query, and gives the environment a child process needs to load them
+(a process cannot preload a library into itself). Under them `install` also keeps torch from making real CUDA
+tensors where it would when a device is present (the fake mode's lifting of constants, its context initialisation,
+dynamo's saving of the CUDA RNG state, inductor's pattern tracing), and answers inductor's padding benchmark
+(`pad_mm`, which times padded and unpadded GEMMs on real tensors) with "no padding". Without them a model compiles in
+inference (no_grad) only, and an update takes gradients made as zeros of the parameters' shapes.
 
 Kernels are compiled in this process (inductor's compile_threads = 1): a compile worker would not have these
 patches. What this cannot see: a kernel's numerics, its speed, a launch the GPU refuses (shared memory or
@@ -27,12 +34,21 @@ And it fails where the GPU does not on one kind of kernel: Triton parses a kerne
 kernel over ~125 tensors (an if-elif per tensor, the per-tensor LAMB update's cast of the gradients) overflows Python's
 recursion limit in this process, even on a thread of its own with a raised limit and stack, where the GPU machines'
 compile workers, processes that never ran dynamo, compiled it.
+
+`Tensor.unflatten` is replaced by a call of `torch.unflatten`: dynamo treats the fake mode's tensors, made outside
+the compile, as a tensor subclass and inlines the Python method, which stops at its `super()` call (a graph break the
+GPU does not have, at the fused QKV's split).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import os
+import subprocess
 import types
+from pathlib import Path
 
 import torch
 
@@ -41,6 +57,68 @@ PROPS = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (fake)", major=CC[0], 
                               multi_processor_count=SMS, total_memory=80 << 30, regs_per_multiprocessor=65536,
                               max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32,
                               L2_cache_size=50 << 20, shared_memory_per_block_optin=232448)
+
+
+# The CUDA runtime's answers autograd's engine needs for device 0 (preloaded: the runtime's own say "no device").
+RUNTIME_SHIM = r"""
+static int current = 0;
+int cudaGetDeviceCount(int *count) { *count = 1; return 0; }
+int cudaGetDevice(int *device) { *device = current; return 0; }
+int cudaSetDevice(int device) { current = device; return 0; }
+int cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return 0;
+}
+"""
+# The driver's, looked up by name in libcuda.so.1 when torch asks whether device 0 has a primary context.
+DRIVER_STUB = r"""
+int cuInit(unsigned int flags) { return 0; }
+int cuDevicePrimaryCtxGetState(int device, unsigned int *flags, int *active) { *flags = 0; *active = 1; return 0; }
+int cuGetErrorString(int error, const char **text) { *text = "the fake H100's libcuda (bench/fake_h100.py)"; return 0; }
+"""
+
+
+@dataclasses.dataclass
+class Launches:
+    """What the fake GPU was asked to run since `reset` (nothing runs): Triton kernels, with inductor's estimate of the
+    bytes each reads and writes (its `kernel_num_gb`, from the sizes of the kernel's buffers), and library kernels the
+    compiled wrappers call (cuBLAS GEMMs, scaled GEMMs) by name."""
+
+    triton: int = 0
+    triton_gb: float = 0.0
+    unestimated: int = 0  # Triton launches without an estimate (inductor makes none for a foreach kernel)
+    library: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
+
+    def reset(self) -> None:
+        self.triton, self.triton_gb, self.unestimated = 0, 0.0, 0
+        self.library.clear()
+        self.gb_by_kernel.clear()
+
+
+LAUNCHES = Launches()
+
+
+def native_env(where: Path) -> dict[str, str]:
+    """Build the runtime shim and the driver stub under `where` (cc) and return the variables a child process needs to
+    load them; with those set, `install` compiles backward graphs too."""
+    built = Path(where) / hashlib.sha256((RUNTIME_SHIM + DRIVER_STUB).encode()).hexdigest()[:12]
+    for name, source in (("libcudart_shim.so", RUNTIME_SHIM), ("libcuda.so.1", DRIVER_STUB)):
+        if not (built / name).exists():
+            built.mkdir(parents=True, exist_ok=True)
+            (built / f"{name}.c").write_text(source)
+            tmp = built / f"{name}.{os.getpid()}"  # two processes may build at once
+            subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(tmp), str(built / f"{name}.c")], check=True,
+                           capture_output=True, text=True)
+            tmp.rename(built / name)
+    return {"LD_PRELOAD": str(built / "libcudart_shim.so"),
+            "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(built), os.environ.get("LD_LIBRARY_PATH")]))}
+
+
+def backward_ready() -> bool:
+    """Whether this process was started with `native_env`'s stand-ins (the runtime says one device)."""
+    return torch.version.cuda is not None and torch._C._cuda_getDeviceCount() == 1
 
 
 def usable() -> str | None:
@@ -60,7 +138,7 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
     from torch._dynamo import device_interface
     from torch._inductor import compile_fx, scheduler, select_algorithm
     from torch._inductor.fx_passes import joint_graph
-    from torch._inductor.runtime import benchmarking, hints
+    from torch._inductor.runtime import benchmarking, hints, triton_heuristics
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import ty_to_cpp
@@ -107,6 +185,7 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
             return fn
 
         def call(*args, out=None, **kwargs):
+            LAUNCHES.library[name] += 1
             return out if out is not None else fn(*args, **kwargs)
 
         return call
@@ -128,8 +207,24 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
     torch.nn.Module.to = to
     scheduler.has_triton = lambda: True
     joint_graph.constant_fold_uniform_value = lambda gm: None
+    torch.Tensor.unflatten = lambda self, dim, sizes: torch.unflatten(self, dim, sizes)
+    if backward_ready():
+        _quiet_device(torch)
     torch._inductor.config.use_static_cuda_launcher = False
     torch._inductor.config.compile_threads = 1
+    torch._inductor.config.benchmark_kernel = True  # each kernel's kernel_num_gb, for LAUNCHES
+    real_run = triton_heuristics.CachingAutotuner.run
+
+    def run(autotuner, *args, stream, benchmark_run=False, **kwargs):
+        if not benchmark_run:
+            gb = autotuner.inductor_meta.get("kernel_num_gb")
+            LAUNCHES.triton += 1
+            LAUNCHES.triton_gb += gb or 0.0
+            LAUNCHES.unestimated += gb is None
+            LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0
+        return real_run(autotuner, *args, stream=stream, benchmark_run=benchmark_run, **kwargs)
+
+    triton_heuristics.CachingAutotuner.run = run
     benchmarking.benchmarker.benchmark_gpu = lambda *a, **k: 1.0
 
     class Utils:
@@ -166,3 +261,28 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
     active_driver.set_active(Driver())
     active_driver._default = active_driver._active
     return mode
+
+
+def _quiet_device(torch) -> None:
+    """With the stand-ins torch believes a device is there: keep it from making real CUDA tensors."""
+    from torch._inductor.fx_passes import joint_graph, pad_mm
+    from torch._subclasses import fake_tensor
+
+    fake_tensor.init_gpu_context = lambda device: None  # an empty(1) on the device, for autograd's sake
+    # torch.tensor(data, device="cuda") is made on the CPU and lifted, as the fake mode does on a host without one
+    fake_tensor.FakeTensorMode.avoid_device_init = property(lambda self: True)
+    torch.cuda._lazy_init = lambda: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)  # dynamo saves and restores it
+    torch.cuda.set_rng_state = lambda state, device="cuda": None
+    real_init = joint_graph.lazy_init
+
+    def lazy_init(input_device=None) -> None:  # inductor traces its patterns on real tensors of the device it sees
+        available = torch.cuda.is_available
+        torch.cuda.is_available = lambda: False
+        try:
+            real_init(torch.device("cpu"))
+        finally:
+            torch.cuda.is_available = available
+
+    joint_graph.lazy_init = lazy_init
+    pad_mm.get_cached_should_pad = lambda key: False  # its benchmark runs real GEMMs: answered "no padding"

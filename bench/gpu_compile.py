@@ -1,18 +1,21 @@
 """Compile the driver's GPU graphs for an H100 on this CPU (bench/fake_h100.py): does each compile, how many Triton
-kernels, how long. A compile that fails on the GPU (torch 2.11's inductor on the flat LAMB update did, on an H100 and
-an H200) fails here the same way, before device time is spent on it.
+kernels, how long, and what a training step's graphs launch. A compile that fails on the GPU (torch 2.11's inductor on
+the flat LAMB update did, on an H100 and an H200) fails here the same way, before device time is spent on it.
 
 Each target runs in a process of its own with an empty inductor cache, built as the driver builds it
 (`build_model`, `build_optimizer`, `compile_step`: BERT `--bert-config`, bf16 weights with fp32 masters, LAMB,
-flash varlen attention) under a fake CUDA device, and "runs" a forward on a batch of `--tokens` tokens or an
-optimizer step: the graphs are compiled as on the GPU, and nothing is computed. No backward (bench/fake_h100.py:
-autograd's engine needs a real device, even to trace one): a model target compiles the training forward under no_grad,
-what inductor generates for the forward of a training step (dropout included) without the graph's saved activations;
-an update target takes gradients made as zeros of the parameters' shapes. Needs torch's CUDA build:
+flash varlen attention) under a fake CUDA device, and "runs" a forward and backward on a batch of `--tokens` tokens
+(the H100 profile's batch of 96 had 24,405), a forward alone, or an optimizer step: the graphs are compiled as on the
+GPU, and nothing is computed. A step target's row counts what its graphs launched: Triton kernels and inductor's
+estimate of the bytes they read and write (`triton_gb`; at an H100's 3.35 TB/s, `triton_ms` is the least time
+they take), and library calls (GEMMs) by name. The estimate is inductor's: each kernel's buffers, counted once;
+attention and the GEMMs are not in it. An update target takes gradients made as zeros of the parameters' shapes.
+Needs torch's CUDA build and a C compiler (the backward's stand-ins, fake_h100.native_env):
 
-    .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets flat-update flat-update-cast-in-graph
+    .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets model-step fp8-delayed-layers-step
 
-Targets (`TARGETS`): the update alone (the model eager) or the model's forward alone (the update eager).
+Targets (`TARGETS`): the update alone (the model eager), the model's forward alone, or its forward and backward (the
+update eager, not run).
 """
 
 from __future__ import annotations
@@ -42,7 +45,16 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     "layers-forward": ({"compile": "default", "compile_scope": "layers"}, "model"),
     "fp8-delayed-layers-forward": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                             "fp8_recipe": "delayed", "static_tokens": 512}, "model"),
+    # a training step's forward and backward (the update eager, not run): the driver's graphs, and what they launch
+    "model-step": ({"compile": "default", "compile_scope": "model"}, "step"),
+    "layers-step": ({"compile": "default", "compile_scope": "layers"}, "step"),
+    "fp8-delayed-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                 "fp8_recipe": "delayed", "static_tokens": 512}, "step"),
+    "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                    "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }
+H100_TB_S = 3.35  # an H100 SXM's memory bandwidth: GB / (TB/s) = ms
+
 # rows that fail on torch 2.11 by design (the GPUs' failure, reproduced here) or for a limit of the fake (fake_h100):
 # they do not make the exit status non-zero
 EXPECTED_TO_FAIL = ("flat-update-cast-in-graph", "tensors-update")
@@ -98,9 +110,14 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                 lengths.append(min(left, 128 + 97 * len(lengths) % 385))
                 left -= lengths[-1]
             batch = random_batch(tuple(lengths), seed=0, vocab_size=model.config.vocab_size).to(device)
+            fake_h100.LAUNCHES.reset()  # what this target's graphs launch, without the batch's making
             if what == "model":
                 with torch.no_grad():
                     model(batch)
+            elif what == "step":
+                if not fake_h100.backward_ready():
+                    raise RuntimeError("a backward needs the stand-ins of fake_h100.native_env in the environment")
+                model(batch).loss.backward()
             else:
                 for param in model.parameters():  # the backward's gradients, in metadata only
                     param.grad = torch.zeros_like(param)
@@ -108,13 +125,19 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                 # compiles the graph every later step runs (cast-in-graph: step's eager cast runs too, and the
                 # graph casts again, as before)
                 opt.step()
+                fake_h100.LAUNCHES.reset()  # what each later step launches
                 opt.step()
         row.update(compiled=True, error=None, where=None)
     except Exception as e:  # the row says what failed and where; the table goes on
         row.update(compiled=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}",
                    where=innermost(traceback.format_exc()))
+    launched = fake_h100.LAUNCHES
     row.update(seconds=round(time.perf_counter() - start, 1), triton_kernels=metrics.generated_kernel_count,
-               graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()))
+               graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+               triton_launches=launched.triton, triton_gb=round(launched.triton_gb, 3),
+               triton_ms=round(launched.triton_gb / H100_TB_S, 2),
+               unestimated_launches=launched.unestimated, library_calls=dict(launched.library),
+               top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)})
     return row
 
 
@@ -122,7 +145,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--bert-config", default="large")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens in the one batch (the graphs are dynamic)")
+    p.add_argument("--tokens", type=int, default=24576, help="tokens in the one batch (a multiple of 512)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per target")
     p.add_argument("--json", default=str(ROOT / "results" / "bench" / "gpu_compile.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # a target in this process (the parent's child)
@@ -136,11 +159,13 @@ def main() -> int:
     if why:
         print(f"gpu_compile: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
+    # the stand-ins a backward needs (fake_h100.native_env), built once for every target's process
+    native = fake_h100.native_env(Path(tempfile.gettempdir()) / "fake_h100")
     rows = []
     for name in args.targets:
         with tempfile.TemporaryDirectory() as cache:  # a cold compile, as on a bare device machine
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                   "PYTHONPATH": str(ROOT)}
+                   "PYTHONPATH": str(ROOT), **native}
             try:
                 done = subprocess.run([sys.executable, __file__, "--one", name, "--bert-config", args.bert_config,
                                        "--tokens", str(args.tokens)], capture_output=True, text=True, env=env,
@@ -152,8 +177,10 @@ def main() -> int:
                 row = {"target": name, "compiled": False, "error": f"over --timeout {args.timeout} s"}
         rows.append(row)
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
+        launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms"
+                    if row.get("triton_launches") else f"{'':33}")
         print(f"{row['target']:28} {'compiled' if row['compiled'] else 'FAILED':9} {graphs!s:>2} graphs "
-              f"{row.get('graph_breaks', '-')!s:>2} breaks {kernels!s:>4} kernels {seconds!s:>5} s  "
+              f"{row.get('graph_breaks', '-')!s:>2} breaks {kernels!s:>4} kernels {seconds!s:>5} s {launched}  "
               f"{row.get('error') or ''}")
         if row.get("where"):
             print(f"{'':28} at {row['where']}")

@@ -47,6 +47,14 @@ def clip_after_allreduce(params: Iterable[torch.nn.Parameter], max_norm: float) 
     return torch.nn.utils.clip_grad_norm_(list(params), max_norm, foreach=True)
 
 
+def clip_factor(grad: Tensor, max_norm: float) -> Tensor:
+    """What `clip_after_allreduce` would multiply the one gradient `grad` by, as torch's clip_grad_norm_ computes it
+    (min(1, max_norm / (norm + 1e-6))), without multiplying: the flat update folds it into its read of the gradient
+    (bert.optim.flat.lamb_rows)."""
+    norm = torch.nn.utils.get_total_norm([grad], 2.0, foreach=True)
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 def clip_shards_(shard: Tensor, max_norm: float, group: dist.ProcessGroup | None = None) -> None:
     """`clip_after_allreduce` where each rank holds a shard of the averaged gradient (weight-update sharding): the
     global norm from one allreduce of the shards' squared norms (float64), then the shard scaled in place as

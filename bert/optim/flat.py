@@ -12,6 +12,14 @@ gradients are each one buffer of shape [rows, CHUNK], each tensor padded with ze
 plus the gradients' cast up and the weights' copy back, one flat pass each (bert.optim.master). The padding
 stays zero: g = 0 there, so m = v = 0, u = 0 / (0 + eps) + wd 0 = 0, and p does not move.
 
+The passes cover every param group's rows at once: a tensor's LR and trust ratio come from its group, a row's
+bias corrections and weight decay from its tensor's (`RowStep`), so the groups must share betas and eps and decay
+by one weight decay or none (decay_groups' two do). One pass, not one per group: compiled for an H100
+(bench/gpu_compile.py on the fake GPU), a group's in-place update of its slice of the buffers became new buffers
+and copies back into them, and the step moved 31.6 GB in 13 kernels; over whole buffers it moves 14.1 GB in 7
+(BERT-large). The `after` clip's factor is applied as the gradient is read (`grad_factor`), not in a pass of
+its own that writes the gradient back.
+
 The arithmetic per element is Lamb's, op for op (bias corrections, lerp, addcmul, sqrt, the found_inf skip);
 only the norms sum in another order, so the weights agree with Lamb's within fp32 rounding, not bit for bit
 (tests/test_flat_lamb.py).
@@ -130,35 +138,67 @@ def local_norms(p_squares: Tensor, u_squares: Tensor, part: _Part) -> tuple[Tens
 RowNorms = Callable[[Tensor, Tensor, _Part], tuple[Tensor, Tensor]]
 
 
-def lamb_rows(p: Tensor, g: Tensor, m: Tensor, v: Tensor, t: Tensor, group: dict, part: _Part,
-              found_inf: Tensor | None, norms: RowNorms = local_norms) -> None:
-    """One LAMB update, in place, of a group's rows ([rows, chunk] views of the weights, gradients and moments),
-    `t` its device update count; `norms` completes each tensor's norms from these rows' sums of squares (the
-    sharded masters add other ranks' rows: bert.optim.sharded_master)."""
-    b1, b2 = group["betas"]
-    lr = torch.as_tensor(group["lr"], device=p.device)
+@dataclass(frozen=True)
+class RowStep:
+    """One update's settings for a block of rows: the betas and eps, shared; the LR and whether the trust ratio
+    applies (a weight decay that is not 0), each one for the block or per tensor ([k]); the weight decay, one
+    float, applied to the rows `decayed_rows` marks ([rows, 1] bool; None: every row); the bias corrections, one
+    for the block or per row ([rows, 1]); `take`, found_inf == 0 (None: no fp16 skip)."""
+
+    b1: float
+    b2: float
+    eps: float
+    lr: Tensor
+    trusted: Tensor | bool
+    weight_decay: float
+    decayed_rows: Tensor | None
+    c1: Tensor
+    sqrt_c2: Tensor
+    take: Tensor | None
+
+
+def count_step(t: Tensor, found_inf: Tensor | None) -> Tensor:
+    """Advance a group's update count `t` in place (not on an overflowed step); the count its bias corrections use."""
     if found_inf is None:
-        t.add_(1)
-        corrected = t
-        m.lerp_(g, 1.0 - b1)
-        v.mul_(b2)
+        return t.add_(1)
+    t.add_((found_inf == 0).float())
+    return t.clamp(min=1)  # a first step skipped leaves t = 0; m = v = 0 then, and the update is 0
+
+
+def group_step(group: dict, t: Tensor, found_inf: Tensor | None) -> RowStep:
+    """A param group's RowStep, its count `t` advanced: every setting one for its rows."""
+    b1, b2 = group["betas"]
+    c1, sqrt_c2 = _bias_corrections(b1, b2, count_step(t, found_inf))
+    take = None if found_inf is None else found_inf == 0
+    lr = torch.as_tensor(group["lr"], device=t.device)
+    return RowStep(b1, b2, group["eps"], lr if take is None else lr * take, group["weight_decay"] != 0.0,
+                   group["weight_decay"], None, c1, sqrt_c2, take)
+
+
+def lamb_rows(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: RowStep, part: _Part,
+              norms: RowNorms = local_norms, grad_factor: Tensor | None = None) -> None:
+    """One LAMB update, in place, of a block of rows ([rows, chunk] views of the weights, gradients and moments)
+    with the settings `s`; `norms` completes each tensor's norms from these rows' sums of squares (the sharded
+    masters add other ranks' rows: bert.optim.sharded_master). `grad_factor` (the `after` clip's) multiplies the
+    gradient: compiled, as it is read, so the buffer is neither written nor read again; eager, in place."""
+    if grad_factor is not None:
+        g = g * grad_factor if torch.compiler.is_compiling() else g.mul_(grad_factor)
+    if s.take is None:
+        m.lerp_(g, 1.0 - s.b1)
+        v.mul_(s.b2)
     else:  # Lamb's skip without a host sync: every factor that moves a value is 0 where found_inf is 1
-        take = found_inf == 0
-        t.add_(take.float())
-        corrected = t.clamp(min=1)
-        m.lerp_(g, torch.where(take, 1.0 - b1, 0.0))
-        v.mul_(torch.where(take, b2, 1.0))
-        lr = lr * take
-    v.addcmul_(g, g, value=1.0 - b2)
-    c1, sqrt_c2 = _bias_corrections(b1, b2, corrected)
-    update = m / (v.sqrt() / sqrt_c2 + group["eps"]) / c1
-    if group["weight_decay"] != 0.0:
-        update = update.add(p, alpha=group["weight_decay"])
-        p_norm, u_norm = norms(p.square().sum(1), update.square().sum(1), part)
-        trust = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
-        p.add_(update * (-lr * trust)[part.owner][:, None])
-    else:
-        p.add_(update * -lr)
+        m.lerp_(g, torch.where(s.take, 1.0 - s.b1, 0.0))
+        v.mul_(torch.where(s.take, s.b2, 1.0))
+    v.addcmul_(g, g, value=1.0 - s.b2)
+    update = m / (v.sqrt() / s.sqrt_c2 + s.eps) / s.c1
+    if s.trusted is False:  # no weight decay anywhere: Lamb applies no trust ratio
+        p.add_(update * -s.lr)
+        return
+    decayed = update.add(p, alpha=s.weight_decay)
+    update = decayed if s.decayed_rows is None else torch.where(s.decayed_rows, decayed, update)
+    p_norm, u_norm = norms(p.square().sum(1), update.square().sum(1), part)
+    trust = torch.where(s.trusted & (p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
+    p.add_(update * (-s.lr * trust)[part.owner][:, None])
 
 
 class FlatLamb(Lamb):
@@ -179,18 +219,36 @@ class FlatLamb(Lamb):
                                               self.layout.views(self.exp_avg_sq, shapes))))
         # False: `step` first copies each tensor's .grad into `grad_views`; MasterWeights writes them there itself
         self.grads_in_place = False
-        self.parts: list[_Part | None] = []  # None for an empty group
-        starts, counts, i = self.layout.starts, self.layout.counts, 0
-        for group in self.param_groups:
-            k = len(group["params"])
-            device, rows = self.weights.device, counts[i:i + k]
-            ends = list(itertools.accumulate(rows))
-            owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(rows, dtype=torch.int64,
-                                                                                         device=device),
-                                            output_size=sum(rows))  # known here: no host read of the rows back
-            self.parts.append(_Part(starts[i], starts[i] + ends[-1], torch.tensor([0, *ends[:-1]], device=device),
-                                    torch.tensor(ends, device=device), owner) if k else None)
-            i += k
+        self._one_pass_settings()
+
+    def _one_pass_settings(self) -> None:
+        """What one pass over every row needs (module doc): each tensor's rows and group, and which rows decay.
+        The groups must share betas and eps, and decay by one weight decay or none (decay_groups' two groups do)."""
+        groups = [g for g in self.param_groups if g["params"]]
+        if len({(tuple(g["betas"]), g["eps"]) for g in groups}) > 1 or \
+                len({g["weight_decay"] for g in groups} - {0.0}) > 1:
+            raise ValueError("OPTIMIZER_LAYOUT=flat updates every group in one pass: the groups must share betas "
+                             "and eps, and have one weight decay or none")
+        device, counts = self.weights.device, self.layout.counts
+        ends = list(itertools.accumulate(counts))
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                        torch.tensor(counts, dtype=torch.int64, device=device),
+                                        output_size=ends[-1])  # known here: no host read of the rows back
+        self.whole = _Part(0, ends[-1], torch.tensor([0, *ends[:-1]], device=device), torch.tensor(ends, device=device),
+                           owner)
+        # per tensor: its group (among the groups with tensors) and whether its trust ratio applies
+        group_of = [i for i, g in enumerate(groups) for _ in g["params"]]
+        self.tensor_group = torch.tensor(group_of, device=device)
+        decays = [g["weight_decay"] != 0.0 for g in groups]
+        self.trusted: Tensor | bool = decays[0] if len(set(decays)) == 1 else \
+            torch.tensor([decays[i] for i in group_of], device=device)
+        self.row_group = self.tensor_group[owner]
+        self.decayed_rows = self.trusted[owner][:, None] if torch.is_tensor(self.trusted) else None
+        self.weight_decay = max(g["weight_decay"] for g in groups)
+        self._settings = self._group_settings()
+
+    def _group_settings(self) -> list[tuple]:
+        return [(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in self.param_groups if g["params"]]
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -201,13 +259,26 @@ class FlatLamb(Lamb):
             if not check_every_gradient(params):
                 return
             torch._foreach_copy_(self.grad_views, [p.grad for p in params])
-        found_inf = getattr(self, "found_inf", None)  # set under fp16 by bert.optim.master (bert.optim.lamb's doc)
-        for group, part in zip(self.param_groups, self.parts):
-            if part is not None:
-                self._update_rows(group, part, found_inf)
+        self.update(getattr(self, "found_inf", None))  # set under fp16 by bert.optim.master (bert.optim.lamb's doc)
 
-    def _rows(self, flat: Tensor, part: _Part) -> Tensor:
-        return flat[part.first * self.layout.chunk:part.last * self.layout.chunk].view(-1, self.layout.chunk)
+    def update(self, found_inf: Tensor | None = None, grad_factor: Tensor | None = None) -> None:
+        """Every group's rows in one pass (module doc), from the flat gradient times `grad_factor` (MasterWeights'
+        `after` clip, folded in). One pass, not one per group: compiled, an in-place update of a slice of a buffer
+        became a new buffer and a copy back into it, about twice the memory traffic of the update itself."""
+        if self._group_settings() != self._settings:  # a group's betas, eps or weight decay changed since
+            self._one_pass_settings()
+        groups = [g for g in self.param_groups if g["params"]]
+        b1, b2 = groups[0]["betas"]
+        counts = torch.stack([count_step(self._counter(g), found_inf) for g in groups])
+        c1, sqrt_c2 = _bias_corrections(b1, b2, counts)
+        lr = torch.stack([torch.as_tensor(g["lr"], dtype=torch.float32, device=self.weights.device) for g in groups])
+        take = None if found_inf is None else found_inf == 0
+        step = RowStep(b1, b2, groups[0]["eps"], (lr if take is None else lr * take)[self.tensor_group],
+                       self.trusted, self.weight_decay, self.decayed_rows, c1[self.row_group][:, None],
+                       sqrt_c2[self.row_group][:, None], take)
+        p, g, m, v = (flat.view(-1, self.layout.chunk) for flat in (self.weights, self.grad, self.exp_avg,
+                                                                    self.exp_avg_sq))
+        lamb_rows(p, g, m, v, step, self.whole, grad_factor=grad_factor)
 
     def _counter(self, group: dict) -> Tensor:
         """The group's update count, one fp32 device tensor shared by its tensors' states (Lamb's layout), which
@@ -219,10 +290,6 @@ class FlatLamb(Lamb):
                 m, v = self._moments[p]
                 self.state[p].update(step=t, exp_avg=m, exp_avg_sq=v)
         return self.state[params[0]]["step"]
-
-    def _update_rows(self, group: dict, part: _Part, found_inf: Tensor | None) -> None:
-        p, g, m, v = (self._rows(flat, part) for flat in (self.weights, self.grad, self.exp_avg, self.exp_avg_sq))
-        lamb_rows(p, g, m, v, self._counter(group), group, part, found_inf)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load (per tensor, as Lamb's), then the moments copied into the flat buffers and the states

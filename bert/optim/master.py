@@ -68,7 +68,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch import Tensor
 
-from bert.dist.clip import clip_after_allreduce
+from bert.dist.clip import clip_after_allreduce, clip_factor
 from bert.optim.flat import FlatLayout, check_every_gradient, move_into
 from bert.optim.lamb import Lamb
 
@@ -108,7 +108,6 @@ class MasterWeights(torch.optim.Optimizer):
         self.layout: FlatLayout | None = getattr(self.inner, "layout", None)
         self.low = move_into(self.params, self.layout, compute_dtype) if self.layout else None
         if self.layout:
-            self.inner.weights.grad = self.inner.grad  # the `after` clip's norm over the one flat gradient
             self.inner.grads_in_place = True  # `step` casts the gradients into its `grad_views`
         self.clip_after = clip_after
         self.compute_dtype = compute_dtype
@@ -164,9 +163,9 @@ class MasterWeights(torch.optim.Optimizer):
             if found_inf is not None:
                 flat.masked_fill_(found_inf != 0, 0.0)  # inf x 0 would be NaN in the inner update's "x 0"
         if self.layout:  # the inner FlatLamb reads its one flat gradient: no per-tensor .grad (~400 host setattrs)
-            if self.clip_after is not None:  # the norm of the one buffer (its padding is zero)
-                clip_after_allreduce([self.inner.weights], self.clip_after)
-            self.inner.step()  # reads `found_inf`, set by `step`
+            # the clip's factor from the norm of the one buffer (its padding is zero), applied as the update reads it
+            factor = None if self.clip_after is None else clip_factor(self.inner.grad, self.clip_after)
+            self.inner.update(found_inf, factor)
             self.low.copy_(self.inner.weights)
             return
         for m, g in zip(masters, grads):

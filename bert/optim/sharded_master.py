@@ -73,7 +73,7 @@ from torch import Tensor
 from bert.dist.clip import clip_shards_
 from bert.dist.hierarchical import Pending
 from bert.dist.shard_plan import FlatPlan, ShardPlan
-from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, lamb_rows, tensor_sums64
+from bert.optim.flat import CHUNK, FlatLayout, _Part, check_every_gradient, group_step, lamb_rows, tensor_sums64
 from bert.optim.master import COMPUTE_DTYPES, data_swapped
 
 Groups = list[dict]
@@ -313,7 +313,7 @@ class ShardedMasters(torch.optim.Optimizer):
         for group, part, t in zip(self.param_groups, self.parts, self.counters):
             if part is not None:
                 p, g, m, v = (self._shard(b, part) for b in (self.masters, self.grad, self.exp_avg, self.exp_avg_sq))
-                lamb_rows(p, g, m, v, t, group, part, found_inf, self._norms)
+                lamb_rows(p, g, m, v, group_step(group, t, found_inf), part, self._norms)
         self.stepped = True
         self._mine(self.low).copy_(self.masters.view(self.blocks, self.rows, -1))
         # In place, this rank's slice of each block the input; in the model's order, as the next forward reads them.
