@@ -89,15 +89,25 @@ class Launches:
     triton_gb: float = 0.0
     unestimated: int = 0  # Triton launches without an estimate (inductor makes none for a foreach kernel)
     library: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # aten ops run outside Triton kernels and library calls: a compiled graph's fallbacks (flash attention, a
+    # foreach norm) and eager code's ops, by name (views and allocations, which launch nothing, left out)
+    aten: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    aten_gb: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
+    in_triton: bool = False
 
     def reset(self) -> None:
         self.triton, self.triton_gb, self.unestimated = 0, 0.0, 0
         self.library.clear()
+        self.aten.clear()
+        self.aten_gb.clear()
         self.gb_by_kernel.clear()
 
 
 LAUNCHES = Launches()
+NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
+                "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::sym_size",
+                "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size"}
 
 
 def native_env(where: Path) -> dict[str, str]:
@@ -144,7 +154,20 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
     from triton.backends.nvidia.driver import ty_to_cpp
     from triton.runtime import driver as active_driver
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    class CountingFakeTensorMode(FakeTensorMode):
+        """Counts what it runs in LAUNCHES.aten: this mode's ops only, not those of a compile's own fake mode."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            name = func.name()
+            if not (func.is_view or LAUNCHES.in_triton or name.split(".")[0] in NOT_LAUNCHED) and \
+                    name.startswith(("aten::", "prims::")):
+                tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
+                LAUNCHES.aten[name] += 1
+                LAUNCHES.aten_gb[name] += sum(t.nbytes for t in tensors) / 1e9  # each tensor it takes or makes
+            return out
+
+    mode = CountingFakeTensorMode(allow_non_fake_inputs=True)
     h100 = hints.DeviceProperties(type="cuda", index=0, multi_processor_count=SMS, cc=CC[0] * 10 + CC[1], major=CC[0],
                                   regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
                                   max_threads_per_block=1024, warp_size=32)
@@ -222,7 +245,11 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
             LAUNCHES.triton_gb += gb or 0.0
             LAUNCHES.unestimated += gb is None
             LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0
-        return real_run(autotuner, *args, stream=stream, benchmark_run=benchmark_run, **kwargs)
+        LAUNCHES.in_triton = True  # a first launch autotunes: its copies of the mutated arguments are not the step's
+        try:
+            return real_run(autotuner, *args, stream=stream, benchmark_run=benchmark_run, **kwargs)
+        finally:
+            LAUNCHES.in_triton = False
 
     triton_heuristics.CachingAutotuner.run = run
     benchmarking.benchmarker.benchmark_gpu = lambda *a, **k: 1.0

@@ -137,6 +137,8 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                triton_launches=launched.triton, triton_gb=round(launched.triton_gb, 3),
                triton_ms=round(launched.triton_gb / H100_TB_S, 2),
                unestimated_launches=launched.unestimated, library_calls=dict(launched.library),
+               aten_calls=dict(launched.aten.most_common()),
+               aten_gb={k: round(v, 3) for k, v in launched.aten_gb.most_common()},
                top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)})
     return row
 

@@ -1,7 +1,8 @@
 """bench/gpu_compile.py on the fake H100 (bench/fake_h100.py): inductor's GPU path compiles the driver's flat LAMB
 update into a few kernels, and the graph the H100 and H200 failed on (the gradients' cast inside it, inductor's own
 options) fails here as it failed there (torch 2.11: `reorder_loops_by_dep_pair`), which shows the fake reaches the GPU
-scheduler. Needs torch's CUDA build and Triton (`bash scripts/test_torch.sh 2.11.0`); skips in the CPU install."""
+scheduler; a training step's backward compiles too, and what the graphs launch is counted. Needs torch's CUDA build,
+Triton and a C compiler (`bash scripts/test_torch.sh 2.11.0`); skips in the CPU install."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_f
                            "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = {r["target"]: r for r in json.loads(out.read_text())["rows"]}
+    # one step (the second) over every group's rows at once, with the clip's factor folded in: the moments' pass and
+    # the weights' pass (which writes the model's bf16 copy too), and a few tiny kernels for the norms; per group,
+    # each slice's in-place update became a new buffer and a copy back (13 launches, 2.2x the bytes)
+    assert rows["flat-update"]["triton_launches"] <= 8, rows["flat-update"]
     # two graphs (the first step's, which makes the state, and every later step's), no break, each a few passes over
     # whole buffers: the gradients are cast into the flat buffer before the graph (MasterWeights.step), where inside
     # it each tensor took a temporary and a copy back (51 kernels a graph for BERT tiny, 317 for large)
@@ -34,6 +39,30 @@ def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_f
     in_graph = rows["flat-update-cast-in-graph"]
     if torch.__version__.startswith("2.11."):  # the release the device machines run, which failed on them
         assert not in_graph["compiled"] and "reorder_loops_by_dep_pair" in in_graph["where"], in_graph
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
+def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_once_for_its_amax(tmp_path):
+    """The forward and backward of a step, per layer, in bf16 and with delayed float8: every GEMM of the backward
+    is launched (float8: the forward's, dgrad's and wgrad's of each encoder linear), and the amaxes do not cost
+    passes of their own (bert.model.fp8_delayed.record_amax: by rows, beside the casts)."""
+    out, wide = tmp_path / "gpu_compile.json", tmp_path / "wide.json"
+    # BERT-large's layers, two of them, and a small vocabulary: the layers' tensors, not the MLM head's, make the bytes
+    layers = 2
+    wide.write_text(json.dumps({"hidden_size": 1024, "num_hidden_layers": layers, "num_attention_heads": 16,
+                                "intermediate_size": 4096, "vocab_size": 1024}))
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--targets", "layers-step",
+                           "fp8-delayed-layers-step", "--bert-config", str(wide), "--tokens", "4096", "--json",
+                           str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = {r["target"]: r for r in json.loads(out.read_text())["rows"]}
+    bf16, fp8 = rows["layers-step"], rows["fp8-delayed-layers-step"]
+    assert bf16["compiled"] and bf16["graph_breaks"] == 0, bf16  # the fake's own QKV-split break is gone
+    assert fp8["library_calls"]["_scaled_mm"] == 3 * 4 * layers, fp8
+    assert sum(bf16["library_calls"].values()) >= 3 * 4 * layers, bf16
+    # torch 2.11: 1.57x bf16's bytes (the casts, their transposed copies); 1.81x with each amax a reduction of the
+    # whole tensor, a pass of its own
+    assert fp8["triton_gb"] < 1.7 * bf16["triton_gb"], (fp8["triton_gb"], bf16["triton_gb"])
 
 
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
