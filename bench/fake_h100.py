@@ -46,7 +46,9 @@ import collections
 import dataclasses
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
 import types
 from pathlib import Path
 
@@ -112,17 +114,26 @@ NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten:
 
 def native_env(where: Path) -> dict[str, str]:
     """Build the runtime shim and the driver stub under `where` (cc) and return the variables a child process needs to
-    load them; with those set, `install` compiles backward graphs too."""
+    load them; with those set, `install` compiles backward graphs too. Built in a directory of their own and renamed
+    into place whole, so a process building beside another never sees half a build."""
     built = Path(where) / hashlib.sha256((RUNTIME_SHIM + DRIVER_STUB).encode()).hexdigest()[:12]
-    for name, source in (("libcudart_shim.so", RUNTIME_SHIM), ("libcuda.so.1", DRIVER_STUB)):
-        if not (built / name).exists():
-            built.mkdir(parents=True, exist_ok=True)
-            (built / f"{name}.c").write_text(source)
-            tmp = built / f"{name}.{os.getpid()}"  # two processes may build at once
-            subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(tmp), str(built / f"{name}.c")], check=True,
-                           capture_output=True, text=True)
-            tmp.rename(built / name)
-    return {"LD_PRELOAD": str(built / "libcudart_shim.so"),
+    libraries = {"libcudart_shim.so": RUNTIME_SHIM, "libcuda.so.1": DRIVER_STUB}
+    if not all((built / name).exists() for name in libraries):
+        Path(where).mkdir(parents=True, exist_ok=True)
+        fresh = Path(tempfile.mkdtemp(dir=where))
+        for name, source in libraries.items():
+            (fresh / f"{name}.c").write_text(source)
+            subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(fresh / name), str(fresh / f"{name}.c")],
+                           check=True, capture_output=True, text=True)
+        try:
+            fresh.rename(built)
+        except OSError:  # another process's build is in place already (or a broken one: removed, ours taken)
+            if not all((built / name).exists() for name in libraries):
+                shutil.rmtree(built, ignore_errors=True)
+                fresh.rename(built)
+            else:
+                shutil.rmtree(fresh, ignore_errors=True)
+    return {"LD_PRELOAD": " ".join(filter(None, [str(built / "libcudart_shim.so"), os.environ.get("LD_PRELOAD")])),
             "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(built), os.environ.get("LD_LIBRARY_PATH")]))}
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,7 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                     model(batch)
             elif what == "step":
                 if not fake_h100.backward_ready():
-                    raise RuntimeError("a backward needs the stand-ins of fake_h100.native_env in the environment")
+                    raise RuntimeError("a backward needs fake_h100.native_env's stand-ins (a C compiler, cc)")
                 model(batch).loss.backward()
             else:
                 for param in model.parameters():  # the backward's gradients, in metadata only
@@ -161,8 +162,10 @@ def main() -> int:
     if why:
         print(f"gpu_compile: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
-    # the stand-ins a backward needs (fake_h100.native_env), built once for every target's process
-    native = fake_h100.native_env(Path(tempfile.gettempdir()) / "fake_h100")
+    # the stand-ins a backward needs (fake_h100.native_env), built once for every target's process; without a C
+    # compiler the step targets fail, each saying so
+    native = fake_h100.native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}") \
+        if shutil.which("cc") else {}
     rows = []
     for name in args.targets:
         with tempfile.TemporaryDirectory() as cache:  # a cold compile, as on a bare device machine

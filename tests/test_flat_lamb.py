@@ -205,6 +205,42 @@ def test_used_alone_it_is_lamb_on_the_parameters_gradients():
     assert all((a - w).abs().max() > 0.1 for a, w in zip(flat_params, weights))
 
 
+@pytest.mark.parametrize("decays", [(0.1, 0.0), (0.0, 0.0), (0.1, 0.1)], ids=["one-decays", "none", "both"])
+def test_each_row_takes_its_own_groups_lr_and_update_count(decays):
+    """One pass over every group's rows (rows of 8): the groups' LRs differ (0.05, 0.01) and so do their update
+    counts (3 and 2: a Lamb checkpoint whose second group once had no gradient), so each tensor must take its own
+    group's LR and each row its own group's bias corrections; weight decay in one group, in none or in both."""
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 7), torch.randn(3), torch.randn(4, 4)]
+
+    def groups(ps: list[torch.Tensor]) -> list[dict]:
+        return [{"params": ps[:1], "weight_decay": decays[0], "lr": torch.tensor(0.05)},
+                {"params": ps[1:], "weight_decay": decays[1], "lr": torch.tensor(0.01)}]
+
+    def gradients(ps: list[torch.Tensor], k: int, skip_second: bool = False) -> None:
+        for i, t in enumerate(ps):
+            t.grad = None if skip_second and i > 0 else torch.randn(t.shape, generator=torch.Generator().manual_seed(k))
+
+    first = Lamb(groups(weights), lr=torch.tensor(0.1), betas=(0.8, 0.9), capturable=True)
+    for k in range(3):
+        gradients(weights, k, skip_second=k == 0)
+        first.step()
+    saved = first.state_dict()
+    assert sorted(float(s["step"]) for s in saved["state"].values()) == [2.0, 2.0, 3.0]
+    flat_params, ref_params = ([w.detach().clone() for w in weights] for _ in range(2))
+    flat = FlatLamb(groups(flat_params), lr=torch.tensor(0.1), betas=(0.8, 0.9), chunk=ROW)
+    ref = Lamb(groups(ref_params), lr=torch.tensor(0.1), betas=(0.8, 0.9), capturable=True)
+    flat.load_state_dict(saved)
+    ref.load_state_dict(saved)
+    for k in range(3, 6):
+        gradients(flat_params, k)
+        gradients(ref_params, k)
+        flat.step()
+        ref.step()
+        assert all((a - b).abs().max() < 1e-6 for a, b in zip(flat_params, ref_params))
+    assert all((a - w).abs().max() > 1e-3 for a, w in zip(flat_params, weights))
+
+
 def test_an_empty_state_loads_as_a_fresh_one():
     model, opt, schedule = build("flat")
     fresh = opt.state_dict()

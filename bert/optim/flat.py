@@ -7,7 +7,7 @@ gradients are each one buffer of shape [rows, CHUNK], each tensor padded with ze
 
     pass 1, over the rows   m and v updated, u formed, and each row's sums of p^2 and u^2
     per tensor              its rows' sums added (a float64 running sum: a fixed order), trust r = ||p|| / ||u||
-    pass 2, pointwise       p = p - lr r u, r gathered by the row's tensor (u formed again, not stored)
+    pass 2, pointwise       p = p - lr r u, r gathered by the row's tensor
 
 plus the gradients' cast up and the weights' copy back, one flat pass each (bert.optim.master). The padding
 stays zero: g = 0 there, so m = v = 0, u = 0 / (0 + eps) + wd 0 = 0, and p does not move.
@@ -107,8 +107,9 @@ def check_every_gradient(params: Sequence[Tensor], remedy: str = "use OPTIMIZER_
 
 @dataclass(frozen=True)
 class _Part:
-    """One param group's share of the buffers: rows [first, last); per tensor of the group, where its rows begin
-    and end (relative to `first`); per row, the tensor it holds."""
+    """A block of the buffers' rows, [first, last) (FlatLamb's: every row; the sharded masters': a group's share of a
+    rank's rows); per tensor of the block, where its rows begin and end (relative to `first`); per row, the tensor
+    (its index in the block) it holds."""
 
     first: int
     last: int
@@ -192,7 +193,7 @@ def lamb_rows(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: RowStep, part: _Par
     v.addcmul_(g, g, value=1.0 - s.b2)
     update = m / (v.sqrt() / s.sqrt_c2 + s.eps) / s.c1
     if s.trusted is False:  # no weight decay anywhere: Lamb applies no trust ratio
-        p.add_(update * -s.lr)
+        p.add_(update * (-s.lr if s.lr.dim() == 0 else -s.lr[part.owner][:, None]))
         return
     decayed = update.add(p, alpha=s.weight_decay)
     update = decayed if s.decayed_rows is None else torch.where(s.decayed_rows, decayed, update)
