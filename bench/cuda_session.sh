@@ -114,6 +114,10 @@ declare -A DRIVERS=(
   # the same per layer (COMPILE_SCOPE=layers: one graph shared by the 24 layers) and the update eager: the float8 model
   # compiled for 202 s as one graph on the H200, and the update 160 s, from cold; against driver-compiled-layers
   [fp8-delayed-layers]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0 --window-steps 60"
+  # the candidate fastest: float8 per layer with the one-pass flat update compiled (7 kernels, 14.1 GB a step on the
+  # fake H100: bench/gpu_compile.py), the layer's graph from fp8-delayed-layers' cache and the update's from
+  # compiled-flat's when they ran before it
+  [fp8-delayed-layers-flat]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0 --window-steps 60"
   [fp8-eager]="--precision fp8 --static-tokens 512 --compile off --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # float8 only where fp8-linear finds it pays: the FFN (and QKV); the 1024 x 1024 attention output stays bf16
   [fp8-ffn]="--precision fp8 --static-tokens 512 --compile default --env FP8_LINEARS=ffn --bench-repeats 0"

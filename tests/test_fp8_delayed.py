@@ -174,20 +174,26 @@ def test_a_bf16_model_trains_close_to_bf16_and_compiles():
     assert losses[2] == losses[1] and amaxes[2] == amaxes[1] and not set(amaxes[1]) & set(START.values())
 
 
-def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synthetic_data, tmp_path):
+@pytest.mark.parametrize("build", [{}, {"optimizer_layout": "flat", "compile_optimizer": True, "compile": "debug",
+                                         "compile_scope": "layers"}], ids=["eager", "layers-flat"])
+def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synthetic_data, tmp_path, build):
     """`build_run` as the driver builds PRECISION=fp8 FP8_RECIPE=delayed MASTER_WEIGHTS=1 (allowed on the CPU, whose
     `torch._scaled_mm` is real float8): the encoder's linears swapped, bf16 weights, fp32 masters; three steps
-    with finite losses that move the weights, and the amax buffers set by them."""
+    with finite losses that move the weights, and the amax buffers set by them. Eager, and as the GPU session's
+    candidate fastest run builds it (bench/cuda_session.sh fp8-delayed-layers-flat): per-layer graphs and the
+    compiled flat update (COMPILE=debug here: dynamo's capture, not inductor's code)."""
     from test_loop import make_run
 
     from bert.optim.master import MasterWeights
     from bert.train.loop import train_step
 
+    torch._dynamo.reset()
     run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
-                   static_tokens=128, attention="varlen" if torch.cuda.is_available() else "loop")
+                   static_tokens=128, attention="varlen" if torch.cuda.is_available() else "loop", **build)
     model = run.ddp.module
     swapped = [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
     assert len(swapped) == 4 * model.config.num_hidden_layers and isinstance(run.optimizer, MasterWeights)
+    assert (run.optimizer.layout is not None) == ("optimizer_layout" in build)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
     batches = iter(run.loader)
