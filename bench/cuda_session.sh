@@ -89,6 +89,9 @@ declare -A DRIVERS=(
   [compiled-layers]="--compile default --env COMPILE_SCOPE=layers --env COMPILE_OPTIMIZER=0 --bench-repeats 0"
   # inductor's coordinate-descent tuning of its own kernels' block sizes (LayerNorm, dropout, GELU: ~22 ms of the step)
   [compiled-cdt]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --bench-repeats 0"
+  # reductions not split into partial sums: the bias gradients' sums then fuse into the kernels that make their
+  # inputs (the fake H100: 62.0 GB and 315 launches a step instead of 66.8 and 489), if their fewer programs keep up
+  [compiled-nosplit]="--compile default --env COMPILE_OPTIMIZER=1 --env TORCHINDUCTOR_SPLIT_REDUCTIONS=0 --bench-repeats 0"
   # the training batches read in a child process: a reading thread holds the interpreter lock the step's Python
   # launches need (bench/loader_gil.py: launches 2.2x slower beside it on the CPU)
   [compiled-proc]="--compile default --env COMPILE_OPTIMIZER=1 --env LOADER_WORKER=process --bench-repeats 0"
