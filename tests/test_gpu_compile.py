@@ -45,7 +45,8 @@ def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_f
 def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_once_for_its_amax(tmp_path):
     """The forward and backward of a step, per layer, in bf16 and with delayed float8: every GEMM of the backward
     is launched (float8: the forward's, dgrad's and wgrad's of each encoder linear), and the amaxes do not cost
-    passes of their own (bert.model.fp8_delayed.record_amax: by rows, beside the casts)."""
+    passes of their own (bert.model.fp8_delayed.record_amax: by rows, beside the casts), nor the biases (added in
+    the scaled GEMMs' epilogue)."""
     out, wide = tmp_path / "gpu_compile.json", tmp_path / "wide.json"
     # BERT-large's layers, two of them, and a small vocabulary: the layers' tensors, not the MLM head's, make the bytes
     layers = 2
@@ -60,9 +61,9 @@ def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_on
     assert bf16["compiled"] and bf16["graph_breaks"] == 0, bf16  # the fake's own QKV-split break is gone
     assert fp8["library_calls"]["_scaled_mm"] == 3 * 4 * layers, fp8
     assert sum(bf16["library_calls"].values()) >= 3 * 4 * layers, bf16
-    # torch 2.11: 1.57x bf16's bytes (the casts, their transposed copies); 1.81x with each amax a reduction of the
-    # whole tensor, a pass of its own
-    assert fp8["triton_gb"] < 1.7 * bf16["triton_gb"], (fp8["triton_gb"], bf16["triton_gb"])
+    # torch 2.11: 1.44x bf16's bytes (the casts, their transposed copies); 1.57x with the bias added after the GEMM,
+    # 1.81x with that and each amax a reduction of the whole tensor, a pass of its own
+    assert fp8["triton_gb"] < 1.5 * bf16["triton_gb"], (fp8["triton_gb"], bf16["triton_gb"])
 
 
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
