@@ -88,7 +88,6 @@ class Launches:
     compiled wrappers call (cuBLAS GEMMs, scaled GEMMs) by name."""
 
     triton: int = 0
-    triton_gb: float = 0.0
     unestimated: int = 0  # Triton launches without an estimate (inductor makes none for a foreach kernel)
     library: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # aten ops run outside Triton kernels and library calls: a compiled graph's fallbacks (flash attention, a
@@ -98,12 +97,12 @@ class Launches:
     gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
     in_triton: bool = False
 
+    @property
+    def triton_gb(self) -> float:
+        return sum(self.gb_by_kernel.values())
+
     def reset(self) -> None:
-        self.triton, self.triton_gb, self.unestimated = 0, 0.0, 0
-        self.library.clear()
-        self.aten.clear()
-        self.aten_gb.clear()
-        self.gb_by_kernel.clear()
+        self.__init__()
 
 
 LAUNCHES = Launches()
@@ -118,7 +117,11 @@ def native_env(where: Path) -> dict[str, str]:
     into place whole, so a process building beside another never sees half a build."""
     built = Path(where) / hashlib.sha256((RUNTIME_SHIM + DRIVER_STUB).encode()).hexdigest()[:12]
     libraries = {"libcudart_shim.so": RUNTIME_SHIM, "libcuda.so.1": DRIVER_STUB}
-    if not all((built / name).exists() for name in libraries):
+
+    def complete() -> bool:
+        return all((built / name).exists() for name in libraries)
+
+    if not complete():
         Path(where).mkdir(parents=True, exist_ok=True)
         fresh = Path(tempfile.mkdtemp(dir=where))
         for name, source in libraries.items():
@@ -128,7 +131,7 @@ def native_env(where: Path) -> dict[str, str]:
         try:
             fresh.rename(built)
         except OSError:  # another process's build is in place already (or a broken one: removed, ours taken)
-            if not all((built / name).exists() for name in libraries):
+            if not complete():
                 shutil.rmtree(built, ignore_errors=True)
                 fresh.rename(built)
             else:
@@ -253,7 +256,6 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
         if not benchmark_run:
             gb = autotuner.inductor_meta.get("kernel_num_gb")
             LAUNCHES.triton += 1
-            LAUNCHES.triton_gb += gb or 0.0
             LAUNCHES.unestimated += gb is None
             LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0
         LAUNCHES.in_triton = True  # a first launch autotunes: its copies of the mutated arguments are not the step's

@@ -33,13 +33,6 @@ from bert.model.attention import resolve_backend
 from bert.model.compile import COMPILE_MODES, check_compile
 
 sys.path.insert(0, str(ROOT / "bench"))  # train_gpu.py imports bench/model.py
-
-
-def brought_back(out: Path) -> dict[str, bytes]:
-    """The compile caches a call brings back in `out`: its parts joined, the archive's files by name."""
-    joined = io.BytesIO(b"".join(p.read_bytes() for p in sorted(out.glob("compile_cache.tgz.part-*"))))
-    with tarfile.open(fileobj=joined) as archive:
-        return {m.name: archive.extractfile(m).read() for m in archive.getmembers() if m.isfile()}
 sys.path.insert(0, str(ROOT / "data"))
 model_bench = load_script("bench/model.py")
 train_gpu = load_script("bench/train_gpu.py")
@@ -50,6 +43,13 @@ fp8_linear = load_script("bench/fp8_linear.py")
 SCRIPT = ROOT / "bench" / "cuda_session.sh"
 STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-attention", "model-graphs", "model-optimizer",
          "host-syncs", "fp8-linear"]
+
+
+def brought_back(out: Path) -> dict[str, bytes]:
+    """The compile caches a call brings back in `out`: its parts joined, the archive's files by name."""
+    joined = io.BytesIO(b"".join(p.read_bytes() for p in sorted(out.glob("compile_cache.tgz.part-*"))))
+    with tarfile.open(fileobj=joined) as archive:
+        return {m.name: archive.extractfile(m).read() for m in archive.getmembers() if m.isfile()}
 
 
 def driver_names() -> list[str]:

@@ -6,9 +6,12 @@ Triton and a C compiler (`bash scripts/test_torch.sh 2.11.0`); skips in the CPU 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +77,20 @@ def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
     assert done.returncode == 2 and done.stdout.startswith(f"gpu_compile: {WHY};") and "test_torch.sh 2.11.0" in \
         done.stdout, done.stdout + done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_backwards_stand_ins_are_built_once_and_a_broken_build_is_replaced(tmp_path):
+    """fake_h100.native_env: the preloaded runtime shim reports one device; a second call reuses the build; a build
+    left incomplete (a process stopped in it) is replaced, not trusted."""
+    env = fake_h100.native_env(tmp_path)
+    shim = env["LD_PRELOAD"].split()[0]
+    count = ctypes.c_int(0)
+    assert ctypes.CDLL(shim).cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value == 1
+    built = Path(shim).parent
+    stamp = (built / "libcuda.so.1").stat().st_mtime_ns
+    assert fake_h100.native_env(tmp_path) == env and (built / "libcuda.so.1").stat().st_mtime_ns == stamp
+    (built / "libcuda.so.1").unlink()
+    assert fake_h100.native_env(tmp_path) == env and (built / "libcuda.so.1").exists()
+    assert str(built) in env["LD_LIBRARY_PATH"].split(":")
+
