@@ -48,14 +48,17 @@ REHEARSE_FLAGS=${REHEARSE_FLAGS:---bert-config tiny --attention loop --batchsize
 # under 30 s left is skipped. Set DEADLINE to the call's limit_s (budget_left_s for a last call). None in a rehearsal.
 DEADLINE=${DEADLINE:-580}
 SHARDS=${SHARDS:-/tmp/shards}
-# Each compiled driver keeps what it compiled (COMPILE_CACHE, bert/train/compile_cache.py) in $CACHES/<GPU>/<row>.bin:
-# from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on an H200, most of a driver
-# step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB parts: the tool returns no
-# file over 16 MiB); unpacked into .compile_cache/ here and carried (carry [".whl", ".compile_cache"]), they let the
-# next session's drivers skip code generation. Keyed by the GPU's name: torch keys them on the device anyway.
+# Each compiled driver keeps what it compiled (COMPILE_CACHE, bert/train/compile_cache.py) in
+# $CACHES/<GPU>/<row>.bin.gz: from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on
+# an H200, most of a driver step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB
+# parts: the tool returns no file over 16 MiB); unpacked into .compile_cache/ here and carried (carry [".whl",
+# ".compile_cache"]), they let the next session's drivers skip code generation. bench/gpu_cache.py writes the same
+# files on a CPU, for the code as it is now. Keyed by the GPU's name (CACHE_GPU overrides nvidia-smi's: gpu_cache.py's
+# dry run), as torch keys them on the device anyway.
 CACHES=${CACHES:-$PWD/.compile_cache}
 if [[ $REHEARSE == 1 ]]; then CACHES=$WORK/compile_cache; fi  # the CPU's artifacts stay out of the carried ones
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -c 'A-Za-z0-9\n' '_')
+GPU=$(printf '%s\n' "${CACHE_GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)}" |
+  tr -c 'A-Za-z0-9\n' '_')
 GPU=${GPU:-cpu}
 CONFIG=${CONFIG:-config_DGXH100_1x8x96x1.sh}
 mkdir -p "$WORK"
@@ -155,7 +158,7 @@ pack() {
 pack_caches() {
   [[ -d $CACHES ]] || return 0
   local files size limit parts=$OUT/.cache_parts
-  mapfile -t files < <(cd "$CACHES" && find . -name '*.bin' -newer "$WORK/.call_start")
+  mapfile -t files < <(cd "$CACHES" && find . -name '*.bin*' -newer "$WORK/.call_start")
   ((${#files[@]})) || return 0
   rm -rf "$parts" && mkdir -p "$parts" || return 0
   if ! tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}"; then
@@ -251,6 +254,7 @@ for name in "$@"; do
         fi
         nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
         python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+        python3 bench/gpu_cache.py --key
         PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"' ||
         { echo "cuda_session.sh: setup failed (the .whl/ wheels carried?): the steps after it would fail or fall back" >&2
           exit 2; }
@@ -307,7 +311,7 @@ for name in "$@"; do
         # CUDA graphs need the GPU: the rest of a graphs run (static shapes, the warm-up over buckets) compiles here
         flags="${flags//--compile reduce-overhead/--compile default} $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
       fi
-      if [[ $flags != *"--compile off"* ]]; then flags+=" --env COMPILE_CACHE=$CACHES/$GPU/$key.bin"; fi
+      if [[ $flags != *"--compile off"* ]]; then flags+=" --env COMPILE_CACHE=$CACHES/$GPU/$key.bin.gz"; fi
       # shellcheck disable=SC2086  # the flags are words
       step "$name" "$limit" python3 bench/train_gpu.py --config "$CONFIG" --gpus 1 --data "$SHARDS" $flags \
         --json "$WORK/train_gpu_${device}_$key.json" --keep "$WORK/$name" ;;

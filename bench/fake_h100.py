@@ -9,9 +9,9 @@ ptxas Triton ships. What needs the device is answered here instead:
 
 - device properties: an H100 SXM's (132 SMs, compute capability 9.0, 3.35 TB/s);
 - Triton's driver: a target of cuda/90, kernels "loaded" as handles of 0, launches that do nothing;
-- inductor's own launcher (it dlopens libcuda) is off, and so is a constant folding that runs kernels while
-  compiling (`constant_fold_uniform_value`: a tensor of one value becomes a constant); without it such a tensor
-  stays a kernel of its own, so the fake may count a kernel or two the GPU would not make;
+- inductor's static launcher (its own, in place of Triton's) loads and launches nothing;
+- the constant folding that runs a graph's constant parts while compiling (`constant_fold_uniform_value`: a tensor
+  of one value becomes a constant) runs them on the CPU: the values are the same, and the folded graph the GPU's;
 - the compiled wrapper's buffers are fake tensors, so a graph "runs": its outputs have the right metadata and the next
   graph (the next layer, the heads) compiles from them as on the GPU. Nothing is computed: a library kernel the
   wrapper calls into a buffer (a cuBLAS GEMM, a scaled GEMM) is not called.
@@ -35,9 +35,15 @@ kernel over ~125 tensors (an if-elif per tensor, the per-tensor LAMB update's ca
 recursion limit in this process, even on a thread of its own with a raised limit and stack, where the GPU machines'
 compile workers, processes that never ran dynamo, compiled it.
 
-`Tensor.unflatten` is replaced by a call of `torch.unflatten`: dynamo treats the fake mode's tensors, made outside
-the compile, as a tensor subclass and inlines the Python method, which stops at its `super()` call (a graph break the
-GPU does not have, at the fused QKV's split).
+Dynamo treats the fake mode's tensors, made outside the compile, as a tensor subclass and inlines a Tensor method
+written in Python (`Tensor.unflatten`), which stops at its `super()` call: a graph break the GPU does not have. So the
+model calls `torch.unflatten`, and the fake traces the GPU's graphs.
+
+A compile cache for a real GPU (bench/gpu_cache.py): torch keys a compiled graph on the graph, its inputs, inductor's
+settings, torch's and Triton's code, CUDA's version and the device's name, and bundles the Triton kernels' sm_90
+binaries with it; the fake answers with the name a real card reports (`GPUS`) and keeps inductor's settings as they
+are on the GPU (`install(count=False)`). Its autotuning results (all timings equal) are never written
+(`autotune_local_cache` off, not part of the key): the GPU tunes on a kernel's first launch as it would anyway.
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ from pathlib import Path
 import torch
 
 SMS, CC = 132, (9, 0)
-PROPS = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (fake)", major=CC[0], minor=CC[1],
-                              multi_processor_count=SMS, total_memory=80 << 30, regs_per_multiprocessor=65536,
+# the device name each card reports (torch.cuda.get_device_name, nvidia-smi), its memory and L2 (both Hopper, 132 SMs)
+GPUS = {"h100": ("NVIDIA H100 80GB HBM3", 80 << 30, 50 << 20), "h200": ("NVIDIA H200", 141 << 30, 60 << 20)}
+PROPS = types.SimpleNamespace(name=GPUS["h100"][0], major=CC[0], minor=CC[1], multi_processor_count=SMS,
+                              total_memory=GPUS["h100"][1], regs_per_multiprocessor=65536,
                               max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32,
-                              L2_cache_size=50 << 20, shared_memory_per_block_optin=232448)
+                              L2_cache_size=GPUS["h100"][2], shared_memory_per_block_optin=232448)
 
 
 # The CUDA runtime's answers autograd's engine needs for device 0 (preloaded: the runtime's own say "no device").
@@ -156,13 +164,16 @@ def usable() -> str | None:
     return None
 
 
-def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
-    """Patch torch and Triton as the module doc says; returns the fake mode to build and run the model under."""
+def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_tensor.FakeTensorMode:
+    """Patch torch and Triton as the module doc says; returns the fake mode to build and run the model under. `gpu`:
+    which card of `GPUS` the fake says it is. `count`: each kernel's estimate of its bytes for LAUNCHES (inductor's
+    `benchmark_kernel`, a setting in the compile cache's key: off for a cache a GPU is to read)."""
+    PROPS.name, PROPS.total_memory, PROPS.L2_cache_size = GPUS[gpu]
     import triton.backends
     from torch._dynamo import device_interface
     from torch._inductor import compile_fx, scheduler, select_algorithm
     from torch._inductor.fx_passes import joint_graph
-    from torch._inductor.runtime import benchmarking, hints, triton_heuristics
+    from torch._inductor.runtime import benchmarking, hints, static_triton_launcher, triton_heuristics
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import ty_to_cpp
@@ -243,13 +254,24 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
 
     torch.nn.Module.to = to
     scheduler.has_triton = lambda: True
-    joint_graph.constant_fold_uniform_value = lambda gm: None
-    torch.Tensor.unflatten = lambda self, dim, sizes: torch.unflatten(self, dim, sizes)
+    real_fold = joint_graph.UniformValueConstantFolder.run
+
+    def fold_on_the_cpu(folder, *args, **kwargs):
+        with _OnTheCpu():
+            return real_fold(folder, *args, **kwargs)
+
+    joint_graph.UniformValueConstantFolder.run = fold_on_the_cpu
     if backward_ready():
         _quiet_device(torch)
-    torch._inductor.config.use_static_cuda_launcher = False
     torch._inductor.config.compile_threads = 1
-    torch._inductor.config.benchmark_kernel = True  # each kernel's kernel_num_gb, for LAUNCHES
+    torch._inductor.config.autotune_local_cache = False  # the fake's timings are all equal: never keep a choice
+    torch._inductor.config.benchmark_kernel = count  # each kernel's kernel_num_gb, for LAUNCHES
+
+    def load_kernel(kernel, device: int) -> None:  # the static launcher's: a module and function of 0, as Triton's
+        kernel.function, kernel.n_regs, kernel.n_spills = 0, 32, 0
+
+    static_triton_launcher.StaticallyLaunchedCudaKernel.load_kernel = load_kernel
+    static_triton_launcher.StaticallyLaunchedCudaKernel.run = lambda kernel, *args: None
     real_run = triton_heuristics.CachingAutotuner.run
 
     def run(autotuner, *args, stream, benchmark_run=False, **kwargs):
@@ -301,6 +323,17 @@ def install() -> torch._subclasses.fake_tensor.FakeTensorMode:
     active_driver.set_active(Driver())
     active_driver._default = active_driver._active
     return mode
+
+
+class _OnTheCpu(torch.overrides.TorchFunctionMode):
+    """Tensors a call would make on the GPU are made on the CPU (the constant folding's: real tensors, not fake)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
 
 
 def _quiet_device(torch) -> None:

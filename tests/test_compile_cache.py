@@ -5,6 +5,7 @@ container or a bare device machine has."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -22,15 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys, torch
 from torch._dynamo.utils import counters
-from bert.train.compile_cache import load_compile_cache, save_compile_cache
+from bert.train.compile_cache import load_compile_cache, save_compile_cache, served
+from bert.train.profile import compile_counters
 path = sys.argv[1]
 lines = [load_compile_cache(path)]
+before = compile_counters()
 def f(x, w):
     return torch.nn.functional.gelu(x @ w).square().sum(-1)
 torch.manual_seed(0)
 x, w = torch.randn(7, 16), torch.randn(16, 8, requires_grad=True)
 y = torch.compile(f, dynamic=True)(x, w)
 y.sum().backward()
+lines.append(served(before, compile_counters()))
 lines.append(save_compile_cache(path))
 print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"]), "y": y.tolist(), "grad": w.grad.tolist()}))
 """
@@ -52,23 +56,36 @@ def artifact_counts(data: bytes) -> dict[str, int]:
     return {kind: len(artifacts) for kind, artifacts in CacheArtifactManager.deserialize(data).items()}
 
 
+def contents(cache: Path) -> bytes:
+    """The file's artifacts, gunzipped for a `.gz` (and then gzip's, not torch's, bytes on disk)."""
+    raw = cache.read_bytes()
+    assert (raw[:2] == b"\x1f\x8b") == (cache.suffix == ".gz")
+    return gzip.decompress(raw) if cache.suffix == ".gz" else raw
+
+
 @pytest.mark.skipif(_cxx_compiler() is None, reason="inductor on the CPU needs a C++ compiler")
-def test_a_later_process_takes_the_compiled_graphs_from_the_file(tmp_path):
-    cache = tmp_path / "cache" / "bert.bin"  # its folder does not exist yet: the first run makes it
+@pytest.mark.parametrize("name", ["bert.bin", "bert.bin.gz"])
+def test_a_later_process_takes_the_compiled_graphs_from_the_file(tmp_path, name):
+    cache = tmp_path / "cache" / name  # its folder does not exist yet: the first run makes it
     first = one_process(tmp_path, "first", cache)
-    assert "does not exist yet" in first["lines"][0] and first["lines"][1].startswith("compile cache: wrote ")
-    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 2 and not first["inductor"].get("fxgraph_cache_hit")
-    written = artifact_counts(cache.read_bytes())
-    assert written["inductor"] == first["inductor"]["fxgraph_cache_miss"]
+    assert "does not exist yet" in first["lines"][0] and first["lines"][2].startswith("compile cache: wrote ")
+    compiled = first["inductor"].get("fxgraph_cache_miss", 0)
+    assert compiled >= 2 and not first["inductor"].get("fxgraph_cache_hit")
+    assert first["lines"][1].startswith(f"compile cache: inductor took 0 graphs from its caches and compiled "
+                                        f"{compiled};")
+    written = artifact_counts(contents(cache))
+    assert written["inductor"] == compiled
 
     second = one_process(tmp_path, "second", cache)
     assert second["lines"][0].startswith("compile cache: loaded ") and " inductor" in second["lines"][0]
     # every graph the first process compiled (forward and backward) now comes from the file: no code generated
-    assert second["inductor"].get("fxgraph_cache_hit") == first["inductor"]["fxgraph_cache_miss"]
+    assert second["inductor"].get("fxgraph_cache_hit") == compiled
     assert not second["inductor"].get("fxgraph_cache_miss")
+    assert second["lines"][1].startswith(f"compile cache: inductor took {compiled} graphs from its caches and "
+                                         "compiled 0;")
     assert second["y"] == first["y"] and second["grad"] == first["grad"]
     # what it loaded is what it used, written back whole: the same artifacts
-    assert artifact_counts(cache.read_bytes()) == written
+    assert artifact_counts(contents(cache)) == written
     assert not [p for p in cache.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
@@ -80,6 +97,13 @@ def test_a_file_torch_cannot_read_is_named_and_left_for_the_run_to_replace(tmp_p
     line = load_compile_cache(str(damaged))
     assert f"{damaged} (18 bytes) is not one torch" in line and "compiling from scratch and replacing it" in line
     assert "does not exist yet" in load_compile_cache(str(tmp_path / "none.bin"))
+    # compressed: not gzip at all, and gzip's stream cut short
+    (tmp_path / "plain.bin.gz").write_bytes(b"not a cache at all")
+    cut = tmp_path / "cut.bin.gz"
+    cut.write_bytes(gzip.compress(b"artifacts" * 1000)[:40])
+    for file in (tmp_path / "plain.bin.gz", cut):
+        line = load_compile_cache(str(file))
+        assert f"{file} ({file.stat().st_size} bytes) is not one torch" in line and "replacing it" in line
 
 
 def test_a_cache_that_cannot_be_written_or_read_is_named_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -104,7 +104,7 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             cfg = from_env_and_args([], environ=env)  # what the driver will parse: ConfigError on a bad value
             assert cfg.model.compile in COMPILE_MODES, name
             # a compiled driver keeps its graphs for the next session, in a file of its own
-            cache = f"/.compile_cache/cpu/{name.removeprefix('driver-')}.bin"
+            cache = f"/.compile_cache/cpu/{name.removeprefix('driver-')}.bin.gz"
             assert cfg.model.compile_cache.endswith(cache) if cfg.model.compile != "off" else not \
                 cfg.model.compile_cache, name
             if not args.bench_repeats:  # driver only: no bench/model.py row to match

@@ -11,6 +11,7 @@ and from the separate `query`/`key`/`value` tensors of every other BERT.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -46,8 +47,10 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, len(QKV_PARTS) * cfg.hidden_size)
 
     def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        # (..., 3 x hidden) -> three (..., heads, head_dim) views; the flash kernels accept strided q, k, v
-        q, k, v = self.qkv(x).unflatten(-1, (len(QKV_PARTS), self.heads, -1)).unbind(-3)
+        # (..., 3 x hidden) -> three (..., heads, head_dim) views; the flash kernels accept strided q, k, v. The
+        # function, not the method: dynamo inlines Tensor.unflatten's Python on a fake tensor (bench/fake_h100.py)
+        # and breaks the graph there, so the fake H100 would trace other graphs than the GPU's
+        q, k, v = torch.unflatten(self.qkv(x), -1, (len(QKV_PARTS), self.heads, -1)).unbind(-3)
         return attend(q, k, v, self.dropout_p if self.training else 0.0).flatten(-2)
 
 

@@ -85,6 +85,19 @@ def build_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler
     return kind(device.type, init_scale=cfg.model.init_loss_scale, enabled=cfg.model.precision == "fp16")
 
 
+def sample_limits(arch: BertConfig, max_seq_length: int) -> SampleLimits:
+    """What every sample is checked against: what the model takes (bert.data.limits)."""
+    return SampleLimits(arch.real_vocab_size, arch.type_vocab_size, min(arch.max_position_embeddings, max_seq_length))
+
+
+def build_eval_set(cfg: TrainConfig, env: DistEnv, device: torch.device, limits: SampleLimits) -> EvalSet:
+    """This rank's part of the eval set: its index checked now, its samples read at the first evaluation, in the
+    timed run (bert.data.eval_set)."""
+    data = cfg.data
+    return EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
+                   static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
+
+
 def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfLog) -> Run:
     data, seed = cfg.data, cfg.run.seed
     check_data_for_division(cfg.log.division, data.input_dir, data.eval_dir)
@@ -110,15 +123,11 @@ def build_run(cfg: TrainConfig, env: DistEnv, device: torch.device, log: MLPerfL
                                reduce=local_only() if sharded else build_reduce(cfg.dist, env),
                                mean_at=mean_placement(cfg.model.precision, sharded))
     schedule = build_schedule(optimizer, cfg.optim)
-    arch = model.config  # every sample is checked against what the model takes (bert.data.limits)
-    limits = SampleLimits(arch.real_vocab_size, arch.type_vocab_size, min(arch.max_position_embeddings,
-                                                                          data.max_seq_length))
+    limits = sample_limits(model.config, data.max_seq_length)
     loader = TrainLoader(data.input_dir, data.train_batch_size, env.world_size, env.rank, env.local_world_size,
                          strategy=data.balance, seed=seed, shuffle_buffer=data.shuffle_buffer, device=device,
                          static_tokens=cfg.model.static_tokens, limits=limits, worker=data.loader_worker)
-    # read at the first evaluation, in the timed run (bert.data.eval_set); the index is checked now
-    eval_set = EvalSet(data.eval_dir, data.eval_batch_size, env.world_size, env.rank, data.num_eval_examples, device,
-                       static_tokens=eval_token_bucket(cfg.model.static_tokens, data.max_seq_length), limits=limits)
+    eval_set = build_eval_set(cfg, env, device, limits)
     check_index_agreement(device, loader.plan.index, eval_set.index)  # node-local copies of the data must agree
     stop = StopAgreement(timedelta(seconds=cfg.dist.dist_timeout_s), every=stop_interval(env.world_size))
     stop.install_signal_handlers()

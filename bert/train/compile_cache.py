@@ -15,11 +15,16 @@ blindly: torch keys every artifact on the graph, its inputs, the compile setting
 from other code or another torch just misses, and the run compiles as it would have.
 
 Loaded by every rank (each fills its own local caches), written by rank 0 alone, through a temporary file renamed
-into place, after the warm-up (`bert.train.warmup`): all of it before run_start.
+into place, after the warm-up (`bert.train.warmup`): all of it before run_start. A FILE ending `.gz` is gzip's: the
+Triton kernels' sources, intermediate forms and binaries shrink about 6x (BERT-large's bf16 graphs with the flat
+LAMB update: 17.4 MB, 2.7 MB compressed in 0.4 s), which counts where the file travels (a device session carries
+64 MiB). After the warm-up `served` says how many graphs the caches gave and how many were compiled.
 """
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from pathlib import Path
 
 import torch
@@ -44,15 +49,18 @@ def load_compile_cache(path: str) -> str:
         if not file.exists():
             return (f"compile cache: {path} does not exist yet; compiling from scratch and writing it after the "
                     "warm-up")
-        data = file.read_bytes()
+        raw = file.read_bytes()
+        data = gzip.decompress(raw) if file.suffix == ".gz" else raw
         info = torch.compiler.load_cache_artifacts(data)  # writes them into this machine's local caches
+    except (gzip.BadGzipFile, EOFError, zlib.error):  # a damaged .gz (before OSError, BadGzipFile's base): replaced,
+        info = None  # as a file torch cannot read
     except OSError as e:  # a cache is optional: the run compiles without it
         return f"compile cache: cannot read {path} or fill the local caches from it ({e.strerror or e}); " \
             "compiling from scratch"
     if info is None:
-        return (f"compile cache: {path} ({len(data):,} bytes) is not one torch {torch.__version__} can read; "
+        return (f"compile cache: {path} ({len(raw):,} bytes) is not one torch {torch.__version__} can read; "
                 "compiling from scratch and replacing it after the warm-up")
-    return f"compile cache: loaded {_counts(info)} ({len(data):,} bytes) from {path}"
+    return f"compile cache: loaded {_counts(info)} ({len(raw):,} bytes) from {path}"
 
 
 def save_compile_cache(path: str) -> str:
@@ -62,6 +70,8 @@ def save_compile_cache(path: str) -> str:
         return (f"compile cache: nothing to write (nothing cacheable was compiled, or torch could not serialize it: "
                 f"see its warning above); {path} left as it was")
     data, info = saved
+    if Path(path).suffix == ".gz":
+        data = gzip.compress(data, compresslevel=6, mtime=0)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp:
@@ -69,3 +79,17 @@ def save_compile_cache(path: str) -> str:
     except OSError as e:  # only rank 0 writes: raising here would leave the others waiting at run_start
         return f"compile cache: cannot write {path} ({e.strerror or e}); the run goes on, the next one compiles again"
     return f"compile cache: wrote {_counts(info)} ({len(data):,} bytes) to {path}"
+
+
+def served(before: dict | None, after: dict | None) -> str:
+    """One line from torch.compile's counters (`bert.train.profile.compile_counters`) before and after a warm-up: the
+    graphs inductor took from its caches and those it compiled, and AOT autograd's (a graph holding an autograd
+    Function, such as the flash attention with dropout, is not cacheable there: traced again, its inductor graph can
+    still come from the cache)."""
+    def moved(group: str, key: str) -> int:
+        return (after or {}).get(group, {}).get(key, 0) - (before or {}).get(group, {}).get(key, 0)
+
+    hits, misses = moved("inductor", "fxgraph_cache_hit"), moved("inductor", "fxgraph_cache_miss")
+    aot = [moved("aot_autograd", f"autograd_cache_{k}") for k in ("hit", "miss", "bypass")]
+    return (f"compile cache: inductor took {hits} graphs from its caches and compiled {misses}; AOT autograd took "
+            f"{aot[0]}, traced {aot[1]} and {aot[2]} it cannot cache")

@@ -1,0 +1,221 @@
+"""Compile a device session's driver rows for a real H100 or H200 on this CPU, into the compile caches they load.
+
+Why: a driver step of bench/cuda_session.sh compiles BERT-large before run_start, on a machine that starts bare. From
+an empty cache one H200 spent 81 s on the bf16 graphs and 160 s on the compiled LAMB update, and 202 s on the float8
+model alone, of a session's 900 s of device time; a float8 driver never reached its window.
+
+How: for each row, cuda_session.sh's dry run (DRY_RUN=1, CACHE_GPU=the card's name) gives the bench/train_gpu.py
+command the session will run, and train_gpu's `driver_env` the driver's environment: the config sourced, the row's
+settings, COMPILE_CACHE=.compile_cache/<GPU>/<row>.bin.gz. A process with the fake H100's stand-ins
+(bench/fake_h100.py: `install(gpu, count=False)`, the name the card reports, inductor's settings as on the GPU)
+and a cold inductor cache builds what the driver builds from that environment (`from_env_and_args`, `build_model`,
+`build_optimizer`, `compile_step`, the eval set) and runs the driver's own compile
+(`bert.train.warmup.compile_before_run`), which writes the file. A second process with another cold cache loads it
+and compiles again: the row passes when inductor took every graph from the file and compiled none.
+
+Carried to the device (carry [".whl", ".compile_cache"]), a driver step then loads the graphs and the kernels' sm_90
+binaries instead of generating them. It still traces with dynamo (never cached), runs AOT autograd again for graphs
+it cannot cache (one holding an autograd Function: flash attention with dropout), and autotunes each kernel at its
+first launch (the fake's timings are never kept). The GPU misses when its torch or Triton is not this venv's
+(torch keys on a hash of its own files), its name is not `fake_h100.GPUS`'s, or a setting differs; `--key` prints
+the key's parts, and the session's setup step prints them there. A miss costs the carried bytes only: the row
+compiles as it would have. What the driver printed (`compile cache: inductor took N graphs from its caches...`)
+says which happened.
+
+    .venv-torch2.11.0-py3.12/bin/python bench/gpu_cache.py --gpus h100 h200 --rows compiled-flat fp8-delayed-layers-flat
+
+Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines' 2.11.0) and a C compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # fake_h100, train_gpu
+
+CACHES = ROOT / ".compile_cache"
+# what the fake cannot compile as the GPU does: CUDA graphs are recorded on a device, collectives need a group
+REFUSED = {"COMPILE": ("reduce-overhead", "max-autotune"), "OPTIMIZER_SHARDING": ("1",)}
+
+
+def key_parts() -> dict:
+    """What torch keys every cached graph on besides the graph: a hash of its own files, and the device's name and
+    CUDA's and Triton's versions (inductor's `CacheBase.get_system`, hashed whole: equal hashes, equal systems)."""
+    import torch
+    from torch._inductor.codecache import CacheBase, torch_key
+
+    system = CacheBase.get_system()
+    return {"torch": torch.__version__, "torch_key": torch_key().hex()[:16], "device": system.get("device"),
+            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16]}
+
+
+def driver_argv(row: str, gpu_name: str, caches: Path) -> list[str]:
+    """bench/train_gpu.py's arguments for driver `row`, as cuda_session.sh would run it on the card `gpu_name`."""
+    with tempfile.TemporaryDirectory() as out:
+        dry = subprocess.run(["bash", str(ROOT / "bench" / "cuda_session.sh"), f"driver-{row}"], cwd=ROOT, text=True,
+                             capture_output=True, env={**os.environ, "DRY_RUN": "1", "OUT": out,
+                                                       "CACHE_GPU": gpu_name, "CACHES": str(caches)})
+    if dry.returncode:
+        raise ValueError(dry.stderr.strip() or f"cuda_session.sh: exit {dry.returncode}")
+    words = shlex.split(next(line for line in dry.stdout.splitlines() if line.startswith("DRY ")))
+    return words[words.index("bench/train_gpu.py") + 1:]
+
+
+def driver_environment(row: str, gpu_name: str, caches: Path, data: Path, out: Path,
+                       flags: list[str] = ()) -> dict[str, str]:
+    """The environment the session's driver would run in (train_gpu.driver_env), on shards `data` made as the
+    session makes them (the eval set's size is what decides the eval's shapes); `flags`: more of train_gpu's, last."""
+    import torch
+    import train_gpu
+
+    argv = driver_argv(row, gpu_name, caches) + ["--data", str(data), *flags]  # the later --data wins
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):  # its defaults for a CUDA run
+        args = train_gpu.parse_args(argv)
+    env = train_gpu.driver_env(args, out)
+    for name, values in REFUSED.items():
+        if env.get(name) in values:
+            raise ValueError(f"driver-{row}: {name}={env[name]} is not compiled here (CUDA graphs are recorded on a "
+                             "GPU, collectives need one)")
+    if env.get("COMPILE", "off") == "off":
+        raise ValueError(f"driver-{row}: COMPILE=off compiles nothing")
+    return env
+
+
+def compile_as_the_driver(gpu: str) -> dict:
+    """In a process started with the stand-ins and the driver's environment: build and compile as the driver does,
+    which loads COMPILE_CACHE first and writes it after; the counters of what was compiled and what came from a
+    cache."""
+    import fake_h100
+
+    mode = fake_h100.install(gpu, count=False)
+    import torch
+    from torch._dynamo.utils import counters
+
+    from bert.config import from_env_and_args
+    from bert.dist.env import read_env
+    from bert.model.precision import compute_dtype
+    from bert.optim import build_optimizer
+    from bert.optim.compiled import compile_step
+    from bert.train.build import autocast_for, build_eval_set, build_model, sample_limits, seed_everything
+    from bert.train.loop import Run
+    from bert.train.mlperf_log import MLPerfLog
+    from bert.train.warmup import compile_before_run
+
+    cfg, env, device = from_env_and_args([]), read_env(), torch.device("cuda", 0)
+    log = MLPerfLog("", False)
+    start = time.perf_counter()
+    with mode, device:
+        seed_everything(cfg.run.seed)
+        model = build_model(cfg.model, device)
+        optimizer = build_optimizer(model, cfg.optim, compute_dtype(cfg.model.precision))
+        if cfg.optim.compile_optimizer:
+            compile_step(optimizer, cfg.model.compile)
+        eval_set = build_eval_set(cfg, env, device, sample_limits(model.config, cfg.data.max_seq_length))
+        # what compile_before_run reads of a run: no DDP (one rank compiles the bare model), loader or clipping
+        run = Run(cfg, env, types.SimpleNamespace(module=model), None, optimizer, None, None, None, eval_set,
+                  autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log, None, None,
+                  eval_samples=eval_set.num_examples)
+        compile_before_run(run, log, device)
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"seconds": round(time.perf_counter() - start, 1), "graphs_compiled": inductor["fxgraph_cache_miss"],
+            "graphs_from_cache": inductor["fxgraph_cache_hit"], "aot_from_cache": aot["autograd_cache_hit"],
+            "aot_traced": aot["autograd_cache_miss"], "aot_uncacheable": aot["autograd_cache_bypass"],
+            "key": key_parts()}
+
+
+def run_child(gpu: str, env: dict[str, str], native: dict[str, str], timeout: int) -> dict:
+    """`compile_as_the_driver` in a process of its own with a cold inductor cache; its row, or the error."""
+    with tempfile.TemporaryDirectory() as cold:
+        child = {**env, **native, "TORCHINDUCTOR_CACHE_DIR": cold,
+                 "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        try:
+            done = subprocess.run([sys.executable, __file__, "--one", gpu], capture_output=True, text=True, env=child,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"over --timeout {timeout} s"}
+    found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if not found:
+        return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}"}
+    return json.loads(found[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", nargs="+", default=["h100"], choices=["h100", "h200"])
+    p.add_argument("--rows", nargs="+", default=["compiled-flat", "fp8-delayed-layers-flat"],
+                   help="cuda_session.sh driver rows (driver-<row>)")
+    p.add_argument("--caches", type=Path, default=CACHES, help="where the session's COMPILE_CACHE files live")
+    p.add_argument("--flags", default="", help="bench/train_gpu.py flags after the row's (a test: --bert-config tiny)")
+    p.add_argument("--timeout", type=int, default=2400, help="seconds per compile")
+    p.add_argument("--json", type=Path, default=ROOT / "results" / "bench" / "gpu_cache.json")
+    p.add_argument("--key", action="store_true", help="print the parts of torch's cache key here, and stop")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile for this card
+    args = p.parse_args()
+    if args.key:
+        print("inductor cache key:", json.dumps(key_parts()))
+        return 0
+    if args.one:
+        print("ROW " + json.dumps(compile_as_the_driver(args.one)), flush=True)
+        return 0
+    import fake_h100
+
+    why = fake_h100.usable() or (None if shutil.which("cc") else "no C compiler (cc) for the backward's stand-ins")
+    if why:
+        print(f"gpu_cache: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
+        return 2
+    native = fake_h100.native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}")
+    rows, work = [], Path(tempfile.mkdtemp(prefix="gpu_cache-"))
+    try:
+        data = work / "shards"  # the session's shards (its eval set's 10,000 samples); a few training samples
+        subprocess.run([sys.executable, str(ROOT / "data" / "make_random_shards.py"), "--out", str(data),
+                        "--samples", "2000", "--shards", "2"], check=True, capture_output=True)
+        for gpu in args.gpus:
+            name = fake_h100.GPUS[gpu][0]
+            for row in args.rows:
+                report = {"gpu": name, "row": row}
+                try:
+                    env = driver_environment(row, name, args.caches, data, work / row, shlex.split(args.flags))
+                except ValueError as e:
+                    rows.append({**report, "error": str(e)})
+                    print(f"{name:22} {row:26} {e}")
+                    continue
+                file = Path(env["COMPILE_CACHE"])
+                file.unlink(missing_ok=True)  # written afresh: for the code as it is now
+                first = run_child(gpu, env, native, args.timeout)
+                check = run_child(gpu, env, native, args.timeout) if "error" not in first else {}
+                ok = "error" not in first and "error" not in check and check["graphs_compiled"] == 0 and \
+                    check["graphs_from_cache"] > 0
+                report.update(file=str(file.relative_to(ROOT) if file.is_relative_to(ROOT) else file),
+                              bytes=file.stat().st_size if file.exists() else 0, compile=first, from_file=check,
+                              served=ok)
+                rows.append(report)
+                print(f"{name:22} {row:26} " + (
+                    f"{first['graphs_compiled']:2} graphs in {first['seconds']:6.1f} s; from the file: "
+                    f"{check.get('graphs_from_cache', '-')} taken, {check.get('graphs_compiled', '-')} compiled, "
+                    f"{check.get('seconds', '-')} s; {report['bytes'] / 2**20:5.1f} MiB "
+                    f"{'ok' if ok else 'NOT SERVED'}" if "error" not in first else f"FAILED {first['error']}"))
+                if check.get("error"):
+                    print(f"{'':49} from the file: FAILED {check['error']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows},
+                                    indent=1) + "\n")
+    return 0 if rows and all(r.get("served") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
