@@ -95,7 +95,8 @@ class ModelConfig:
                              env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
     compile_cache: str = opt("", "a file of torch.compile's artifacts: loaded before the warm-up compiles, rewritten "
                              "after it, so a later run (a fresh container, another node) skips code generation; "
-                             "bert.train.compile_cache; empty = off", env="COMPILE_CACHE")
+                             "a name ending .gz is gzip-compressed; bert.train.compile_cache; empty = off",
+                             env="COMPILE_CACHE")
     last_layer_subset: bool = opt(True, "the last encoder layer, after its attention, runs only the [CLS] and masked "
                                   "rows the losses read (exact; HazyResearch's --last_layer_subset; "
                                   "bert.model.last_layer)", env="LAST_LAYER_SUBSET")
