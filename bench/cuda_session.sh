@@ -158,7 +158,8 @@ pack() {
 pack_caches() {
   [[ -d $CACHES ]] || return 0
   local files size limit parts=$OUT/.cache_parts
-  mapfile -t files < <(cd "$CACHES" && find . -name '*.bin*' -newer "$WORK/.call_start")
+  # a driver stopped while saving leaves its temporary file (.<row>.bin.gz.tmp-PID): not a cache
+  mapfile -t files < <(cd "$CACHES" && find . \( -name '*.bin' -o -name '*.bin.gz' \) ! -name '.*' -newer "$WORK/.call_start")
   ((${#files[@]})) || return 0
   rm -rf "$parts" && mkdir -p "$parts" || return 0
   if ! tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}"; then
@@ -254,7 +255,7 @@ for name in "$@"; do
         fi
         nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
         python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
-        python3 bench/gpu_cache.py --key
+        PYTHONPATH=$PYTHONPATH:/tmp/site python3 bench/gpu_cache.py --key
         PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "import mlperf_logging, torchao; print(\"torchao\", torchao.__version__)"' ||
         { echo "cuda_session.sh: setup failed (the .whl/ wheels carried?): the steps after it would fail or fall back" >&2
           exit 2; }

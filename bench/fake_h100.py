@@ -254,13 +254,13 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
 
     torch.nn.Module.to = to
     scheduler.has_triton = lambda: True
-    real_fold = joint_graph.UniformValueConstantFolder.run
+    real_fold = joint_graph.constant_fold_uniform_value  # looked up as the module's global by joint_graph_passes
 
-    def fold_on_the_cpu(folder, *args, **kwargs):
+    def fold_on_the_cpu(gm: torch.fx.GraphModule) -> None:  # the folder's __init__ makes tensors too (x * 0's zero)
         with _OnTheCpu():
-            return real_fold(folder, *args, **kwargs)
+            return real_fold(gm)
 
-    joint_graph.UniformValueConstantFolder.run = fold_on_the_cpu
+    joint_graph.constant_fold_uniform_value = fold_on_the_cpu
     if backward_ready():
         _quiet_device(torch)
     torch._inductor.config.compile_threads = 1

@@ -35,8 +35,10 @@ Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines'
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -52,8 +54,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # fake_h100, train_gpu
 
 CACHES = ROOT / ".compile_cache"
-# what the fake cannot compile as the GPU does: CUDA graphs are recorded on a device, collectives need a group
-REFUSED = {"COMPILE": ("reduce-overhead", "max-autotune"), "OPTIMIZER_SHARDING": ("1",)}
+MADE_FOR = "made_for.json"  # in the caches' folder: the key parts each file was made with
+# what the fake cannot compile as the GPU does: CUDA graphs are recorded on a device, collectives need a group, and a
+# compile that times its choices (GEMM templates, the C++ wrapper's first pass) would keep the fake's equal timings
+REFUSED = {"COMPILE": ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), "OPTIMIZER_SHARDING": ("1",),
+           "TORCHINDUCTOR_CPP_WRAPPER": ("1",), "TORCHINDUCTOR_MAX_AUTOTUNE": ("1",),
+           "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": ("1",), "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": ("1",)}
 
 
 def key_parts() -> dict:
@@ -63,8 +69,36 @@ def key_parts() -> dict:
     from torch._inductor.codecache import CacheBase, torch_key
 
     system = CacheBase.get_system()
+    try:  # the float8 rows built on it trace its code, which torch's key does not cover
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = None
     return {"torch": torch.__version__, "torch_key": torch_key().hex()[:16], "device": system.get("device"),
-            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16]}
+            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao}
+
+
+def card_folder(name: str) -> str:
+    """The folder of a card's caches, as cuda_session.sh names it from nvidia-smi's name."""
+    return re.sub(r"[^A-Za-z0-9]", "_", name)
+
+
+def compare_with_caches(caches: Path, here: dict) -> str:
+    """One line: whether this card's files in `caches` were made (`MADE_FOR`) with this machine's key parts. Whether
+    the code is still the code they were made from, it cannot say: a graph that changed misses."""
+    name = (here.get("device") or {}).get("name")
+    made = json.loads((caches / MADE_FOR).read_text()) if (caches / MADE_FOR).is_file() else {}
+    mine = {f: key for f, key in made.items() if name and f.startswith(card_folder(name) + "/") and
+            (caches / f).is_file()}
+    if not mine:
+        return f"compile caches: none made for {name or 'this machine (no CUDA device)'} in {caches}"
+    differ = {f: [f"{k} {key.get(k)} there, {here.get(k)} here" for k in ("torch_key", "system_hash", "torchao")
+                  if key.get(k) != here.get(k)] for f, key in mine.items()}
+    missing = sorted(f for f, why in differ.items() if why)
+    if missing:
+        return (f"compile caches for {name}: {len(missing)} of {len(mine)} files made with other key parts "
+                f"({missing[0]}: {'; '.join(differ[missing[0]])}): those will miss")
+    return (f"compile caches for {name}: {len(mine)} files made with this torch, Triton, CUDA, torchao and card: "
+            "they should serve, unless the code changed since")
 
 
 def driver_argv(row: str, gpu_name: str, caches: Path) -> list[str]:
@@ -87,13 +121,18 @@ def driver_environment(row: str, gpu_name: str, caches: Path, data: Path, out: P
     import train_gpu
 
     argv = driver_argv(row, gpu_name, caches) + ["--data", str(data), *flags]  # the later --data wins
+    at = argv.index("--config") + 1
+    argv[at] = str(ROOT / argv[at])  # relative to the repository, as the session runs it, wherever this runs
     with mock.patch.object(torch.cuda, "is_available", return_value=True):  # its defaults for a CUDA run
-        args = train_gpu.parse_args(argv)
+        try:
+            args = train_gpu.parse_args(argv)
+        except SystemExit as e:  # argparse said why on stderr
+            raise ValueError(f"driver-{row}: bench/train_gpu.py refuses {shlex.join(argv)}") from e
     env = train_gpu.driver_env(args, out)
     for name, values in REFUSED.items():
         if env.get(name) in values:
             raise ValueError(f"driver-{row}: {name}={env[name]} is not compiled here (CUDA graphs are recorded on a "
-                             "GPU, collectives need one)")
+                             "GPU, collectives need one, and autotuning would keep the fake's timings)")
     if env.get("COMPILE", "off") == "off":
         raise ValueError(f"driver-{row}: COMPILE=off compiles nothing")
     return env
@@ -112,7 +151,7 @@ def compile_as_the_driver(gpu: str) -> dict:
     from bert.config import from_env_and_args
     from bert.dist.env import read_env
     from bert.model.precision import compute_dtype
-    from bert.optim import build_optimizer
+    from bert.optim import build_optimizer, build_schedule
     from bert.optim.compiled import compile_step
     from bert.train.build import autocast_for, build_eval_set, build_model, sample_limits, seed_everything
     from bert.train.loop import Run
@@ -129,6 +168,7 @@ def compile_as_the_driver(gpu: str) -> dict:
         if cfg.optim.compile_optimizer:
             compile_step(optimizer, cfg.model.compile)
     with mode:  # compiled as the driver compiles, with no default device: its batches are made on the host
+        build_schedule(optimizer, cfg.optim)  # the LR as the schedule's device tensor, an input of the update's graph
         eval_set = build_eval_set(cfg, env, device, sample_limits(model.config, cfg.data.max_seq_length))
         # what compile_before_run reads of a run: no DDP (one rank compiles the bare model), loader or clipping
         run = Run(cfg, env, types.SimpleNamespace(module=model), None, optimizer, None, None, None, eval_set,
@@ -168,11 +208,14 @@ def main() -> int:
     p.add_argument("--flags", default="", help="bench/train_gpu.py flags after the row's (a test: --bert-config tiny)")
     p.add_argument("--timeout", type=int, default=2400, help="seconds per compile")
     p.add_argument("--json", type=Path, default=ROOT / "results" / "bench" / "gpu_cache.json")
-    p.add_argument("--key", action="store_true", help="print the parts of torch's cache key here, and stop")
+    p.add_argument("--key", action="store_true",
+                   help="print the parts of torch's cache key here, whether --caches were made with them, and stop")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile for this card
     args = p.parse_args()
     if args.key:
-        print("inductor cache key:", json.dumps(key_parts()))
+        here = key_parts()
+        print("inductor cache key:", json.dumps(here))
+        print(compare_with_caches(args.caches, here))
         return 0
     if args.one:
         print("ROW " + json.dumps(compile_as_the_driver(args.one)), flush=True)
@@ -184,7 +227,7 @@ def main() -> int:
         print(f"gpu_cache: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
     native = fake_h100.native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}")
-    rows, work = [], Path(tempfile.mkdtemp(prefix="gpu_cache-"))
+    rows, made, work = [], {}, Path(tempfile.mkdtemp(prefix="gpu_cache-"))
     try:
         data = work / "shards"  # the session's shards (its eval set's 10,000 samples); a few training samples
         subprocess.run([sys.executable, str(ROOT / "data" / "make_random_shards.py"), "--out", str(data),
@@ -209,6 +252,7 @@ def main() -> int:
                               bytes=file.stat().st_size if file.exists() else 0, compile=first, from_file=check,
                               served=ok)
                 rows.append(report)
+                made[str(file.relative_to(args.caches))] = first["key"] if ok else None  # None: not a cache
                 print(f"{name:22} {row:26} " + (
                     f"{first['graphs_compiled']:2} graphs in {first['seconds']:6.1f} s; from the file: "
                     f"{check.get('graphs_from_cache', '-')} taken, {check.get('graphs_compiled', '-')} compiled, "
@@ -218,6 +262,10 @@ def main() -> int:
                     print(f"{'':49} from the file: FAILED {check['error']}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if made:  # for the session's setup step (`--key`) to compare with the machine's
+        file = args.caches / MADE_FOR
+        made = {**(json.loads(file.read_text()) if file.is_file() else {}), **made}
+        file.write_text(json.dumps({f: key for f, key in made.items() if key}, indent=1) + "\n")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows},
                                     indent=1) + "\n")

@@ -201,8 +201,12 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     caches.mkdir(parents=True)
     (caches / "old.bin").write_bytes(b"o" * 100)
     (caches / "new.bin").write_bytes(os.urandom(16 * 2**20))  # incompressible: two parts
+    # and the gzip'd one of a driver of this call, beside the temporary file of one stopped while saving
+    (caches / "row.bin.gz").write_bytes(b"g" * 100)
+    (caches / ".row.bin.gz.tmp-123").write_bytes(b"t" * 100)
     os.utime(caches / "old.bin", (1, 1))
-    os.utime(caches / "new.bin", (2**31, 2**31))
+    for name in ("new.bin", "row.bin.gz", ".row.bin.gz.tmp-123"):
+        os.utime(caches / name, (2**31, 2**31))
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3: the venv's, as the device machine's own
     (tmp_path / "out").mkdir()
     out = subprocess.run(["bash", str(SCRIPT), "shards", "fp8-linear"], cwd=ROOT, env=env, capture_output=True,
@@ -220,7 +224,8 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     parts = sorted((tmp_path / "out").glob("compile_cache.tgz.part-*"))
     assert [p.name for p in parts] == ["compile_cache.tgz.part-00", "compile_cache.tgz.part-01"]
     assert parts[0].stat().st_size == 15 * 2**20
-    assert brought_back(tmp_path / "out") == {"./NVIDIA_H200/new.bin": (caches / "new.bin").read_bytes()}
+    assert brought_back(tmp_path / "out") == {"./NVIDIA_H200/new.bin": (caches / "new.bin").read_bytes(),
+                                              "./NVIDIA_H200/row.bin.gz": b"g" * 100}
     # caches over CACHE_LIMIT_MIB would come back cut (the tool returns 64 MiB in all): said, and left behind
     (tmp_path / "out2").mkdir()
     out = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -113,3 +113,32 @@ def test_a_rows_cache_made_here_serves_every_graph_to_a_later_process(tmp_path):
                                                              "compiled-flat.bin.gz").read_bytes()))
     # the graphs, and no autotuning choice: the fake's timings are all equal, the GPU tunes for itself
     assert len(held["inductor"]) == first["graphs_compiled"] and "autotune" not in held
+    # what the session's setup step compares with the machine's own key parts
+    made = {"NVIDIA_H100_80GB_HBM3/compiled-flat.bin.gz": first["key"]}
+    assert json.loads((caches / gpu_cache.MADE_FOR).read_text()) == made
+
+
+def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path):
+    h100 = {"torch_key": "36e6", "device": {"name": "NVIDIA H100 80GB HBM3"}, "system_hash": "2b00",
+            "torchao": "0.18.0"}
+    folder = tmp_path / gpu_cache.card_folder("NVIDIA H100 80GB HBM3")
+    assert folder.name == "NVIDIA_H100_80GB_HBM3"  # cuda_session.sh's name for it (test_rows_the_fake_cannot...)
+    folder.mkdir()
+    for row in ("a", "b"):
+        (folder / f"{row}.bin.gz").write_bytes(b"")
+    made = {"NVIDIA_H100_80GB_HBM3/a.bin.gz": h100, "NVIDIA_H100_80GB_HBM3/b.bin.gz": h100,
+            "NVIDIA_H100_80GB_HBM3/gone.bin.gz": {**h100, "torch_key": "old"}}  # its file no longer there: left out
+    (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
+    assert gpu_cache.compare_with_caches(tmp_path, h100).endswith("2 files made with this torch, Triton, CUDA, "
+                                                                  "torchao and card: they should serve, unless the "
+                                                                  "code changed since")
+    line = gpu_cache.compare_with_caches(tmp_path, {**h100, "torch_key": "9999"})
+    assert "2 of 2 files made with other key parts" in line and "torch_key 36e6 there, 9999 here" in line
+    assert "torchao 0.18.0 there, None here" in gpu_cache.compare_with_caches(tmp_path, {**h100, "torchao": None})
+    made["NVIDIA_H100_80GB_HBM3/b.bin.gz"] = {**h100, "system_hash": "0"}
+    (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
+    assert "1 of 2 files made with other key parts (NVIDIA_H100_80GB_HBM3/b.bin.gz: system_hash 0 there" in \
+        gpu_cache.compare_with_caches(tmp_path, h100)
+    h200 = {**h100, "device": {"name": "NVIDIA H200"}}
+    assert "none made for NVIDIA H200" in gpu_cache.compare_with_caches(tmp_path, h200)
+    assert "no CUDA device" in gpu_cache.compare_with_caches(tmp_path / "none", {"device": None})
