@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -146,6 +147,28 @@ def native_env(where: Path) -> dict[str, str]:
                 shutil.rmtree(fresh, ignore_errors=True)
     return {"LD_PRELOAD": " ".join(filter(None, [str(built / "libcudart_shim.so"), os.environ.get("LD_PRELOAD")])),
             "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(built), os.environ.get("LD_LIBRARY_PATH")]))}
+
+
+def stand_ins() -> dict[str, str]:
+    """`native_env` in this user's folder of the temporary directory, built once for every child; {} without a C
+    compiler (a backward then fails, saying so)."""
+    return native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}") if shutil.which("cc") else {}
+
+
+def run_cold(argv: list[str], env: dict[str, str], timeout: int) -> dict:
+    """`argv`, a script's child mode that prints `ROW <json>`, in a process of its own with an empty inductor cache
+    (a cold compile, as on a bare device machine) and one compile thread (`install`'s patches are this process's):
+    its last row, or {"error": ...}."""
+    with tempfile.TemporaryDirectory() as cold:
+        child = {**env, "TORCHINDUCTOR_CACHE_DIR": cold, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=child, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"over --timeout {timeout} s"}
+    found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if not found:
+        return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-3000:]}"}
+    return json.loads(found[-1])
 
 
 def backward_ready() -> bool:

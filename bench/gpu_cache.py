@@ -184,18 +184,10 @@ def compile_as_the_driver(gpu: str) -> dict:
 
 def run_child(gpu: str, env: dict[str, str], native: dict[str, str], timeout: int) -> dict:
     """`compile_as_the_driver` in a process of its own with a cold inductor cache; its row, or the error."""
-    with tempfile.TemporaryDirectory() as cold:
-        child = {**env, **native, "TORCHINDUCTOR_CACHE_DIR": cold,
-                 "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        try:
-            done = subprocess.run([sys.executable, __file__, "--one", gpu], capture_output=True, text=True, env=child,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"over --timeout {timeout} s"}
-    found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if not found:
-        return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-3000:]}"}
-    return json.loads(found[-1])
+    import fake_h100
+
+    return fake_h100.run_cold([sys.executable, __file__, "--one", gpu], {**env, **native, "PYTHONPATH": str(ROOT)},
+                              timeout)
 
 
 def main() -> int:
@@ -226,7 +218,7 @@ def main() -> int:
     if why:
         print(f"gpu_cache: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
-    native = fake_h100.native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}")
+    native = fake_h100.stand_ins()
     rows, made, work = [], {}, Path(tempfile.mkdtemp(prefix="gpu_cache-"))
     try:
         data = work / "shards"  # the session's shards (its eval set's 10,000 samples); a few training samples

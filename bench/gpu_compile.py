@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -162,24 +159,13 @@ def main() -> int:
     if why:
         print(f"gpu_compile: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
-    # the stand-ins a backward needs (fake_h100.native_env), built once for every target's process; without a C
-    # compiler the step targets fail, each saying so
-    native = fake_h100.native_env(Path(tempfile.gettempdir()) / f"fake_h100-{os.getuid()}") \
-        if shutil.which("cc") else {}
+    native = fake_h100.stand_ins()  # the backward's; without a C compiler the step targets fail, each saying so
     rows = []
     for name in args.targets:
-        with tempfile.TemporaryDirectory() as cache:  # a cold compile, as on a bare device machine
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                   "PYTHONPATH": str(ROOT), **native}
-            try:
-                done = subprocess.run([sys.executable, __file__, "--one", name, "--bert-config", args.bert_config,
-                                       "--tokens", str(args.tokens)], capture_output=True, text=True, env=env,
-                                      timeout=args.timeout)
-                found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-                row = json.loads(found[-1]) if found else {
-                    "target": name, "compiled": False, "error": f"exit {done.returncode}: {done.stderr[-300:]}"}
-            except subprocess.TimeoutExpired:
-                row = {"target": name, "compiled": False, "error": f"over --timeout {args.timeout} s"}
+        row = fake_h100.run_cold([sys.executable, __file__, "--one", name, "--bert-config", args.bert_config,
+                                  "--tokens", str(args.tokens)],
+                                 {**os.environ, "PYTHONPATH": str(ROOT), **native}, args.timeout)
+        row = {"target": name, "compiled": False, **row}  # a failed child's row: its error alone
         rows.append(row)
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
         launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms"
