@@ -15,7 +15,7 @@ and compiles again: the row passes when inductor took every graph from the file 
 
 Carried to the device (carry [".whl", ".compile_cache"]), a driver step then loads the graphs and the kernels' sm_90
 binaries instead of generating them. It still traces with dynamo (never cached), runs AOT autograd again for graphs
-it cannot cache (one holding an autograd Function: flash attention with dropout), and autotunes each kernel at its
+it cannot cache (one holding an autograd Function: delayed float8's GEMMs), and autotunes each kernel at its
 first launch (the fake's timings are never kept). The GPU misses when its torch or Triton is not this venv's
 (torch keys on a hash of its own files), its name is not `fake_h100.GPUS`'s, or a setting differs; `--key` prints
 the key's parts, and the session's setup step prints them there. A miss costs the carried bytes only: the row

@@ -32,9 +32,8 @@ class KeyTaken(Exception):
 def first_graph(fake: bool) -> tuple[list[str], str]:
     """Dynamo's graphs of BERT tiny's training forward on the CPU, with the model made under a fake mode (as the fake
     H100 makes it) or real, their inputs' type annotations left out (Parameter or FakeTensor); and the key inductor
-    computes for the first one's forward (the model's: the GPU traces it again, as AOT autograd cannot cache its
-    autograd Function, so this key is what must match). The truncated normal, which reads a value on the host under
-    torch 2.13's fake mode, is left out: the values do not matter."""
+    computes for the first one's forward (the model's: what the GPU looks up). The truncated normal, which reads a
+    value on the host under torch 2.13's fake mode, is left out: the values do not matter."""
     from torch._inductor import codecache
     from torch._subclasses.fake_tensor import FakeTensorMode
 

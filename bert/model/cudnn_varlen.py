@@ -41,14 +41,14 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
-from bert.model.cuda_varlen import require_cuda_batch, require_half
+from bert.model.cuda_varlen import Contract, require_cuda_batch, require_half
 from bert.release import major_minor
 
 MIN_TORCH = (2, 14)  # the first release with pytorch#186142 and #172108 (see the docstring)
-CONTRACT = (
-    "out (T, H, Dv) in q's dtype, logsumexp (T, H, 1) float32, with dropout a philox seed and offset of one int64 "
-    "each, all on q's device and contiguous; gradients contiguous, shaped as q, k, v"
-)
+CONTRACT = Contract("cudnn", "cuDNN attention", "bert.model.cudnn_varlen",
+                    "out (T, H, Dv) in q's dtype, logsumexp (T, H, 1) float32, with dropout a philox seed and offset "
+                    "of one int64 each, all on q's device and contiguous; gradients contiguous, shaped as q, k, v",
+                    "varlen")
 
 
 def backward_is_fixed(version: str | None = None) -> bool:
@@ -82,16 +82,6 @@ def _aten_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     )
 
 
-def _expect(got: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, like: Tensor, name: str) -> None:
-    if got is None or tuple(got.shape) != shape or got.dtype != dtype or got.device != like.device \
-            or not got.is_contiguous():
-        what = "no tensor" if got is None else f"{tuple(got.shape)} {got.dtype} on {got.device}"
-        raise RuntimeError(
-            f"ATTENTION=cudnn: this torch build's cuDNN attention returned {name} {what}, not what "
-            f"bert.model.cudnn_varlen states for torch.compile ({CONTRACT}); use ATTENTION=varlen"
-        )
-
-
 @torch.library.custom_op("bert::cudnn_varlen", mutates_args=())
 def cudnn_varlen_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float
@@ -99,12 +89,12 @@ def cudnn_varlen_op(
     """(out, logsumexp, philox seed and offset as one int64 pair)."""
     out, lse, seed, offset = _aten_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p)
     tokens, heads = q.shape[0], q.shape[1]
-    _expect(out, (tokens, heads, v.shape[-1]), q.dtype, q, "out")
-    _expect(lse, (tokens, heads, 1), torch.float32, q, "logsumexp")
+    CONTRACT.expect(out, (tokens, heads, v.shape[-1]), q.dtype, q, "out")
+    CONTRACT.expect(lse, (tokens, heads, 1), torch.float32, q, "logsumexp")
     if dropout_p == 0.0:  # no mask to replay: whatever comes back as the seed and offset (maybe nothing) is unused
         return out, lse, q.new_zeros(2, dtype=torch.int64)
     for scalar, name in ((seed, "philox seed"), (offset, "philox offset")):
-        _expect(None if scalar is None else scalar.reshape(1), (1,), torch.int64, q, name)
+        CONTRACT.expect(None if scalar is None else scalar.reshape(1), (1,), torch.int64, q, name)
     return out, lse, torch.stack((seed.reshape(()), offset.reshape(())))
 
 
@@ -125,7 +115,7 @@ def cudnn_varlen_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     grads = _aten_backward(grad.contiguous(), q, k, v, out, lse, rng[0], rng[1], cu_seqlens, max_seqlen, dropout_p)
     for got, like, name in zip(grads, (q, k, v), ("dq", "dk", "dv")):
-        _expect(got, tuple(like.shape), like.dtype, like, name)
+        CONTRACT.expect(got, tuple(like.shape), like.dtype, like, name)
     return grads
 
 

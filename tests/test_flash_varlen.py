@@ -1,0 +1,160 @@
+"""`bert::flash_varlen`, the custom op around torch's flash kernels with dropout (ATTENTION=varlen's training path),
+traced, differentiated and cached as torch.compile does it. On the CPU a float64 reference stands in for the two aten
+calls (which need CUDA), returning what the op's contract says flash returns: the op's fake implementation, autograd
+registration, shape checks and AOT autograd's cache are what is under test. On a GPU the real kernels run."""
+
+import pytest
+import torch
+from test_attention import grads, reference_attention, reference_attention_backward
+from test_cudnn_varlen import fused_qkv, reference_lse
+
+from bert.batch import SeqLayout
+from bert.model import cuda_varlen
+from bert.model.cuda_varlen import flash_varlen_op
+
+LENGTHS = (5, 1, 130, 64, 12)
+STATE = (1234, 5678)  # the philox seed and offset a forward "returns"
+
+
+def float64_kernels(lengths, lse_layout="ht", replayed=None):
+    """Stand-ins for `_aten_forward` / `_aten_backward`: attention without dropout, the log-sum-exp as (H, T) (flash's
+    unpadded layout; 'thd' returns (T, H, 1), which the contract does not state), the philox state as a (2,) uint64
+    and the unused () uint64 flash returns. The backward appends the state it is handed to `replayed`."""
+
+    def forward(q, k, v, cu, max_seqlen, dropout_p):
+        assert max_seqlen == max(lengths) and cu.tolist()[-1] == sum(lengths)
+        lse = reference_lse(q, k, lengths)
+        lse = lse.squeeze(-1).T.contiguous() if lse_layout == "ht" else lse
+        return (reference_attention(q, k, v, lengths).contiguous(), lse.float(),
+                torch.tensor(STATE, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64))
+
+    def backward(grad, q, k, v, out, lse, cu, max_seqlen, dropout_p, rng_state, unused):
+        assert grad.is_contiguous() and lse.shape == (q.shape[1], q.shape[0]) and rng_state.dtype == torch.uint64
+        if replayed is not None:
+            replayed.append((tuple(rng_state.tolist()), dropout_p))
+        return reference_attention_backward(grad, q, k, v, lengths)
+
+    return forward, backward
+
+
+def stand_in(monkeypatch, **kwargs):
+    forward, backward = float64_kernels(LENGTHS, **kwargs)
+    monkeypatch.setattr(cuda_varlen, "_aten_forward", forward)
+    monkeypatch.setattr(cuda_varlen, "_aten_backward", backward)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_opcheck_fake_autograd_and_schema(monkeypatch, dropout_p):
+    """torch's own checker: the fake implementation's outputs match the real ones' metadata, the autograd
+    registration is complete, and the op traces under AOT autograd with dynamic shapes."""
+    stand_in(monkeypatch)
+    _, (q, k, v) = fused_qkv(LENGTHS)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    torch.library.opcheck(flash_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p))
+
+
+def test_compiles_in_one_graph_and_matches_the_reference(monkeypatch):
+    """One graph, and the compiled forward and backward equal the float64 reference, gradients into the fused QKV
+    tensor included."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    stand_in(monkeypatch)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def attend(qkv):
+        q, k, v = qkv.unbind(1)
+        return flash_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)[0] * 2.0
+
+    torch._dynamo.reset()
+    qkv, _ = fused_qkv(LENGTHS)
+    got = attend(qkv)
+    assert counter.frame_count == 1
+    ref_qkv = qkv.detach().clone().requires_grad_()
+    want = 2.0 * reference_attention(*ref_qkv.unbind(1), LENGTHS)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
+    torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_the_backward_gets_the_forwards_philox_state(monkeypatch):
+    """With dropout the backward must redraw the forward's mask: it is handed the state the forward returned (and
+    the dropout probability), through the op's saved outputs."""
+    replayed = []
+    stand_in(monkeypatch, replayed=replayed)
+    _, (q, k, v) = fused_qkv(LENGTHS)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    out, _, rng_state, _ = flash_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)
+    assert rng_state.dtype == torch.int64 and rng_state.view(torch.uint64).tolist() == list(STATE)
+    grads(out, (q, k, v))
+    assert replayed == [(STATE, 0.1)]
+
+
+def test_a_layout_off_the_contract_fails_naming_the_setting(monkeypatch):
+    stand_in(monkeypatch, lse_layout="thd")
+    _, (q, k, v) = fused_qkv(LENGTHS)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    with pytest.raises(RuntimeError, match=r"^ATTENTION=varlen: this torch build's flash attention returned "
+                                           r"logsumexp \(212, 2, 1\) .* use ATTENTION=padded$"):
+        flash_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)
+    forward, _ = float64_kernels(LENGTHS)
+    # an older torch's state: two int64 scalars (the forward's seed and offset), not the (2,) uint64 stated
+    monkeypatch.setattr(cuda_varlen, "_aten_forward", lambda *args: (*forward(*args)[:2], torch.tensor(1),
+                                                                     torch.tensor(2)))
+    with pytest.raises(RuntimeError, match=r"ATTENTION=varlen: .* philox state \(\) torch.int64 on cpu, not what"):
+        flash_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)
+
+
+class AsFunction(torch.autograd.Function):
+    """The op's former form: an autograd Function (here around the float64 reference), which AOT autograd does not
+    cache."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_seqlen, dropout_p):
+        ctx.save_for_backward(q, k, v)
+        return reference_attention(q, k, v, LENGTHS)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*reference_attention_backward(grad.contiguous(), *ctx.saved_tensors, LENGTHS), None, None, None)
+
+
+def aot_counts(attend) -> dict[str, int]:
+    """AOT autograd's cache counters over two compiles of a training graph around `attend`, dynamo reset between
+    them (as a second process starts, with the inductor cache of the first)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+
+    seq = SeqLayout.from_lengths(LENGTHS)
+    counters.clear()
+    with fresh_inductor_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            step = torch.compile(lambda qkv: (attend(*qkv.unbind(1), seq.cu_seqlens, seq.max_seqlen, 0.1) * 2).sum(),
+                                 backend="inductor")
+            qkv, _ = fused_qkv(LENGTHS)
+            step(qkv).backward()
+    torch._dynamo.reset()
+    return dict(counters["aot_autograd"])
+
+
+def test_aot_autograd_caches_a_graph_holding_the_op_and_not_one_holding_an_autograd_function(monkeypatch):
+    """The reason for the custom op: a driver that loads its graphs from a compile cache took inductor's from it but
+    re-traced AOT autograd's, because the model's graph held an autograd Function; with the op the second compile
+    takes AOT autograd's graph from the cache too."""
+    stand_in(monkeypatch)
+    op = aot_counts(lambda *args: flash_varlen_op(*args)[0])
+    assert (op.get("autograd_cache_miss"), op.get("autograd_cache_hit"), op.get("autograd_cache_bypass")) == \
+        (1, 1, None)
+    function = aot_counts(AsFunction.apply)
+    assert function.get("autograd_cache_bypass") == 2 and not function.get("autograd_cache_hit")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_cuda_the_real_kernels_keep_the_contract(dropout_p):
+    """torch's checker on the real flash kernels: what they return is what the fake implementation states."""
+    seq = SeqLayout.from_lengths((5, 1, 130, 512, 300, 12), device="cuda")
+    _, (q, k, v) = fused_qkv(seq.lengths, torch.bfloat16, "cuda")
+    torch.library.opcheck(flash_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p))
