@@ -52,7 +52,8 @@ SHARDS=${SHARDS:-/tmp/shards}
 # $CACHES/<GPU>/<row>.bin.gz: from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on
 # an H200, most of a driver step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB
 # parts: the tool returns no file over 16 MiB); unpacked into .compile_cache/ here and carried (carry [".whl",
-# ".compile_cache"]), they let the next session's drivers skip code generation. bench/gpu_cache.py writes the same
+# ".compile_cache/made_for.json", ".compile_cache/<GPU>"]: both cards' are over the 64 MiB a call carries), they let
+# the next session's drivers skip code generation. bench/gpu_cache.py writes the same
 # files on a CPU, for the code as it is now. Keyed by the GPU's name (CACHE_GPU overrides nvidia-smi's: gpu_cache.py's
 # dry run), as torch keys them on the device anyway.
 CACHES=${CACHES:-$PWD/.compile_cache}

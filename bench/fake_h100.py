@@ -27,13 +27,15 @@ dynamo's saving of the CUDA RNG state, inductor's pattern tracing), and answers 
 (`pad_mm`, which times padded and unpadded GEMMs on real tensors) with "no padding". Without them a model compiles in
 inference (no_grad) only, and an update takes gradients made as zeros of the parameters' shapes.
 
-Kernels are compiled in this process (inductor's compile_threads = 1): a compile worker would not have these
-patches. What this cannot see: a kernel's numerics, its speed, a launch the GPU refuses (shared memory or
-registers beyond the chip's, which ptxas does not check against a launch), and autotuning, whose timings are all equal.
-And it fails where the GPU does not on one kind of kernel: Triton parses a kernel by recursive descent, and a foreach
-kernel over ~125 tensors (an if-elif per tensor, the per-tensor LAMB update's cast of the gradients) overflows Python's
-recursion limit in this process, even on a thread of its own with a raised limit and stack, where the GPU machines'
-compile workers, processes that never ran dynamo, compiled it.
+Triton kernels are compiled in inductor's compile workers, as on the GPU machines: `run_cold` starts a child with
+`native_env`'s folder on its PYTHONPATH, whose `sitecustomize` gives every Python process there (the workers, fresh
+processes) the fake's Triton driver, and `install` starts the workers without the stand-ins and waits for them
+before anything compiles. In this process, under dynamo's frames, Triton's recursive-descent parse of a deep kernel
+(the per-tensor LAMB update's cast of ~125 tensors, an if-elif each) overflowed Python's recursion limit, even on a
+thread of its own with a raised limit and stack; the workers, which never ran dynamo, compile it. Without the
+stand-ins kernels are compiled in the process (compile_threads = 1). What this cannot see: a kernel's numerics, its
+speed, a launch the GPU refuses (shared memory or registers beyond the chip's, which ptxas does not check against a
+launch), and autotuning, whose timings are all equal.
 
 Dynamo treats the fake mode's tensors, made outside the compile, as a tensor subclass and inlines a Tensor method
 written in Python (`Tensor.unflatten`), which stops at its `super()` call: a graph break the GPU does not have. So the
@@ -90,6 +92,21 @@ int cuGetErrorString(int error, const char **text) { *text = "the fake H100's li
 """
 
 
+# Run by every Python process started with the stand-ins' folder on PYTHONPATH (`run_cold`): inductor's compile
+# workers, fresh processes, compile Triton kernels for the active driver, which must be the fake's there too.
+SITE = """import os
+import sys
+
+if os.environ.get("FAKE_H100_BENCH"):
+    sys.path.insert(0, os.environ["FAKE_H100_BENCH"])
+    import fake_h100
+
+    fake_h100.activate_triton_driver()
+"""
+WORKERS = "FAKE_H100_WORKERS"  # set to the stand-ins' folder: install starts the compile workers without them
+HERE = Path(__file__).resolve().parent
+
+
 @dataclasses.dataclass
 class Launches:
     """What the fake GPU was asked to run since `reset` (nothing runs): Triton kernels, with inductor's estimate of the
@@ -124,11 +141,11 @@ def native_env(where: Path) -> dict[str, str]:
     """Build the runtime shim and the driver stub under `where` (cc) and return the variables a child process needs to
     load them; with those set, `install` compiles backward graphs too. Built in a directory of their own and renamed
     into place whole, so a process building beside another never sees half a build."""
-    built = Path(where) / hashlib.sha256((RUNTIME_SHIM + DRIVER_STUB).encode()).hexdigest()[:12]
+    built = Path(where) / hashlib.sha256((RUNTIME_SHIM + DRIVER_STUB + SITE).encode()).hexdigest()[:12]
     libraries = {"libcudart_shim.so": RUNTIME_SHIM, "libcuda.so.1": DRIVER_STUB}
 
     def complete() -> bool:
-        return all((built / name).exists() for name in libraries)
+        return all((built / name).exists() for name in (*libraries, "sitecustomize.py"))
 
     if not complete():
         Path(where).mkdir(parents=True, exist_ok=True)
@@ -137,6 +154,7 @@ def native_env(where: Path) -> dict[str, str]:
             (fresh / f"{name}.c").write_text(source)
             subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(fresh / name), str(fresh / f"{name}.c")],
                            check=True, capture_output=True, text=True)
+        (fresh / "sitecustomize.py").write_text(SITE)
         try:
             fresh.rename(built)
         except OSError:  # another process's build is in place already (or a broken one: removed, ours taken)
@@ -146,7 +164,8 @@ def native_env(where: Path) -> dict[str, str]:
             else:
                 shutil.rmtree(fresh, ignore_errors=True)
     return {"LD_PRELOAD": " ".join(filter(None, [str(built / "libcudart_shim.so"), os.environ.get("LD_PRELOAD")])),
-            "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(built), os.environ.get("LD_LIBRARY_PATH")]))}
+            "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(built), os.environ.get("LD_LIBRARY_PATH")])),
+            WORKERS: str(built), "FAKE_H100_BENCH": str(HERE)}
 
 
 def stand_ins() -> dict[str, str]:
@@ -157,10 +176,13 @@ def stand_ins() -> dict[str, str]:
 
 def run_cold(argv: list[str], env: dict[str, str], timeout: int) -> dict:
     """`argv`, a script's child mode that prints `ROW <json>`, in a process of its own with an empty inductor cache
-    (a cold compile, as on a bare device machine) and one compile thread (`install`'s patches are this process's):
-    its last row, or {"error": ...}."""
+    (a cold compile, as on a bare device machine) and inductor's compile workers, which take the fake's Triton driver
+    from `SITE` (given the stand-ins; else one compile thread): its last row, or {"error": ...}."""
     with tempfile.TemporaryDirectory() as cold:
         child = {**env, "TORCHINDUCTOR_CACHE_DIR": cold, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        if env.get(WORKERS):  # the stand-ins' folder, which holds the workers' sitecustomize too
+            child.update({"TORCHINDUCTOR_COMPILE_THREADS": "2",
+                          "PYTHONPATH": os.pathsep.join(filter(None, [env[WORKERS], env.get("PYTHONPATH")]))})
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=child, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -192,16 +214,11 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
     which card of `GPUS` the fake says it is. `count`: each kernel's estimate of its bytes for LAUNCHES (inductor's
     `benchmark_kernel`, a setting in the compile cache's key: off for a cache a GPU is to read)."""
     PROPS.name, PROPS.total_memory, PROPS.L2_cache_size = GPUS[gpu]
-    import triton.backends
     from torch._dynamo import device_interface
     from torch._inductor import compile_fx, scheduler, select_algorithm
     from torch._inductor.fx_passes import joint_graph
     from torch._inductor.runtime import benchmarking, hints, static_triton_launcher, triton_heuristics
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import ty_to_cpp
-    from triton.runtime import driver as active_driver
-
     class CountingFakeTensorMode(FakeTensorMode):
         """Counts what it runs in LAUNCHES.aten: this mode's ops only, not those of a compile's own fake mode."""
 
@@ -286,7 +303,6 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
     joint_graph.constant_fold_uniform_value = fold_on_the_cpu
     if backward_ready():
         _quiet_device(torch)
-    torch._inductor.config.compile_threads = 1
     torch._inductor.config.autotune_local_cache = False  # the fake's timings are all equal: never keep a choice
     torch._inductor.config.benchmark_kernel = count  # each kernel's kernel_num_gb, for LAUNCHES
 
@@ -311,6 +327,42 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
 
     triton_heuristics.CachingAutotuner.run = run
     benchmarking.benchmarker.benchmark_gpu = lambda *a, **k: 1.0
+
+    activate_triton_driver()
+    if os.environ.get(WORKERS):
+        _start_workers()
+    else:  # a compile worker would not have these patches
+        torch._inductor.config.compile_threads = 1
+    return mode
+
+
+def _start_workers() -> None:
+    """Inductor's compile workers, started now and waited for: a kernel compiled before they are ready is compiled in
+    this process, where a deep one overflows Python's recursion limit. They start without the stand-ins (a libcuda
+    of three functions fails Triton's import there): this process loaded them at its start, and the dynamic loader
+    reads LD_PRELOAD and LD_LIBRARY_PATH only then."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    stand_in = os.environ[WORKERS]
+    for name in ("LD_PRELOAD", "LD_LIBRARY_PATH"):
+        kept = [p for p in os.environ.get(name, "").replace(" ", os.pathsep).split(os.pathsep)
+                if p and not p.startswith(stand_in)]
+        os.environ[name] = os.pathsep.join(kept)
+    torch._inductor.config.compile_threads = max(2, torch._inductor.config.compile_threads or 1)
+    AsyncCompile.use_process_pool()  # submits the pool's first job, which says when it is ready
+    try:
+        AsyncCompile.wait_pool_ready(timeout=300)
+    except TimeoutError:
+        raise RuntimeError("the fake H100's compile workers did not start in 300 s (their log: "
+                           f"{torch._inductor.config.get_worker_log_path()})") from None
+
+
+def activate_triton_driver() -> None:
+    """Triton's driver for the fake: a target of cuda/90, kernels "loaded" as handles of 0, launches that do nothing.
+    Run in the compile workers too (`SITE`), where Triton compiles a kernel for the active driver's target."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import ty_to_cpp
+    from triton.runtime import driver as active_driver
 
     class Utils:
         def get_device_properties(self, device: int) -> dict:
@@ -341,11 +393,12 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
         map_python_to_cpp_type = staticmethod(ty_to_cpp)
         get_benchmarker = staticmethod(lambda: lambda *a, **k: [1.0, 1.0, 1.0])
 
+    import triton.backends
+
     # inductor's kernels look the GPU driver up among Triton's backends, by class
     triton.backends.backends["nvidia"] = dataclasses.replace(triton.backends.backends["nvidia"], driver=Driver)
     active_driver.set_active(Driver())
     active_driver._default = active_driver._active
-    return mode
 
 
 class _OnTheCpu(torch.overrides.TorchFunctionMode):

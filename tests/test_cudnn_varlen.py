@@ -77,9 +77,9 @@ def test_opcheck_fake_autograd_and_schema(float64_cudnn, dropout_p):
     torch.library.opcheck(cudnn_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p))
 
 
-def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
-    """The reason for the custom op: no graph break (the bare aten op cannot be traced), and the compiled forward
-    and backward equal the float64 reference, gradients into the fused QKV tensor included."""
+def compiles_in_one_graph_and_matches_the_reference(op, dropout_p: float) -> None:
+    """`op` (a custom op around attention, its kernels the float64 stand-ins) under torch.compile: one graph, and the
+    compiled forward and backward equal the float64 reference, gradients into the fused QKV tensor included."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     seq = SeqLayout.from_lengths(LENGTHS)
@@ -88,7 +88,7 @@ def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
     @torch.compile(backend=counter, fullgraph=True)
     def attend(qkv):
         q, k, v = qkv.unbind(1)
-        return cudnn_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.0)[0] * 2.0
+        return op(q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p)[0] * 2.0
 
     torch._dynamo.reset()
     qkv, _ = fused_qkv(LENGTHS)
@@ -99,6 +99,11 @@ def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
     torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_compiles_in_one_graph_and_matches_the_reference(float64_cudnn):
+    """The reason for the custom op: no graph break (the bare aten op cannot be traced)."""
+    compiles_in_one_graph_and_matches_the_reference(cudnn_varlen_op, 0.0)
 
 
 def test_the_backward_gets_the_forwards_philox_state(monkeypatch):

@@ -6,13 +6,12 @@ registration, shape checks and AOT autograd's cache are what is under test. On a
 import pytest
 import torch
 from test_attention import grads, reference_attention, reference_attention_backward
-from test_cudnn_varlen import fused_qkv, reference_lse
+from test_cudnn_varlen import LENGTHS, compiles_in_one_graph_and_matches_the_reference, fused_qkv, reference_lse
 
 from bert.batch import SeqLayout
 from bert.model import cuda_varlen
 from bert.model.cuda_varlen import flash_varlen_op
 
-LENGTHS = (5, 1, 130, 64, 12)
 STATE = (1234, 5678)  # the philox seed and offset a forward "returns"
 
 
@@ -54,28 +53,8 @@ def test_opcheck_fake_autograd_and_schema(monkeypatch, dropout_p):
 
 
 def test_compiles_in_one_graph_and_matches_the_reference(monkeypatch):
-    """One graph, and the compiled forward and backward equal the float64 reference, gradients into the fused QKV
-    tensor included."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     stand_in(monkeypatch)
-    seq = SeqLayout.from_lengths(LENGTHS)
-    counter = CompileCounterWithBackend("aot_eager")
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def attend(qkv):
-        q, k, v = qkv.unbind(1)
-        return flash_varlen_op(q, k, v, seq.cu_seqlens, seq.max_seqlen, 0.1)[0] * 2.0
-
-    torch._dynamo.reset()
-    qkv, _ = fused_qkv(LENGTHS)
-    got = attend(qkv)
-    assert counter.frame_count == 1
-    ref_qkv = qkv.detach().clone().requires_grad_()
-    want = 2.0 * reference_attention(*ref_qkv.unbind(1), LENGTHS)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    (g,), (w,) = grads(got, (qkv,)), grads(want, (ref_qkv,))
-    torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    compiles_in_one_graph_and_matches_the_reference(flash_varlen_op, 0.1)
 
 
 def test_the_backward_gets_the_forwards_philox_state(monkeypatch):
