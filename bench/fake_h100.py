@@ -94,13 +94,16 @@ int cuGetErrorString(int error, const char **text) { *text = "the fake H100's li
 
 # Run by every Python process started with the stand-ins' folder on PYTHONPATH (`run_cold`): inductor's compile
 # workers, fresh processes, compile Triton kernels for the active driver, which must be the fake's there too.
-SITE = """import os
+# Loaded from its file, not by putting bench/ on sys.path, where its scripts would shadow modules of the same name.
+SITE = """import importlib.util
+import os
 import sys
 
 if os.environ.get("FAKE_H100_BENCH"):
-    sys.path.insert(0, os.environ["FAKE_H100_BENCH"])
-    import fake_h100
-
+    spec = importlib.util.spec_from_file_location("fake_h100", os.path.join(os.environ["FAKE_H100_BENCH"],
+                                                                            "fake_h100.py"))
+    fake_h100 = sys.modules["fake_h100"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake_h100)
     fake_h100.activate_triton_driver()
 """
 WORKERS = "FAKE_H100_WORKERS"  # set to the stand-ins' folder: install starts the compile workers without them

@@ -53,8 +53,11 @@ def test_opcheck_fake_autograd_and_schema(monkeypatch, dropout_p):
 
 
 def test_compiles_in_one_graph_and_matches_the_reference(monkeypatch):
-    stand_in(monkeypatch)
+    """Compiled too, the backward is handed the forward's philox state (through the graph as int64) and dropout."""
+    replayed = []
+    stand_in(monkeypatch, replayed=replayed)
     compiles_in_one_graph_and_matches_the_reference(flash_varlen_op, 0.1)
+    assert replayed == [(STATE, 0.1)]
 
 
 def test_the_backward_gets_the_forwards_philox_state(monkeypatch):
@@ -133,7 +136,10 @@ def test_aot_autograd_caches_a_graph_holding_the_op_and_not_one_holding_an_autog
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 def test_cuda_the_real_kernels_keep_the_contract(dropout_p):
-    """torch's checker on the real flash kernels: what they return is what the fake implementation states."""
+    """torch's checker on the real flash kernels: what they return is what the fake implementation states, and the
+    autograd registration is complete. Not its eager-against-compiled comparison of values: the unused output (and
+    the philox state at dropout 0) is memory the kernel never writes (tests/test_attention.py compares the values)."""
     seq = SeqLayout.from_lengths((5, 1, 130, 512, 300, 12), device="cuda")
     _, (q, k, v) = fused_qkv(seq.lengths, torch.bfloat16, "cuda")
-    torch.library.opcheck(flash_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p))
+    torch.library.opcheck(flash_varlen_op, (q, k, v, seq.cu_seqlens, seq.max_seqlen, dropout_p),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
