@@ -27,15 +27,14 @@ dynamo's saving of the CUDA RNG state, inductor's pattern tracing), and answers 
 (`pad_mm`, which times padded and unpadded GEMMs on real tensors) with "no padding". Without them a model compiles in
 inference (no_grad) only, and an update takes gradients made as zeros of the parameters' shapes.
 
-Triton kernels are compiled in inductor's compile workers, as on the GPU machines: `run_cold` starts a child with
-`native_env`'s folder on its PYTHONPATH, whose `sitecustomize` gives every Python process there (the workers, fresh
-processes) the fake's Triton driver, and `install` starts the workers without the stand-ins and waits for them
-before anything compiles. In this process, under dynamo's frames, Triton's recursive-descent parse of a deep kernel
-(the per-tensor LAMB update's cast of ~125 tensors, an if-elif each) overflowed Python's recursion limit, even on a
-thread of its own with a raised limit and stack; the workers, which never ran dynamo, compile it. Without the
-stand-ins kernels are compiled in the process (compile_threads = 1). What this cannot see: a kernel's numerics, its
-speed, a launch the GPU refuses (shared memory or registers beyond the chip's, which ptxas does not check against a
-launch), and autotuning, whose timings are all equal.
+Triton kernels are compiled in inductor's compile workers, as on the GPU machines: in a process started with the
+stand-ins, `install` starts the workers without them, with their folder on the workers' PYTHONPATH, whose
+`sitecustomize` gives them the fake's Triton driver, and waits for them before anything compiles. In this process, under
+dynamo's frames, Triton's recursive-descent parse of a deep kernel (the per-tensor LAMB update's cast of ~125 tensors,
+an if-elif each) overflowed Python's recursion limit, even on a thread of its own with a raised limit and stack; the
+workers, which never ran dynamo, compile it. Without the stand-ins kernels are compiled in the process (compile_threads
+= 1). What this cannot see: a kernel's numerics, its speed, a launch the GPU refuses (shared memory or registers beyond
+the chip's, which ptxas does not check against a launch), and autotuning, whose timings are all equal.
 
 Dynamo treats the fake mode's tensors, made outside the compile, as a tensor subclass and inlines a Tensor method
 written in Python (`Tensor.unflatten`), which stops at its `super()` call: a graph break the GPU does not have. So the
@@ -57,6 +56,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import types
 from pathlib import Path
@@ -92,8 +92,8 @@ int cuGetErrorString(int error, const char **text) { *text = "the fake H100's li
 """
 
 
-# Run by every Python process started with the stand-ins' folder on PYTHONPATH (`run_cold`): inductor's compile
-# workers, fresh processes, compile Triton kernels for the active driver, which must be the fake's there too.
+# The `sitecustomize` of inductor's compile workers (`_start_workers` puts the stand-ins' folder on their PYTHONPATH):
+# fresh processes, they compile Triton kernels for the active driver, which must be the fake's there too.
 # Loaded from its file, not by putting bench/ on sys.path, where its scripts would shadow modules of the same name.
 SITE = """import importlib.util
 import os
@@ -179,13 +179,10 @@ def stand_ins() -> dict[str, str]:
 
 def run_cold(argv: list[str], env: dict[str, str], timeout: int) -> dict:
     """`argv`, a script's child mode that prints `ROW <json>`, in a process of its own with an empty inductor cache
-    (a cold compile, as on a bare device machine) and inductor's compile workers, which take the fake's Triton driver
-    from `SITE` (given the stand-ins; else one compile thread): its last row, or {"error": ...}."""
+    (a cold compile, as on a bare device machine); given the stand-ins, `install` starts inductor's compile workers
+    there: its last row, or {"error": ...}."""
     with tempfile.TemporaryDirectory() as cold:
         child = {**env, "TORCHINDUCTOR_CACHE_DIR": cold, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        if env.get(WORKERS):  # the stand-ins' folder, which holds the workers' sitecustomize too
-            child.update({"TORCHINDUCTOR_COMPILE_THREADS": "2",
-                          "PYTHONPATH": os.pathsep.join(filter(None, [env[WORKERS], env.get("PYTHONPATH")]))})
         try:
             done = subprocess.run(argv, capture_output=True, text=True, env=child, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -222,6 +219,7 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
     from torch._inductor.fx_passes import joint_graph
     from torch._inductor.runtime import benchmarking, hints, static_triton_launcher, triton_heuristics
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     class CountingFakeTensorMode(FakeTensorMode):
         """Counts what it runs in LAUNCHES.aten: this mode's ops only, not those of a compile's own fake mode."""
 
@@ -351,7 +349,9 @@ def _start_workers() -> None:
         kept = [p for p in os.environ.get(name, "").replace(" ", os.pathsep).split(os.pathsep)
                 if p and not p.startswith(stand_in)]
         os.environ[name] = os.pathsep.join(kept)
-    torch._inductor.config.compile_threads = max(2, torch._inductor.config.compile_threads or 1)
+    # inductor gives the workers this process's sys.path as their PYTHONPATH: last, its only module is `SITE`
+    sys.path.append(stand_in)
+    torch._inductor.config.compile_threads = 2
     AsyncCompile.use_process_pool()  # submits the pool's first job, which says when it is ready
     try:
         AsyncCompile.wait_pool_ready(timeout=300)
