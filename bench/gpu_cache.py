@@ -35,7 +35,6 @@ Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines'
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -75,20 +74,7 @@ def key_parts() -> dict:
     except importlib.metadata.PackageNotFoundError:
         torchao = None
     return {"torch": torch.__version__, "torch_key": torch_key().hex()[:16], "device": system.get("device"),
-            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao,
-            "custom_ops": custom_ops_hash()}
-
-
-# Our custom ops' files: AOT autograd caches a graph holding one with its fake and backward traced in, and keys it on
-# neither (only the op's name), so a cache made before an edit to them would serve the old backward
-CUSTOM_OPS = ("bert/model/cuda_varlen.py", "bert/model/cudnn_varlen.py")
-
-
-def custom_ops_hash() -> str:
-    digest = hashlib.sha256()
-    for name in CUSTOM_OPS:
-        digest.update((ROOT / name).read_bytes())
-    return digest.hexdigest()[:16]
+            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao}
 
 
 def card_folder(name: str) -> str:
@@ -111,12 +97,6 @@ def compare_with_caches(caches: Path, here: dict) -> str:
     if missing:
         return (f"compile caches for {name}: {len(missing)} of {len(mine)} files made with other key parts "
                 f"({missing[0]}: {'; '.join(differ[missing[0]])}): those will miss")
-    stale = sorted(f for f, key in mine.items() if key.get("custom_ops") != here.get("custom_ops"))
-    if stale:
-        return (f"compile caches for {name}: {len(stale)} of {len(mine)} files made before an edit of "
-                f"{', '.join(CUSTOM_OPS)} (custom_ops {mine[stale[0]].get('custom_ops')} there, "
-                f"{here.get('custom_ops')} here), which torch's key does not cover: they would serve graphs traced "
-                "from the old code; make them again (bench/gpu_cache.py) or leave them behind")
     return (f"compile caches for {name}: {len(mine)} files made with this torch, Triton, CUDA, torchao and card: "
             "they should serve, unless the code changed since")
 

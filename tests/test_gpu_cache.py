@@ -123,7 +123,7 @@ def test_a_rows_cache_made_here_serves_every_graph_to_a_later_process(tmp_path):
 
 def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path):
     h100 = {"torch_key": "36e6", "device": {"name": "NVIDIA H100 80GB HBM3"}, "system_hash": "2b00",
-            "torchao": "0.18.0", "custom_ops": "c0de"}
+            "torchao": "0.18.0"}
     folder = tmp_path / gpu_cache.card_folder("NVIDIA H100 80GB HBM3")
     assert folder.name == "NVIDIA_H100_80GB_HBM3"  # cuda_session.sh's name for it (test_rows_the_fake_cannot...)
     folder.mkdir()
@@ -142,15 +142,6 @@ def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path
     (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
     assert "1 of 2 files made with other key parts (NVIDIA_H100_80GB_HBM3/b.bin.gz: system_hash 0 there" in \
         gpu_cache.compare_with_caches(tmp_path, h100)
-    # our custom ops' code, which torch's key does not cover: the files would hit and serve a stale backward
-    line = gpu_cache.compare_with_caches(tmp_path, {**h100, "custom_ops": "e417"})
-    assert "1 of 2 files made with other key parts" in line  # the torch key's parts first: those miss anyway
-    made["NVIDIA_H100_80GB_HBM3/b.bin.gz"] = h100
-    (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
-    line = gpu_cache.compare_with_caches(tmp_path, {**h100, "custom_ops": "e417"})
-    assert "2 of 2 files made before an edit of bert/model/cuda_varlen.py" in line and \
-        "custom_ops c0de there, e417 here" in line and "would serve graphs traced from the old code" in line
-    assert gpu_cache.custom_ops_hash() == gpu_cache.key_parts()["custom_ops"] and len(gpu_cache.custom_ops_hash()) == 16
     h200 = {**h100, "device": {"name": "NVIDIA H200"}}
     assert "none made for NVIDIA H200" in gpu_cache.compare_with_caches(tmp_path, h200)
     assert "no CUDA device" in gpu_cache.compare_with_caches(tmp_path / "none", {"device": None})

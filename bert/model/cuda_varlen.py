@@ -5,13 +5,14 @@ trains with attention-probability dropout 0.1. With dropout we therefore call th
 kernels it wraps, which do take `dropout_p`; the backward replays the forward's dropout mask from the philox
 `rng_state` the forward returns. Flash kernels need CUDA and fp16/bf16 inputs (run the model under `torch.autocast`).
 
-Why a `torch.library` custom op (`bert::flash_varlen`) and not an autograd Function: a compiled graph holding an
-autograd Function is one AOT autograd cannot cache (its code is not in the key), so a driver that loads its graphs
-from a compile cache (COMPILE_CACHE) still re-traced the whole model's forward and backward. A custom op is called
-by name from the compiled graph, its Python body run as it is now. Its fake implementation states the outputs'
-metadata (`CONTRACT`: torch's own meta function for the aten op, and the CUDA kernel's allocation, which puts
-the philox state on the device); the real kernels' outputs are checked against it on every call (host-side metadata,
-no device sync), as `bert.model.cudnn_varlen`'s are.
+Why a `torch.library` custom op (`bert::flash_varlen`) and not an autograd Function: AOT autograd does not cache a
+compiled graph holding an autograd Function by default (torch 2.11), so a driver that loaded its graphs from a
+compile cache (COMPILE_CACHE) still re-traced the whole model's forward and backward. A custom op is called by name
+from the compiled graph, its Python body run as it is now. Its fake implementation states the outputs' metadata
+(`CONTRACT`: torch's own meta function for the aten op, and the CUDA kernel's allocation, which puts the philox state
+on the device); the real kernels' outputs are checked against it on every call (host-side metadata, no device sync),
+as `bert.model.cudnn_varlen`'s are. The caches key a graph holding it on a hash of this file
+(`bert.model.compile_keys`), as its fake and backward are traced into the graph.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.compile_keys import key_on_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,9 @@ def _backward(ctx, grad_out: Tensor, *_no_grads: Tensor | None):
 
 
 flash_varlen_op.register_autograd(_backward, setup_context=_setup_context)
+# the fake and the backward are traced into cached graphs, which torch keys on the op's name: an edit of this
+# module must miss them (bert.model.compile_keys)
+key_on_source("bert::flash_varlen", __file__)
 
 
 def require_cuda_batch(seq: SeqLayout, backend: str) -> None:

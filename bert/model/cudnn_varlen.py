@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.compile_keys import key_on_source
 from bert.model.cuda_varlen import Contract, require_cuda_batch, require_half
 from bert.release import major_minor
 
@@ -140,6 +141,9 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor | None, _grad_rng: Tensor
 
 
 cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
+# the fake and the backward are traced into cached graphs, which torch keys on the op's name: an edit of this
+# module must miss them (bert.model.compile_keys)
+key_on_source("bert::cudnn_varlen", __file__)
 
 
 def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:

@@ -83,9 +83,8 @@ def save_compile_cache(path: str) -> str:
 
 def served(before: dict | None, after: dict | None) -> str:
     """One line from torch.compile's counters (`bert.train.profile.compile_counters`) before and after a warm-up: the
-    graphs inductor took from its caches and those it compiled, and AOT autograd's (a graph holding an autograd
-    Function, such as delayed float8's GEMMs, is not cacheable there: traced again, its inductor graph can still
-    come from the cache)."""
+    graphs inductor took from its caches and those it compiled, and AOT autograd's (a graph it cannot cache is
+    traced again, its inductor graph still taken from the cache; bert.model.compile_keys says which it can)."""
     def moved(group: str, key: str) -> int:
         return (after or {}).get(group, {}).get(key, 0) - (before or {}).get(group, {}).get(key, 0)
 

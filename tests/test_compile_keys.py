@@ -1,0 +1,109 @@
+"""bert.model.compile_keys: a second compile of the same code takes AOT autograd's and inductor's graphs from their
+caches, and an edit of code traced into those graphs misses them, for the two kinds of node torch does not key (or
+cache) as our graphs need: our custom ops and delayed float8's autograd Function. The reference is torch's own
+counters over compiles in one process with dynamo reset between them (as a second process starts, with the caches of
+the first)."""
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from test_cudnn_varlen import LENGTHS, fused_qkv
+from test_flash_varlen import stand_in
+from torch import nn
+
+from bert.batch import SeqLayout
+from bert.model import compile_keys, cuda_varlen, cudnn_varlen, fp8_delayed
+from bert.model.compile import compile_model
+from bert.model.cuda_varlen import flash_varlen_op
+from bert.model.fp8_delayed import DelayedFloat8Linear
+
+
+def compiles(step, inputs, edits) -> list[dict[str, int]]:
+    """For each of `edits` (None: as it is), `step` compiled anew after the edit and run forward and backward on
+    fresh copies of `inputs`, all under one fresh inductor cache: each compile's counters and input gradients."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_inductor_cache
+
+    seen = []
+    with fresh_inductor_cache():
+        for edit in edits:
+            if edit is not None:
+                edit()
+            counters.clear()
+            torch._dynamo.reset()
+            args = [x.detach().clone().requires_grad_() for x in inputs]
+            torch.compile(step, backend="inductor")(*args).backward()
+            seen.append({"aot": {k.removeprefix("autograd_cache_"): v for k, v in counters["aot_autograd"].items()
+                                 if k in ("autograd_cache_hit", "autograd_cache_bypass", "autograd_cache_saved")},
+                         "inductor": {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()
+                                      if k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+                         "grads": [x.grad for x in args]})
+    torch._dynamo.reset()
+    return seen
+
+
+def marked() -> dict[str, str]:
+    return dict(torch._inductor.config.unsafe_marked_cacheable_functions)
+
+
+def test_each_custom_op_is_keyed_on_its_modules_source():
+    assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
+    assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
+    assert len(marked()["torch.ops.bert.flash_varlen"]) == 16
+
+
+def test_an_edit_of_a_custom_ops_module_misses_both_caches(monkeypatch, tmp_path):
+    """The op's backward is traced into the cached graph, which torch keys on the op's name: without its module's
+    hash in the key, the third compile (after an 'edit') would be served the graphs of the first."""
+    stand_in(monkeypatch)
+    edited = tmp_path / "cuda_varlen.py"
+    edited.write_bytes(open(cuda_varlen.__file__, "rb").read() + b"# an edit\n")
+    seq = SeqLayout.from_lengths(LENGTHS)
+
+    def step(qkv):
+        return (flash_varlen_op(*qkv.unbind(1), seq.cu_seqlens, seq.max_seqlen, 0.1)[0] * 2).sum()
+
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked()):  # put back afterwards
+        first, second, third = compiles(step, [fused_qkv(LENGTHS)[0]],
+                                        [None, None, lambda: compile_keys.key_on_source("bert::flash_varlen", edited)])
+    assert first["aot"] == {"saved": 1} and first["inductor"] == {"miss": 2}
+    assert second["aot"] == {"hit": 1} and second["inductor"] == {"hit": 2}
+    assert third["aot"] == {"saved": 1} and third["inductor"] == {"miss": 2}
+
+
+def test_a_float8_layers_graph_is_cached_and_an_edit_of_its_backward_misses(monkeypatch):
+    """Delayed float8's GEMMs are an autograd Function: by default AOT autograd bypasses its cache for the graph
+    holding it. With the driver's setting it caches it, and the Function's backward is in the key: an edit of it
+    misses, and the gradients are the edited backward's, not the cached one's."""
+    torch.manual_seed(0)
+    layer = DelayedFloat8Linear.from_linear(nn.Linear(64, 128))
+    x = torch.randn(32, 64)
+    original = fp8_delayed._Float8Matmul.backward
+
+    def doubled_dx(ctx, grad):
+        dx, *rest = original(ctx, grad)
+        return dx * 2, *rest
+
+    def step(x):
+        return layer(x).sum()
+
+    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):  # torch's default
+        default, first, second, edited = compiles(step, [x], [
+            None, compile_keys.cache_autograd_functions, None,
+            lambda: monkeypatch.setattr(fp8_delayed._Float8Matmul, "backward", staticmethod(doubled_dx))])
+    assert default["aot"].get("bypass") and not default["aot"].get("hit")
+    assert first["aot"] == {"saved": 1} and not first["aot"].get("bypass")
+    assert second["aot"] == {"hit": 1}
+    assert edited["aot"] == {"saved": 1}
+    assert torch.equal(edited["grads"][0], 2 * second["grads"][0]) and torch.equal(second["grads"][0],
+                                                                                   first["grads"][0])
+
+
+def test_compiling_the_model_lets_aot_autograd_cache_autograd_functions():
+    from test_fp8 import tiny_model
+
+    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+        compile_model(tiny_model(), "off", torch.device("cpu"))
+        assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+        compile_model(tiny_model(), "debug", torch.device("cpu"))
+        assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
