@@ -14,9 +14,9 @@ and a cold inductor cache builds what the driver builds from that environment (`
 and compiles again: the row passes when inductor took every graph from the file and compiled none.
 
 Carried to the device (carry [".whl", ".compile_cache"]), a driver step then loads the graphs and the kernels' sm_90
-binaries instead of generating them. It still traces with dynamo (never cached), runs AOT autograd again for graphs
-it cannot cache (one holding an autograd Function: delayed float8's GEMMs), and autotunes each kernel at its
-first launch (the fake's timings are never kept). The GPU misses when its torch or Triton is not this venv's
+binaries instead of generating them, AOT autograd's graphs too (the float8 rows' since bert.model.compile_keys). It
+still traces with dynamo (never cached) and autotunes each kernel at its first launch (the fake's timings are never
+kept). The GPU misses when its torch or Triton is not this venv's
 (torch keys on a hash of its own files), its name is not `fake_h100.GPUS`'s, or a setting differs; `--key` prints
 the key's parts, and the session's setup step prints them there. A miss costs the carried bytes only: the row
 compiles as it would have. What the driver printed (`compile cache: inductor took N graphs from its caches...`)
@@ -64,9 +64,13 @@ REFUSED = {"COMPILE": ("reduce-overhead", "max-autotune", "max-autotune-no-cudag
 
 def key_parts() -> dict:
     """What torch keys every cached graph on besides the graph: a hash of its own files, and the device's name and
-    CUDA's and Triton's versions (inductor's `CacheBase.get_system`, hashed whole: equal hashes, equal systems)."""
+    CUDA's and Triton's versions (inductor's `CacheBase.get_system`, hashed whole: equal hashes, equal systems); and
+    the settings the driver gives torch's caches (`compile_keys`: our custom ops' source hashes among them)."""
     import torch
     from torch._inductor.codecache import CacheBase, torch_key
+
+    import bert.model.attention  # noqa: F401  (registers the custom ops' source hashes)
+    from bert.model import compile_keys
 
     system = CacheBase.get_system()
     try:  # the float8 rows built on it trace its code, which torch's key does not cover
@@ -74,7 +78,12 @@ def key_parts() -> dict:
     except importlib.metadata.PackageNotFoundError:
         torchao = None
     return {"torch": torch.__version__, "torch_key": torch_key().hex()[:16], "device": system.get("device"),
-            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao}
+            "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao,
+            "compile_keys": compile_keys.fingerprint()}
+
+
+# the parts that must be equal for a carried file to serve (compile_keys: an edit of a custom op's module since)
+KEYED = ("torch_key", "system_hash", "torchao", "compile_keys")
 
 
 def card_folder(name: str) -> str:
@@ -91,14 +100,14 @@ def compare_with_caches(caches: Path, here: dict) -> str:
             (caches / f).is_file()}
     if not mine:
         return f"compile caches: none made for {name or 'this machine (no CUDA device)'} in {caches}"
-    differ = {f: [f"{k} {key.get(k)} there, {here.get(k)} here" for k in ("torch_key", "system_hash", "torchao")
+    differ = {f: [f"{k} {key.get(k)} there, {here.get(k)} here" for k in KEYED
                   if key.get(k) != here.get(k)] for f, key in mine.items()}
     missing = sorted(f for f, why in differ.items() if why)
     if missing:
         return (f"compile caches for {name}: {len(missing)} of {len(mine)} files made with other key parts "
                 f"({missing[0]}: {'; '.join(differ[missing[0]])}): those will miss")
-    return (f"compile caches for {name}: {len(mine)} files made with this torch, Triton, CUDA, torchao and card: "
-            "they should serve, unless the code changed since")
+    return (f"compile caches for {name}: {len(mine)} files made with this torch, Triton, CUDA, torchao, card and "
+            "custom ops: they should serve, unless the model's code changed since")
 
 
 def driver_argv(row: str, gpu_name: str, caches: Path) -> list[str]:
@@ -242,8 +251,9 @@ def main() -> int:
                 file.unlink(missing_ok=True)  # written afresh: for the code as it is now
                 first = run_child(gpu, env, native, args.timeout)
                 check = run_child(gpu, env, native, args.timeout) if "error" not in first else {}
+                # served: inductor compiled nothing, and AOT autograd could cache every graph (compile_keys)
                 ok = "error" not in first and "error" not in check and check["graphs_compiled"] == 0 and \
-                    check["graphs_from_cache"] > 0
+                    check["graphs_from_cache"] > 0 and check["aot_uncacheable"] == 0
                 report.update(file=str(file.relative_to(ROOT) if file.is_relative_to(ROOT) else file),
                               bytes=file.stat().st_size if file.exists() else 0, compile=first, from_file=check,
                               served=ok)
@@ -251,8 +261,9 @@ def main() -> int:
                 made[str(file.relative_to(args.caches))] = first["key"] if ok else None  # None: not a cache
                 print(f"{name:22} {row:26} " + (
                     f"{first['graphs_compiled']:2} graphs in {first['seconds']:6.1f} s; from the file: "
-                    f"{check.get('graphs_from_cache', '-')} taken, {check.get('graphs_compiled', '-')} compiled, "
-                    f"{check.get('seconds', '-')} s; {report['bytes'] / 2**20:5.1f} MiB "
+                    f"{check.get('graphs_from_cache', '-')} taken, {check.get('graphs_compiled', '-')} compiled "
+                    f"(AOT autograd {check.get('aot_from_cache', '-')} taken, {check.get('aot_uncacheable', '-')} "
+                    f"uncacheable), {check.get('seconds', '-')} s; {report['bytes'] / 2**20:5.1f} MiB "
                     f"{'ok' if ok else 'NOT SERVED'}" if "error" not in first else f"FAILED {first['error']}"))
                 if check.get("error"):
                     print(f"{'':49} from the file: FAILED {check['error']}")

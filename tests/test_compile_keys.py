@@ -18,9 +18,10 @@ from bert.model.cuda_varlen import flash_varlen_op
 from bert.model.fp8_delayed import DelayedFloat8Linear
 
 
-def compiles(step, inputs, edits) -> list[dict[str, int]]:
-    """For each of `edits` (None: as it is), `step` compiled anew after the edit and run forward and backward on
-    fresh copies of `inputs`, all under one fresh inductor cache: each compile's counters and input gradients."""
+def compiles(step, inputs, edits, before=lambda: None) -> list[dict[str, int]]:
+    """For each of `edits` (None: as it is), `step` compiled anew after the edit and `before()`, and run forward and
+    backward on fresh copies of `inputs`, all under one fresh inductor cache: each compile's counters and input
+    gradients."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_inductor_cache
 
@@ -29,6 +30,7 @@ def compiles(step, inputs, edits) -> list[dict[str, int]]:
         for edit in edits:
             if edit is not None:
                 edit()
+            before()
             counters.clear()
             torch._dynamo.reset()
             args = [x.detach().clone().requires_grad_() for x in inputs]
@@ -47,9 +49,21 @@ def marked() -> dict[str, str]:
 
 
 def test_each_custom_op_is_keyed_on_its_modules_source():
-    assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
-    assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
-    assert len(marked()["torch.ops.bert.flash_varlen"]) == 16
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}), \
+            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+        compile_keys.configure_caches()
+        assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
+        assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
+        assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+        assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
+                                           "autograd_cache_allow_custom_autograd_functions": True}
+    assert len(compile_keys.SOURCES["torch.ops.bert.flash_varlen"]) == 16
+
+
+def test_the_fingerprint_names_the_settings(monkeypatch):
+    here = compile_keys.fingerprint()
+    monkeypatch.setitem(compile_keys.SOURCES, "torch.ops.bert.flash_varlen", "0" * 16)
+    assert compile_keys.fingerprint() != here and len(here) == 16
 
 
 def test_an_edit_of_a_custom_ops_module_misses_both_caches(monkeypatch, tmp_path):
@@ -63,9 +77,13 @@ def test_an_edit_of_a_custom_ops_module_misses_both_caches(monkeypatch, tmp_path
     def step(qkv):
         return (flash_varlen_op(*qkv.unbind(1), seq.cu_seqlens, seq.max_seqlen, 0.1)[0] * 2).sum()
 
-    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked()):  # put back afterwards
-        first, second, third = compiles(step, [fused_qkv(LENGTHS)[0]],
-                                        [None, None, lambda: compile_keys.key_on_source("bert::flash_varlen", edited)])
+    def edit():
+        monkeypatch.setitem(compile_keys.SOURCES, "torch.ops.bert.flash_varlen", compile_keys.source_hash(edited))
+        compile_keys.configure_caches()
+
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}):  # put back afterwards
+        compile_keys.configure_caches()
+        first, second, third = compiles(step, [fused_qkv(LENGTHS)[0]], [None, None, edit])
     assert first["aot"] == {"saved": 1} and first["inductor"] == {"miss": 2}
     assert second["aot"] == {"hit": 1} and second["inductor"] == {"hit": 2}
     assert third["aot"] == {"saved": 1} and third["inductor"] == {"miss": 2}
@@ -89,8 +107,9 @@ def test_a_float8_layers_graph_is_cached_and_an_edit_of_its_backward_misses(monk
 
     with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):  # torch's default
         default, first, second, edited = compiles(step, [x], [
-            None, compile_keys.cache_autograd_functions, None,
-            lambda: monkeypatch.setattr(fp8_delayed._Float8Matmul, "backward", staticmethod(doubled_dx))])
+            None, compile_keys.configure_caches, None,
+            lambda: monkeypatch.setattr(fp8_delayed._Float8Matmul, "backward", staticmethod(doubled_dx))],
+            before=lambda: layer._start_amaxes(x.device))  # each compile from the same scales: a run's amaxes move
     assert default["aot"].get("bypass") and not default["aot"].get("hit")
     assert first["aot"] == {"saved": 1} and not first["aot"].get("bypass")
     assert second["aot"] == {"hit": 1}
@@ -99,11 +118,13 @@ def test_a_float8_layers_graph_is_cached_and_an_edit_of_its_backward_misses(monk
                                                                                    first["grads"][0])
 
 
-def test_compiling_the_model_lets_aot_autograd_cache_autograd_functions():
+def test_compiling_the_model_configures_the_caches():
     from test_fp8 import tiny_model
 
-    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}), \
+            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
         compile_model(tiny_model(), "off", torch.device("cpu"))
-        assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+        assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions and not marked()
         compile_model(tiny_model(), "debug", torch.device("cpu"))
         assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+        assert marked() == compile_keys.settings()["unsafe_marked_cacheable_functions"]

@@ -20,6 +20,8 @@ import pytest
 import torch
 from script_modules import ROOT, load_script
 
+from bert.model import compile_keys
+
 fake_h100 = load_script("bench/fake_h100.py")
 gpu_cache = load_script("bench/gpu_cache.py")
 WHY = fake_h100.usable() or (None if shutil.which("cc") else "no C compiler")
@@ -123,7 +125,7 @@ def test_a_rows_cache_made_here_serves_every_graph_to_a_later_process(tmp_path):
 
 def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path):
     h100 = {"torch_key": "36e6", "device": {"name": "NVIDIA H100 80GB HBM3"}, "system_hash": "2b00",
-            "torchao": "0.18.0"}
+            "torchao": "0.18.0", "compile_keys": "c0de"}
     folder = tmp_path / gpu_cache.card_folder("NVIDIA H100 80GB HBM3")
     assert folder.name == "NVIDIA_H100_80GB_HBM3"  # cuda_session.sh's name for it (test_rows_the_fake_cannot...)
     folder.mkdir()
@@ -132,9 +134,9 @@ def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path
     made = {"NVIDIA_H100_80GB_HBM3/a.bin.gz": h100, "NVIDIA_H100_80GB_HBM3/b.bin.gz": h100,
             "NVIDIA_H100_80GB_HBM3/gone.bin.gz": {**h100, "torch_key": "old"}}  # its file no longer there: left out
     (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
-    assert gpu_cache.compare_with_caches(tmp_path, h100).endswith("2 files made with this torch, Triton, CUDA, "
-                                                                  "torchao and card: they should serve, unless the "
-                                                                  "code changed since")
+    assert gpu_cache.compare_with_caches(tmp_path, h100).endswith(
+        "2 files made with this torch, Triton, CUDA, torchao, card and custom ops: they should serve, unless the "
+        "model's code changed since")
     line = gpu_cache.compare_with_caches(tmp_path, {**h100, "torch_key": "9999"})
     assert "2 of 2 files made with other key parts" in line and "torch_key 36e6 there, 9999 here" in line
     assert "torchao 0.18.0 there, None here" in gpu_cache.compare_with_caches(tmp_path, {**h100, "torchao": None})
@@ -142,6 +144,10 @@ def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path
     (tmp_path / gpu_cache.MADE_FOR).write_text(json.dumps(made))
     assert "1 of 2 files made with other key parts (NVIDIA_H100_80GB_HBM3/b.bin.gz: system_hash 0 there" in \
         gpu_cache.compare_with_caches(tmp_path, h100)
+    # made before an edit of a custom op's module (or before bert.model.compile_keys): every graph misses
+    line = gpu_cache.compare_with_caches(tmp_path, {**h100, "compile_keys": "e417"})
+    assert "2 of 2 files made with other key parts" in line and "compile_keys c0de there, e417 here" in line
+    assert gpu_cache.key_parts()["compile_keys"] == compile_keys.fingerprint()
     h200 = {**h100, "device": {"name": "NVIDIA H200"}}
     assert "none made for NVIDIA H200" in gpu_cache.compare_with_caches(tmp_path, h200)
     assert "no CUDA device" in gpu_cache.compare_with_caches(tmp_path / "none", {"device": None})

@@ -40,7 +40,7 @@ import shutil
 
 import torch
 
-from bert.model.compile_keys import cache_autograd_functions
+from bert.model.compile_keys import configure_caches
 from bert.model.pretraining import BertForPreTraining
 
 COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backend, mode); None: not compiled
@@ -91,7 +91,7 @@ def compile_model(model: BertForPreTraining, name: str, device: torch.device, sc
     if COMPILE_MODES[name] is None:
         return model
     backend, mode = COMPILE_MODES[name]
-    cache_autograd_functions()  # delayed float8's GEMMs: their graphs cached like the rest (bert.model.compile_keys)
+    configure_caches()  # keyed on our custom ops' code, float8's Function cached (bert.model.compile_keys)
     options = {"backend": backend, "mode": mode, "dynamic": True}
     if scope == "model":
         model.compile(**options)

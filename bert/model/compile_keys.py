@@ -5,27 +5,33 @@ AOT autograd's and inductor's graphs from the caches instead of tracing and comp
 graphs need a setting for that to be both possible and safe:
 
 - **Our custom ops** (`bert::flash_varlen`, `bert::cudnn_varlen`): both caches key a graph holding one on the op's
-  name, but the graph they keep has the op's fake implementation and its backward traced in. An edit of either would
-  be served from a cache made before it. `key_on_source` puts a hash of the op's module into both keys, through
-  inductor's own setting for it (`unsafe_marked_cacheable_functions`, a name to a key string, part of inductor's
-  config and so of both keys): an edit misses, and the run compiles as it would have.
+  name, but the graph they keep has the op's fake implementation and its backward traced in, so an edit of either
+  would be served from a cache made before it. Each op's module registers a hash of its own source
+  (`key_on_source`), and `configure_caches` puts those hashes into inductor's setting for it
+  (`unsafe_marked_cacheable_functions`, a name to a key string). That setting is part of inductor's config, which is
+  in every graph's key, AOT autograd's and inductor's: an edit of either module misses every cached graph (the
+  LAMB update's too), and the run compiles as it would have.
 - **Autograd Functions** (delayed float8's GEMMs, `bert.model.fp8_delayed`): AOT autograd does not cache a graph
   holding one unless `autograd_cache_allow_custom_autograd_functions` is on (off by default in torch 2.11 and 2.13,
-  PyTorch's plan being to turn it on once it has tested it; PR 149751). Dynamo traces the Function's forward and
-  backward into the graph it hands AOT autograd (the `autograd_function_apply` higher-order op, with both as
-  subgraphs), so both are in the key and an edit misses (tests/test_compile_keys.py). Without it every float8 row
-  traced its whole model again when loading its graphs from a file: `fp8-delayed` took 117-138 s to load on the
-  2-core VM (bench/gpu_cache.py, 2026-11-27). `cache_autograd_functions` turns it on; `compile_model` calls it.
+  PyTorch's plan being to turn it on once tested: pytorch/pytorch#149751). Dynamo traces the Function's forward and
+  backward into the graph it hands AOT autograd (the `autograd_function_apply` higher-order op, both as subgraphs),
+  so both are in the key and an edit misses (tests/test_compile_keys.py); a Function dynamo cannot trace is a graph
+  break, run eagerly, never cached. What a Function's body calls by name (a custom op) is keyed on the name alone:
+  ours call aten ops only. Without the setting every float8 row traced its whole model again when loading its
+  graphs from a file: `fp8-delayed` took 117-138 s to load on the 2-core VM (bench/gpu_cache.py, 2026-11-27).
+
+Both are process settings, needed where the caches are written and where they are read (they are in the key).
+`compile_model` applies them before anything compiles. Registering a hash costs nothing at import: torch's inductor
+config is imported only by `configure_caches` (it pulls in dynamo, about a second a process).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
-import torch
-import torch._functorch.config
-import torch._inductor.config
+SOURCES: dict[str, str] = {}  # "torch.ops.<namespace>.<op>" -> its module's hash, from key_on_source
 
 
 def source_hash(file: str | Path) -> str:
@@ -34,13 +40,26 @@ def source_hash(file: str | Path) -> str:
 
 
 def key_on_source(op: str, file: str | Path) -> None:
-    """Key every cached graph holding custom op `op` ("namespace::name") on a hash of `file`, the module that defines
-    its fake and its backward."""
-    marked = dict(torch._inductor.config.unsafe_marked_cacheable_functions)  # replaced, not mutated: torch's
-    marked["torch.ops." + op.replace("::", ".")] = source_hash(file)      # config module owns the default
-    torch._inductor.config.unsafe_marked_cacheable_functions = marked
+    """Register custom op `op` ("namespace::name") for `configure_caches` to key the caches on a hash of `file`, the
+    module that defines its fake and its backward."""
+    SOURCES["torch.ops." + op.replace("::", ".")] = source_hash(file)
 
 
-def cache_autograd_functions() -> None:
-    """Let AOT autograd cache graphs holding an autograd Function (module doc)."""
+def settings() -> dict:
+    """What `configure_caches` sets, by torch's names."""
+    return {"unsafe_marked_cacheable_functions": dict(SOURCES), "autograd_cache_allow_custom_autograd_functions": True}
+
+
+def fingerprint() -> str:
+    """16 hex digits naming `settings()`: files cached under other settings miss (bench/gpu_cache.py compares them)."""
+    return hashlib.sha256(json.dumps(settings(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def configure_caches() -> None:
+    """Apply `settings()` to this process's torch (module doc)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    marked = {**torch._inductor.config.unsafe_marked_cacheable_functions, **SOURCES}  # replaced, not mutated: torch's
+    torch._inductor.config.unsafe_marked_cacheable_functions = marked                # config module owns the default
     torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True

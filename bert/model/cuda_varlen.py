@@ -141,7 +141,7 @@ def _backward(ctx, grad_out: Tensor, *_no_grads: Tensor | None):
 
 flash_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 # the fake and the backward are traced into cached graphs, which torch keys on the op's name: an edit of this
-# module must miss them (bert.model.compile_keys)
+# module must miss them (bert.model.compile_keys, applied when the model is compiled)
 key_on_source("bert::flash_varlen", __file__)
 
 

@@ -142,7 +142,7 @@ def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor | None, _grad_rng: Tensor
 
 cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 # the fake and the backward are traced into cached graphs, which torch keys on the op's name: an edit of this
-# module must miss them (bert.model.compile_keys)
+# module must miss them (bert.model.compile_keys, applied when the model is compiled)
 key_on_source("bert::cudnn_varlen", __file__)
 
 
