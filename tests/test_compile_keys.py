@@ -4,6 +4,7 @@ cache) as our graphs need: our custom ops and delayed float8's autograd Function
 counters over compiles in one process with dynamo reset between them (as a second process starts, with the caches of
 the first)."""
 
+import pytest
 import torch
 import torch._functorch.config
 import torch._inductor.config
@@ -44,26 +45,39 @@ def compiles(step, inputs, edits, before=lambda: None) -> list[dict[str, int]]:
     return seen
 
 
+@pytest.fixture(autouse=True)
+def torchs_defaults():
+    """Each test starts from torch's defaults for both settings, and leaves them as they were (they are the process's:
+    a test that compiles the model, in this worker before, sets them)."""
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}), \
+            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+        yield
+
+
 def marked() -> dict[str, str]:
     return dict(torch._inductor.config.unsafe_marked_cacheable_functions)
 
 
 def test_each_custom_op_is_keyed_on_its_modules_source():
-    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}), \
-            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
-        compile_keys.configure_caches()
-        assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
-        assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
-        assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
-        assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
-                                           "autograd_cache_allow_custom_autograd_functions": True}
+    compile_keys.configure_caches()
+    assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
+    assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
+    assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+    assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
+                                       "autograd_cache_allow_custom_autograd_functions": True}
     assert len(compile_keys.SOURCES["torch.ops.bert.flash_varlen"]) == 16
 
 
-def test_the_fingerprint_names_the_settings(monkeypatch):
-    here = compile_keys.fingerprint()
+def test_the_fingerprint_names_the_settings_as_torch_has_them(monkeypatch):
+    here = compile_keys.fingerprint()  # after configure_caches, read back from torch
+    assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions and len(here) == 16
     monkeypatch.setitem(compile_keys.SOURCES, "torch.ops.bert.flash_varlen", "0" * 16)
-    assert compile_keys.fingerprint() != here and len(here) == 16
+    edited = compile_keys.fingerprint()
+    assert edited != here
+    # torch's own value, where it is not what configure_caches set (an environment variable of torch's forces it)
+    monkeypatch.setattr(compile_keys, "configure_caches", lambda: None)
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = False
+    assert compile_keys.fingerprint() != edited
 
 
 def test_an_edit_of_a_custom_ops_module_misses_both_caches(monkeypatch, tmp_path):
@@ -81,9 +95,8 @@ def test_an_edit_of_a_custom_ops_module_misses_both_caches(monkeypatch, tmp_path
         monkeypatch.setitem(compile_keys.SOURCES, "torch.ops.bert.flash_varlen", compile_keys.source_hash(edited))
         compile_keys.configure_caches()
 
-    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}):  # put back afterwards
-        compile_keys.configure_caches()
-        first, second, third = compiles(step, [fused_qkv(LENGTHS)[0]], [None, None, edit])
+    compile_keys.configure_caches()
+    first, second, third = compiles(step, [fused_qkv(LENGTHS)[0]], [None, None, edit])
     assert first["aot"] == {"saved": 1} and first["inductor"] == {"miss": 2}
     assert second["aot"] == {"hit": 1} and second["inductor"] == {"hit": 2}
     assert third["aot"] == {"saved": 1} and third["inductor"] == {"miss": 2}
@@ -105,11 +118,10 @@ def test_a_float8_layers_graph_is_cached_and_an_edit_of_its_backward_misses(monk
     def step(x):
         return layer(x).sum()
 
-    with torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):  # torch's default
-        default, first, second, edited = compiles(step, [x], [
-            None, compile_keys.configure_caches, None,
-            lambda: monkeypatch.setattr(fp8_delayed._Float8Matmul, "backward", staticmethod(doubled_dx))],
-            before=lambda: layer._start_amaxes(x.device))  # each compile from the same scales: a run's amaxes move
+    default, first, second, edited = compiles(step, [x], [  # the first with torch's default (the fixture)
+        None, compile_keys.configure_caches, None,
+        lambda: monkeypatch.setattr(fp8_delayed._Float8Matmul, "backward", staticmethod(doubled_dx))],
+        before=lambda: layer._start_amaxes(x.device))  # each compile from the same scales: a run's amaxes move
     assert default["aot"].get("bypass") and not default["aot"].get("hit")
     assert first["aot"] == {"saved": 1} and not first["aot"].get("bypass")
     assert second["aot"] == {"hit": 1}
@@ -121,10 +133,18 @@ def test_a_float8_layers_graph_is_cached_and_an_edit_of_its_backward_misses(monk
 def test_compiling_the_model_configures_the_caches():
     from test_fp8 import tiny_model
 
-    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={}), \
-            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
-        compile_model(tiny_model(), "off", torch.device("cpu"))
-        assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions and not marked()
-        compile_model(tiny_model(), "debug", torch.device("cpu"))
-        assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
-        assert marked() == compile_keys.settings()["unsafe_marked_cacheable_functions"]
+    compile_model(tiny_model(), "off", torch.device("cpu"))
+    assert not torch._functorch.config.autograd_cache_allow_custom_autograd_functions and not marked()
+    compile_model(tiny_model(), "debug", torch.device("cpu"))
+    assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+    assert marked() == compile_keys.settings()["unsafe_marked_cacheable_functions"]
+
+
+def test_compiling_the_optimizers_step_configures_the_caches():
+    """The update's graphs are keyed as the model's are, whichever compiles first (a bench compiles the update
+    alone)."""
+    from bert.optim.compiled import compile_step
+
+    compile_step(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), "debug")
+    assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
+    assert marked() == compile_keys.settings()["unsafe_marked_cacheable_functions"]

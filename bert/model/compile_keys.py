@@ -21,8 +21,9 @@ graphs need a setting for that to be both possible and safe:
   graphs from a file: `fp8-delayed` took 117-138 s to load on the 2-core VM (bench/gpu_cache.py, 2026-11-27).
 
 Both are process settings, needed where the caches are written and where they are read (they are in the key).
-`compile_model` applies them before anything compiles. Registering a hash costs nothing at import: torch's inductor
-config is imported only by `configure_caches` (it pulls in dynamo, about a second a process).
+`compile_model` and the optimizer's `compile_step` apply them before anything compiles. Registering a hash costs nothing
+at import: torch's inductor config is imported only by `configure_caches` (it pulls in dynamo, about a second a
+process).
 """
 
 from __future__ import annotations
@@ -51,8 +52,16 @@ def settings() -> dict:
 
 
 def fingerprint() -> str:
-    """16 hex digits naming `settings()`: files cached under other settings miss (bench/gpu_cache.py compares them)."""
-    return hashlib.sha256(json.dumps(settings(), sort_keys=True).encode()).hexdigest()[:16]
+    """16 hex digits naming the settings as this process's torch has them after `configure_caches` (an environment
+    variable of torch's can force one off): files cached under other settings miss (bench/gpu_cache.py compares)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    configure_caches()
+    applied = {name: getattr(config, name) for name, config in (
+        ("unsafe_marked_cacheable_functions", torch._inductor.config),
+        ("autograd_cache_allow_custom_autograd_functions", torch._functorch.config))}
+    return hashlib.sha256(json.dumps(applied, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def configure_caches() -> None:

@@ -30,6 +30,7 @@ import time
 import torch
 
 from bert.model.compile import COMPILE_MODES, WITHOUT_CUDA_GRAPHS
+from bert.model.compile_keys import configure_caches
 from bert.optim.master import MasterWeights
 
 
@@ -40,6 +41,7 @@ def compile_step(optimizer: torch.optim.Optimizer, name: str) -> torch.optim.Opt
         raise ValueError(f"COMPILE_OPTIMIZER=1 needs a COMPILE mode to compile the step with, not COMPILE={name}")
     backend, mode = COMPILE_MODES[name]
     mode = WITHOUT_CUDA_GRAPHS.get(mode, mode)
+    configure_caches()  # keyed as the model's graphs are, by whichever compiles first (bert.model.compile_keys)
     if isinstance(optimizer, MasterWeights) and optimizer.layout and backend == "inductor":
         # OPTIMIZER_LAYOUT=flat: torch 2.11's inductor failed on the flat update on CUDA, in the loop reordering
         # it tries when fusing (scheduler.reorder_loops_by_dep_pair: `assert isinstance(snode, SchedulerNode)`, seen
