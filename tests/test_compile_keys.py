@@ -9,7 +9,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 from test_cudnn_varlen import LENGTHS, fused_qkv
-from test_flash_varlen import stand_in
+from test_flash_varlen import compiles, stand_in
 from torch import nn
 
 from bert.batch import SeqLayout
@@ -17,32 +17,6 @@ from bert.model import compile_keys, cuda_varlen, cudnn_varlen, fp8_delayed
 from bert.model.compile import compile_model
 from bert.model.cuda_varlen import flash_varlen_op
 from bert.model.fp8_delayed import DelayedFloat8Linear
-
-
-def compiles(step, inputs, edits, before=lambda: None) -> list[dict[str, int]]:
-    """For each of `edits` (None: as it is), `step` compiled anew after the edit and `before()`, and run forward and
-    backward on fresh copies of `inputs`, all under one fresh inductor cache: each compile's counters and input
-    gradients."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_inductor_cache
-
-    seen = []
-    with fresh_inductor_cache():
-        for edit in edits:
-            if edit is not None:
-                edit()
-            before()
-            counters.clear()
-            torch._dynamo.reset()
-            args = [x.detach().clone().requires_grad_() for x in inputs]
-            torch.compile(step, backend="inductor")(*args).backward()
-            seen.append({"aot": {k.removeprefix("autograd_cache_"): v for k, v in counters["aot_autograd"].items()
-                                 if k in ("autograd_cache_hit", "autograd_cache_bypass", "autograd_cache_saved")},
-                         "inductor": {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items()
-                                      if k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
-                         "grads": [x.grad for x in args]})
-    torch._dynamo.reset()
-    return seen
 
 
 @pytest.fixture(autouse=True)

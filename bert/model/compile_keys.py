@@ -47,28 +47,31 @@ def key_on_source(op: str, file: str | Path) -> None:
 
 
 def settings() -> dict:
-    """What `configure_caches` sets, by torch's names."""
+    """What `configure_caches` sets, by torch's names (the marked functions merged into any already there)."""
     return {"unsafe_marked_cacheable_functions": dict(SOURCES), "autograd_cache_allow_custom_autograd_functions": True}
+
+
+def _torch_configs() -> dict:
+    """Each setting's torch config module, imported on first use (module doc)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    return {"unsafe_marked_cacheable_functions": torch._inductor.config,
+            "autograd_cache_allow_custom_autograd_functions": torch._functorch.config}
+
+
+def configure_caches() -> None:
+    """Apply `settings()` to this process's torch (module doc)."""
+    for name, config in _torch_configs().items():
+        value = settings()[name]
+        if isinstance(value, dict):  # replaced, not mutated: torch's config module owns the default
+            value = {**getattr(config, name), **value}
+        setattr(config, name, value)
 
 
 def fingerprint() -> str:
     """16 hex digits naming the settings as this process's torch has them after `configure_caches` (an environment
     variable of torch's can force one off): files cached under other settings miss (bench/gpu_cache.py compares)."""
-    import torch._functorch.config
-    import torch._inductor.config
-
     configure_caches()
-    applied = {name: getattr(config, name) for name, config in (
-        ("unsafe_marked_cacheable_functions", torch._inductor.config),
-        ("autograd_cache_allow_custom_autograd_functions", torch._functorch.config))}
+    applied = {name: getattr(config, name) for name, config in _torch_configs().items()}
     return hashlib.sha256(json.dumps(applied, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def configure_caches() -> None:
-    """Apply `settings()` to this process's torch (module doc)."""
-    import torch._functorch.config
-    import torch._inductor.config
-
-    marked = {**torch._inductor.config.unsafe_marked_cacheable_functions, **SOURCES}  # replaced, not mutated: torch's
-    torch._inductor.config.unsafe_marked_cacheable_functions = marked                # config module owns the default
-    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
