@@ -49,8 +49,9 @@ REHEARSE_FLAGS=${REHEARSE_FLAGS:---bert-config tiny --attention loop --batchsize
 DEADLINE=${DEADLINE:-580}
 SHARDS=${SHARDS:-/tmp/shards}
 # Each compiled driver keeps what it compiled (COMPILE_CACHE, bert/train/compile_cache.py) in
-# $CACHES/<GPU>/<row>.bin.gz: from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on
-# an H200, most of a driver step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB
+# $CACHES/<GPU>/<row>.bin.gz, and the keys its graphs had in <row>.keys.json (bench/gpu_cache.py --diff compares them
+# with the CPU's): from an empty cache BERT-large's graphs took 81 s and the compiled LAMB update 160 s on an H200,
+# most of a driver step. The files written in a call come back as $OUT/compile_cache.tgz.part-NN (15 MiB
 # parts: the tool returns no file over 16 MiB); unpacked into .compile_cache/ here and carried (carry [".whl",
 # ".compile_cache/made_for.json", ".compile_cache/<GPU>"]: both cards' are over the 64 MiB a call carries), they let
 # the next session's drivers skip code generation. bench/gpu_cache.py writes the same
@@ -160,7 +161,8 @@ pack_caches() {
   [[ -d $CACHES ]] || return 0
   local files size limit parts=$OUT/.cache_parts
   # a driver stopped while saving leaves its temporary file (.<row>.bin.gz.tmp-PID): not a cache
-  mapfile -t files < <(cd "$CACHES" && find . \( -name '*.bin' -o -name '*.bin.gz' \) ! -name '.*' -newer "$WORK/.call_start")
+  mapfile -t files < <(cd "$CACHES" && find . \( -name '*.bin' -o -name '*.bin.gz' -o -name '*.keys.json' \) ! -name '.*' \
+    -newer "$WORK/.call_start")
   ((${#files[@]})) || return 0
   rm -rf "$parts" && mkdir -p "$parts" || return 0
   if ! tar -czf "$parts/all.tgz" -C "$CACHES" "${files[@]}"; then

@@ -43,8 +43,9 @@ model calls `torch.unflatten`, and the fake traces the GPU's graphs.
 A compile cache for a real GPU (bench/gpu_cache.py): torch keys a compiled graph on the graph, its inputs, inductor's
 settings, torch's and Triton's code, CUDA's version and the device's name, and bundles the Triton kernels' sm_90
 binaries with it; the fake answers with the name a real card reports (`GPUS`) and keeps inductor's settings as they
-are on the GPU (`install(count=False)`). Its autotuning results (all timings equal) are never written
-(`autotune_local_cache` off, not part of the key): the GPU tunes on a kernel's first launch as it would anyway.
+are on the GPU (`install(count=False)`), the C++ compiler's name among them (`DEVICE_CXX`). Its autotuning
+results (all timings equal) are never written (`autotune_local_cache` off, not part of the key): the GPU tunes on
+a kernel's first launch as it would anyway.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ import torch
 SMS, CC = 132, (9, 0)
 # the device name each card reports (torch.cuda.get_device_name, nvidia-smi), its memory and L2 (both Hopper, 132 SMs)
 GPUS = {"h100": ("NVIDIA H100 80GB HBM3", 80 << 30, 50 << 20), "h200": ("NVIDIA H200", 141 << 30, 60 << 20)}
+# The C++ compiler the device machines name in CXX (seen on the H200, 2026-11-27). Inductor keys every graph on its
+# setting `cpp.cxx` (CXX, else "g++"), used or not: a GPU graph compiles no C++, yet the caches made here with "g++"
+# missed there, every graph (bench/gpu_cache.py --diff found it). So the fake keys its graphs as that machine does.
+DEVICE_CXX = "/opt/gcc/bin/g++"
 PROPS = types.SimpleNamespace(name=GPUS["h100"][0], major=CC[0], minor=CC[1], multi_processor_count=SMS,
                               total_memory=GPUS["h100"][1], regs_per_multiprocessor=65536,
                               max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32,
@@ -305,6 +310,7 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
     if backward_ready():
         _quiet_device(torch)
     torch._inductor.config.autotune_local_cache = False  # the fake's timings are all equal: never keep a choice
+    torch._inductor.config.cpp.cxx = (None, DEVICE_CXX)  # a part of every key, no compiler run by a GPU graph
     torch._inductor.config.benchmark_kernel = count  # each kernel's kernel_num_gb, for LAUNCHES
 
     def load_kernel(kernel, device: int) -> None:  # the static launcher's: a module and function of 0, as Triton's

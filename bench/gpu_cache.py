@@ -35,6 +35,7 @@ Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines'
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.metadata
 import json
 import os
@@ -69,7 +70,8 @@ def key_parts() -> dict:
     import torch
     from torch._inductor.codecache import CacheBase, torch_key
 
-    import bert.model.attention  # noqa: F401  (registers the custom ops' source hashes)
+    import bert.model.attention  # noqa: F401  (these two register the custom ops' source hashes)
+    import bert.model.fp8_transpose  # noqa: F401
     from bert.model import compile_keys
 
     system = CacheBase.get_system()
@@ -79,11 +81,60 @@ def key_parts() -> dict:
         torchao = None
     return {"torch": torch.__version__, "torch_key": torch_key().hex()[:16], "device": system.get("device"),
             "cuda": system.get("version", {}).get("cuda"), "system_hash": system["hash"][:16], "torchao": torchao,
-            "compile_keys": compile_keys.fingerprint()}
+            "compile_keys": compile_keys.fingerprint(), "cxx": torch._inductor.config.cpp.cxx[1]}
 
 
-# the parts that must be equal for a carried file to serve (compile_keys: an edit of a custom op's module since)
-KEYED = ("torch_key", "system_hash", "torchao", "compile_keys")
+# the parts that must be equal for a carried file to serve (compile_keys: an edit of a custom op's module since;
+# cxx: inductor's C++ compiler, from CXX, keyed though a GPU graph runs none: fake_h100.DEVICE_CXX)
+KEYED = ("torch_key", "system_hash", "torchao", "compile_keys", "cxx")
+
+
+def key_lines(path: Path) -> dict[str, list[list[str]]]:
+    """Each graph's cache key in a COMPILE_CACHE file or its `.keys.json`, part by part ("[hash] part: value"), by
+    kind: inductor's and AOT autograd's from the keys a run recorded (bert.train.compile_cache.recording_keys),
+    inductor's alone from a cache file (torch keeps them with each graph, `_fx_graph_cache_debug_lines`)."""
+    import pickle
+
+    from torch.compiler._cache import CacheArtifactManager
+
+    if path.name.endswith(".keys.json"):
+        return {kind: list(found.values()) for kind, found in json.loads(path.read_text()).items()}
+    raw = path.read_bytes()
+    artifacts = CacheArtifactManager.deserialize(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    return {"inductor": [pickle.loads(a.content)._fx_graph_cache_debug_lines
+                         for a in (artifacts or {}).get("inductor", [])]}
+
+
+def key_differences(ours: Path, theirs: Path) -> list[str]:
+    """Why the graphs of `ours` (made here) missed on the machine that wrote `theirs` (the same row, as a device
+    session brings it back): each part of the key that differs, by kind, with each side's value and in how many
+    graphs. Each of our graphs is paired with the one of theirs whose key differs from it in the fewest parts; a
+    part's hash says whether it differs, the value is shown cut."""
+    def parts(lines: list[str]) -> dict[str, str]:
+        return {line.split("] ", 1)[-1].split(": ", 1)[0]: line for line in lines}
+
+    def hashes(found: dict[str, str]) -> set[tuple[str, str]]:  # a value's repr can hold an address: not compared
+        return {(name, line.split("] ", 1)[0]) for name, line in found.items()}
+
+    def value(line: str | None) -> str:
+        return "(none)" if line is None else line.split("] ", 1)[-1].split(": ", 1)[-1][:80]
+
+    mine, others, said = key_lines(ours), key_lines(theirs), []
+    for kind in sorted(set(mine) & set(others)):
+        if not mine[kind] or not others[kind]:
+            said.append(f"{kind}: no graphs in {ours if not mine[kind] else theirs}")
+            continue
+        counts: dict[tuple[str, str, str], int] = {}
+        for lines in map(parts, mine[kind]):
+            other = min(map(parts, others[kind]), key=lambda o: len(hashes(lines) ^ hashes(o)))
+            differ = {name for name, _ in hashes(lines) ^ hashes(other)}
+            for name in sorted(differ):
+                key = (name, value(lines.get(name)), value(other.get(name)))
+                counts[key] = counts.get(key, 0) + 1
+        said += [f"{kind}: {name}, in {n} of {len(mine[kind])} graphs: ours {a!r}, theirs {b!r}"
+                 for (name, a, b), n in sorted(counts.items(), key=lambda kv: -kv[1])] or \
+            [f"{kind}: the {len(mine[kind])} graphs of {ours} have keys equal to graphs of {theirs}"]
+    return said or [f"no kind of key in both {ours} and {theirs}"]
 
 
 def card_folder(name: str) -> str:
@@ -215,8 +266,14 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=ROOT / "results" / "bench" / "gpu_cache.json")
     p.add_argument("--key", action="store_true",
                    help="print the parts of torch's cache key here, whether --caches were made with them, and stop")
+    p.add_argument("--diff", nargs=2, type=Path, metavar=("OURS", "THEIRS"),
+                   help="why the graphs of a file made here missed on the machine that wrote THEIRS: the key parts "
+                        "that differ, and stop")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the child: compile for this card
     args = p.parse_args()
+    if args.diff:
+        print("\n".join(key_differences(*args.diff)))
+        return 0
     if args.key:
         here = key_parts()
         print("inductor cache key:", json.dumps(here))

@@ -8,13 +8,16 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from bert.model.compile import _cxx_compiler
+from bert.train.compile_cache import keys_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys, torch
 from torch._dynamo.utils import counters
-from bert.train.compile_cache import load_compile_cache, save_compile_cache, served
+from bert.train.compile_cache import load_compile_cache, recording_keys, save_compile_cache, save_keys, served
 from bert.train.profile import compile_counters
 path = sys.argv[1]
 lines = [load_compile_cache(path)]
@@ -32,28 +35,37 @@ def f(x, w):
     return torch.nn.functional.gelu(x @ w).square().sum(-1)
 torch.manual_seed(0)
 x, w = torch.randn(7, 16), torch.randn(16, 8, requires_grad=True)
-y = torch.compile(f, dynamic=True)(x, w)
-y.sum().backward()
+with recording_keys() as keys:
+    y = torch.compile(f, dynamic=True)(x, w)
+    y.sum().backward()
 lines.append(served(before, compile_counters()))
 lines.append(save_compile_cache(path))
+lines.append(save_keys(path, keys))
 print(json.dumps({"lines": lines, "inductor": dict(counters["inductor"]), "y": y.tolist(), "grad": w.grad.tolist()}))
 """
 
 
-def one_process(tmp_path: Path, name: str, cache: Path) -> dict:
-    """SCRIPT in a fresh interpreter with an empty local inductor cache of its own."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"), PYTHONPATH=str(ROOT))
+def one_process(tmp_path: Path, name: str, cache: Path, **env: str) -> dict:
+    """SCRIPT in a fresh interpreter with an empty local inductor cache of its own (and `env`); its JSON, its stderr
+    as "stderr" and the inductor keys it recorded beside the cache as "inductor_keys"."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"), PYTHONPATH=str(ROOT), **env)
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(cache)], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    recorded = json.loads(keys_path(str(cache)).read_text())
+    return {**json.loads(done.stdout.splitlines()[-1]), "stderr": done.stderr,
+            "inductor_keys": sorted(recorded["inductor"])}
+
+
+def artifacts(data: bytes) -> dict[str, list]:
+    """The file's artifacts by kind, read without loading them anywhere."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    return CacheArtifactManager.deserialize(data)
 
 
 def artifact_counts(data: bytes) -> dict[str, int]:
-    """The artifacts in a cache file by kind, read without loading them anywhere."""
-    from torch.compiler._cache import CacheArtifactManager
-
-    return {kind: len(artifacts) for kind, artifacts in CacheArtifactManager.deserialize(data).items()}
+    return {kind: len(found) for kind, found in artifacts(data).items()}
 
 
 def contents(cache: Path) -> bytes:
@@ -87,6 +99,37 @@ def test_a_later_process_takes_the_compiled_graphs_from_the_file(tmp_path, name)
     # what it loaded is what it used, written back whole: the same artifacts
     assert artifact_counts(contents(cache)) == written
     assert not [p for p in cache.parent.iterdir() if p.name.startswith(".")]  # no temporary file left
+    # beside it, the keys each run looked up: the first's, inductor's keys those of the file's graphs; the second
+    # took the first's AOT autograd graph, which names inductor's graphs (no key of theirs computed)
+    assert first["lines"][3] == f"compile cache: the keys of the graphs looked up ({compiled} inductor, 1 " \
+        f"aot_autograd) in {keys_path(str(cache))}"
+    assert first["inductor_keys"] == sorted(a.key for a in artifacts(contents(cache))["inductor"])
+    assert second["lines"][3].startswith("compile cache: the keys of the graphs looked up (0 inductor, 1 aot")
+    assert "FX graph cache hash details" not in first["stderr"] + second["stderr"]  # torch's DEBUG, not printed
+
+
+@pytest.mark.skipif(_cxx_compiler() is None or shutil.which("c++") is None, reason="needs g++ and c++")
+def test_a_file_made_under_another_cxx_misses_and_gpu_cache_diff_names_it(tmp_path):
+    """What happened to the caches made on the CPU for an H200 (2026-11-27): the GPU machine sets CXX, inductor
+    keys every graph on its value, used or not, and every graph missed. Here the same compiler by two names: the
+    second process, loading the first's file, compiles everything again, and bench/gpu_cache.py --diff, given the
+    two runs' keys, names the setting, inductor's keys and AOT autograd's, in every graph."""
+    gpu_cache = load_script("bench/gpu_cache.py")
+    ours, theirs = tmp_path / "ours.bin.gz", tmp_path / "theirs.bin.gz"
+    first = one_process(tmp_path, "ours", ours, CXX="g++")
+    theirs.write_bytes(ours.read_bytes())
+    second = one_process(tmp_path, "theirs", theirs, CXX="c++")
+    assert second["lines"][0].startswith("compile cache: loaded ")
+    compiled = first["inductor"]["fxgraph_cache_miss"]
+    assert second["inductor"].get("fxgraph_cache_miss") == compiled and not second["inductor"].get("fxgraph_cache_hit")
+    said = gpu_cache.key_differences(keys_path(str(ours)), keys_path(str(theirs)))
+    assert said == ["aot_autograd: inductor_config[cpp.cxx], in 1 of 1 graphs: ours \"(None, 'g++')\", theirs "
+                    "\"(None, 'c++')\"",
+                    f"inductor: inductor_config[cpp.cxx], in {compiled} of {compiled} graphs: ours \"(None, 'g++')\", "
+                    f"theirs \"(None, 'c++')\""]
+    # the cache file alone has inductor's (the same graphs' parts as the keys file)
+    assert gpu_cache.key_differences(ours, keys_path(str(ours))) == [
+        f"inductor: the {compiled} graphs of {ours} have keys equal to graphs of {keys_path(str(ours))}"]
 
 
 def test_a_file_torch_cannot_read_is_named_and_left_for_the_run_to_replace(tmp_path):

@@ -204,8 +204,9 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     # and the gzip'd one of a driver of this call, beside the temporary file of one stopped while saving
     (caches / "row.bin.gz").write_bytes(b"g" * 100)
     (caches / ".row.bin.gz.tmp-123").write_bytes(b"t" * 100)
+    (caches / "row.keys.json").write_text("{}")  # the keys its graphs had there (bench/gpu_cache.py --diff)
     os.utime(caches / "old.bin", (1, 1))
-    for name in ("new.bin", "row.bin.gz", ".row.bin.gz.tmp-123"):
+    for name in ("new.bin", "row.bin.gz", ".row.bin.gz.tmp-123", "row.keys.json"):
         os.utime(caches / name, (2**31, 2**31))
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # python3: the venv's, as the device machine's own
     (tmp_path / "out").mkdir()
@@ -225,7 +226,8 @@ def test_a_step_is_cut_to_the_time_the_call_has_left_and_its_log_comes_back(tmp_
     assert [p.name for p in parts] == ["compile_cache.tgz.part-00", "compile_cache.tgz.part-01"]
     assert parts[0].stat().st_size == 15 * 2**20
     assert brought_back(tmp_path / "out") == {"./NVIDIA_H200/new.bin": (caches / "new.bin").read_bytes(),
-                                              "./NVIDIA_H200/row.bin.gz": b"g" * 100}
+                                              "./NVIDIA_H200/row.bin.gz": b"g" * 100,
+                                              "./NVIDIA_H200/row.keys.json": b"{}"}
     # caches over CACHE_LIMIT_MIB would come back cut (the tool returns 64 MiB in all): said, and left behind
     (tmp_path / "out2").mkdir()
     out = subprocess.run(["bash", str(SCRIPT), "shards"], cwd=ROOT, capture_output=True, text=True, timeout=120,

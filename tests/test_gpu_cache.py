@@ -125,7 +125,7 @@ def test_a_rows_cache_made_here_serves_every_graph_to_a_later_process(tmp_path):
 
 def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path):
     h100 = {"torch_key": "36e6", "device": {"name": "NVIDIA H100 80GB HBM3"}, "system_hash": "2b00",
-            "torchao": "0.18.0", "compile_keys": "c0de"}
+            "torchao": "0.18.0", "compile_keys": "c0de", "cxx": "/opt/gcc/bin/g++"}
     folder = tmp_path / gpu_cache.card_folder("NVIDIA H100 80GB HBM3")
     assert folder.name == "NVIDIA_H100_80GB_HBM3"  # cuda_session.sh's name for it (test_rows_the_fake_cannot...)
     folder.mkdir()
@@ -148,6 +148,9 @@ def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path
     line = gpu_cache.compare_with_caches(tmp_path, {**h100, "compile_keys": "e417"})
     assert "2 of 2 files made with other key parts" in line and "compile_keys c0de there, e417 here" in line
     assert gpu_cache.key_parts()["compile_keys"] == compile_keys.fingerprint()
+    # made with another C++ compiler's name in CXX (inductor keys every graph on it): every graph misses
+    line = gpu_cache.compare_with_caches(tmp_path, {**h100, "cxx": "g++"})
+    assert "2 of 2 files made with other key parts" in line and "cxx /opt/gcc/bin/g++ there, g++ here" in line
     h200 = {**h100, "device": {"name": "NVIDIA H200"}}
     assert "none made for NVIDIA H200" in gpu_cache.compare_with_caches(tmp_path, h200)
     assert "no CUDA device" in gpu_cache.compare_with_caches(tmp_path / "none", {"device": None})

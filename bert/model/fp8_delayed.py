@@ -13,11 +13,10 @@ in the same pass. The weights, small, are scaled by their current amax.
     scales    s = max / amax: e4m3's max 448, e5m2's 57,344; a value beyond saturates (clamped, not inf)
 
 `torch._scaled_mm` takes its first operand row-major and its second column-major, so the backward's GEMMs read
-x_q and w_q transposed. The forward saves those transposed copies (only the ones a gradient needs), made beside
-the casts: compiled, the kernel that casts x can write both layouts in one pass over it (TransformerEngine's
-cast-transpose), where a copy made in the backward, another graph, would read the saved tensor again (a byte per
-element of every linear's input; whether inductor does fuse them is not measured yet). The output gradient's cast
-and its transposed copy are in the backward's graph together already.
+x_q, w_q and g_q transposed. The forward saves x_q's and w_q's transposed copies (only the ones a gradient needs),
+the backward makes g_q's. Each is made by `bert::fp8_transpose` (bert.model.fp8_transpose), a kernel inductor
+cannot fuse into the cast's: fused there, as `t().contiguous()` was, the row-wise kernels stored the copy a byte
+per 32-byte sector, and float8 ran slower than bf16 on an H200 (627 against 772 samples/s, 2026-11-27).
 
 The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
 start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
@@ -38,6 +37,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from bert.model.fp8_transpose import fp8_transpose
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The amaxes a layer starts from: each format's max, i.e. scale 1, as TransformerEngine starts (1 would clip the
@@ -82,7 +83,7 @@ class _Float8Matmul(torch.autograd.Function):
         # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
         # neither in an eval or no-grad forward
         needs_dx, needs_dw = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x_q.t().contiguous() if needs_dw else None, w_q.t().contiguous() if needs_dx else None,
+        ctx.save_for_backward(fp8_transpose(x_q) if needs_dw else None, fp8_transpose(w_q) if needs_dx else None,
                               inv_x, inv_w)
         ctx.amax_grad = amax_grad  # not saved: written in backward
         ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
@@ -101,7 +102,7 @@ class _Float8Matmul(torch.autograd.Function):
         if w_qt is not None:
             dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype).to(x_dtype)
         if x_qt is not None:
-            dw = torch._scaled_mm(g_q.t().contiguous(), x_qt.t(), scale_a=inv_g, scale_b=inv_x,
+            dw = torch._scaled_mm(fp8_transpose(g_q), x_qt.t(), scale_a=inv_g, scale_b=inv_x,
                                   out_dtype=grad.dtype).to(w_dtype)
         if ctx.needs_input_grad[2]:
             db = grad.sum(0).to(b_dtype)  # from the gradient as it came, not its float8 copy

@@ -19,12 +19,21 @@ into place, after the warm-up (`bert.train.warmup`): all of it before run_start.
 Triton kernels' sources, intermediate forms and binaries shrink about 6x (BERT-large's bf16 graphs with the flat
 LAMB update: 17.4 MB, 2.7 MB compressed in 0.4 s), which counts where the file travels (a device session carries
 64 MiB). After the warm-up `served` says how many graphs the caches gave and how many were compiled.
+
+Beside FILE, `<name>.keys.json` keeps each graph's cache key part by part, as torch computed it in this run
+(`recording_keys`): where a file made on another machine missed, bench/gpu_cache.py --diff compares the two
+machines' parts and names those that differ (the CPU-made caches missed on an H200 by the C++ compiler's name,
+2026-11-27). Inductor keeps its parts inside its artifacts too; AOT autograd does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import json
+import logging
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,3 +101,70 @@ def served(before: dict | None, after: dict | None) -> str:
     aot = [moved("aot_autograd", f"autograd_cache_{k}") for k in ("hit", "miss", "bypass")]
     return (f"compile cache: inductor took {hits} graphs from its caches and compiled {misses}; AOT autograd took "
             f"{aot[0]}, traced {aot[1]} and {aot[2]} it cannot cache")
+
+
+# torch logs each graph's cache key, part by part, at DEBUG: inductor's and AOT autograd's (torch 2.11 and 2.13)
+KEY_LOGS = {"torch._inductor.codecache": ("inductor", "FX graph cache hash details for key "),
+            "torch._functorch._aot_autograd.autograd_cache": ("aot_autograd",
+                                                              "Autograd graph cache hash details for key ")}
+PREVIEW = 200  # characters of a part's value kept: its hash, kept whole, is what compares
+
+
+def keys_path(path: str) -> Path:
+    """Where `recording_keys`'s record of a run with COMPILE_CACHE=`path` goes: `x.bin.gz` -> `x.keys.json`."""
+    file = Path(path)
+    return file.with_name(file.name.split(".", 1)[0] + ".keys.json")
+
+
+class _KeyParts(logging.Handler):
+    """Takes torch's key-detail records ("[hash] part: value" lines under "... for key K:") into `keys`, by kind and
+    key; anything else those loggers say at WARNING or above goes on to torch's handlers, as it would have."""
+
+    def __init__(self, loggers: dict[str, logging.Logger]):
+        super().__init__(logging.DEBUG)
+        self.loggers, self.keys = loggers, {kind: {} for kind, _ in KEY_LOGS.values()}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind, prefix = KEY_LOGS[record.name] if record.name in KEY_LOGS else (None, None)
+        text = record.getMessage() if kind else ""
+        if kind and text.startswith(prefix):
+            key, _, lines = text[len(prefix):].partition(":\n")
+            self.keys[kind][key] = [line[:PREVIEW] for line in lines.splitlines() if line.startswith("[")]
+        elif record.levelno >= logging.WARNING:  # theirs or a child logger's, which stops here too
+            attached = next(n for n in self.loggers if record.name == n or record.name.startswith(n + "."))
+            self.loggers[attached].parent.handle(record)
+
+
+@contextlib.contextmanager
+def recording_keys(enabled: bool = True) -> Iterator[dict]:
+    """While inside, each graph's cache key parts that torch logs (`KEY_LOGS`), collected into the dict yielded
+    ({"inductor": {key: lines}, "aot_autograd": {...}}); torch's own handlers print none of those DEBUG records."""
+    if not enabled:
+        yield {}
+        return
+    loggers = {name: logging.getLogger(name) for name in KEY_LOGS}
+    before = {name: (logger.level, logger.propagate) for name, logger in loggers.items()}
+    handler = _KeyParts(loggers)
+    for logger in loggers.values():
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # their DEBUG records would reach torch's handlers, which print DEBUG
+        logger.addHandler(handler)
+    try:
+        yield handler.keys
+    finally:
+        for name, logger in loggers.items():
+            logger.removeHandler(handler)
+            logger.setLevel(before[name][0])
+            logger.propagate = before[name][1]
+
+
+def save_keys(path: str, keys: dict) -> str:
+    """`keys` (recording_keys's) into `keys_path(path)`, atomically; a one-line report."""
+    file = keys_path(path)
+    try:
+        with atomic_output(file) as tmp:
+            tmp.write_text(json.dumps(keys, indent=0) + "\n")
+    except OSError as e:
+        return f"compile cache: cannot write {file} ({e.strerror or e})"
+    counts = ", ".join(f"{len(found)} {kind}" for kind, found in keys.items())
+    return f"compile cache: the keys of the graphs looked up ({counts}) in {file}"

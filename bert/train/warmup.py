@@ -44,7 +44,7 @@ from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
 from bert.synthetic import random_batch
-from bert.train.compile_cache import load_compile_cache, save_compile_cache, served
+from bert.train.compile_cache import load_compile_cache, recording_keys, save_compile_cache, save_keys, served
 from bert.train.loop import Run, eval_schedule
 from bert.train.mlperf_log import MLPerfLog
 from bert.train.profile import compile_counters, compile_report
@@ -184,6 +184,17 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         loaded = load_compile_cache(model_cfg.compile_cache)
         if run.env.is_main:
             print(loaded, flush=True)
+    with recording_keys(enabled=bool(model_cfg.compile_cache) and run.env.is_main) as keys:
+        seconds = _compile(run, log, device)
+    if model_cfg.compile_cache and run.env.is_main:  # the ranks compiled the same graphs: one writes them
+        print(save_compile_cache(model_cfg.compile_cache), flush=True)
+        print(save_keys(model_cfg.compile_cache, keys), flush=True)
+    return seconds
+
+
+def _compile(run: Run, log: MLPerfLog, device: torch.device) -> float:
+    """compile_before_run's compiles: the model's warm-up, the eval's, the optimizer's step; the seconds."""
+    model_cfg = run.cfg.model
     counted = compile_counters()
     batches = warmup_batches(run, device)
     calls = 2 if model_cfg.compile in CUDA_GRAPH_MODES else 1
@@ -215,8 +226,6 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         seconds += step_seconds
     if run.env.is_main:
         print(served(counted, compile_counters()), flush=True)
-    if model_cfg.compile_cache and run.env.is_main:  # the ranks compiled the same graphs: one writes them
-        print(save_compile_cache(model_cfg.compile_cache), flush=True)
     return seconds
 
 
