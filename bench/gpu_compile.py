@@ -8,8 +8,10 @@ flash varlen attention) under a fake CUDA device, and "runs" a forward and backw
 (the H100 profile's batch of 96 had 24,405), a forward alone, or an optimizer step: the graphs are compiled as on the
 GPU, and nothing is computed. A step target's row counts what its graphs launched: Triton kernels and inductor's
 estimate of the bytes they read and write (`triton_gb`; at an H100's 3.35 TB/s, `triton_ms` is the least time
-they take), and library calls (GEMMs) by name. The estimate is inductor's: each kernel's buffers, counted once;
-attention and the GEMMs are not in it. An update target takes gradients made as zeros of the parameters' shapes.
+they take), launches of row kernels that store a tensor transposed (`strided`: a sector per element, which the
+estimate does not see; fake_h100.strided_row_stores), and library calls (GEMMs) by name. The estimate is
+inductor's: each kernel's buffers, counted once; attention and the GEMMs are not in it. An update target takes
+gradients made as zeros of the parameters' shapes.
 Needs torch's CUDA build and a C compiler (the backward's stand-ins, fake_h100.native_env):
 
     .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets model-step fp8-delayed-layers-step
@@ -137,7 +139,8 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                unestimated_launches=launched.unestimated, library_calls=dict(launched.library),
                aten_calls=dict(launched.aten.most_common()),
                aten_gb={k: round(v, 3) for k, v in launched.aten_gb.most_common()},
-               top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)})
+               top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)},
+               strided_store_launches=sum(launched.strided.values()), strided_store_kernels=dict(launched.strided))
     return row
 
 
@@ -168,8 +171,8 @@ def main() -> int:
         row = {"target": name, "compiled": False, **row}  # a failed child's row: its error alone
         rows.append(row)
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
-        launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms"
-                    if row.get("triton_launches") else f"{'':33}")
+        launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms "
+                    f"{row['strided_store_launches']:4} strided" if row.get("triton_launches") else f"{'':46}")
         print(f"{row['target']:28} {'compiled' if row['compiled'] else 'FAILED':9} {graphs!s:>2} graphs "
               f"{row.get('graph_breaks', '-')!s:>2} breaks {kernels!s:>4} kernels {seconds!s:>5} s {launched}  "
               f"{row.get('error') or ''}")

@@ -71,6 +71,29 @@ def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_on
     # torch 2.11: 1.44x bf16's bytes (the casts, their transposed copies); 1.57x with the bias added after the GEMM,
     # 1.81x with that and each amax a reduction of the whole tensor, a pass of its own
     assert fp8["triton_gb"] < 1.5 * bf16["triton_gb"], (fp8["triton_gb"], bf16["triton_gb"])
+    # no row kernel stores a tensor transposed (bert.model.fp8_transpose: fused into the casts' row kernels, as
+    # t().contiguous(), the transposed copies were most of the H200's float8 step)
+    assert fp8["strided_store_launches"] == bf16["strided_store_launches"] == 0, fp8["strided_store_kernels"]
+
+
+# a persistent reduction over rows of 1024 as inductor writes it (an H200's float8 backward, 2026-11-27): the cast
+# stored row-major (coalesced) and transposed (`ks0*r0_1`: lanes a row apart), and the row's sum
+ROW_KERNEL = """
+    r0_index = tl.arange(0, R0_BLOCK)[None, :]
+    r0_1 = r0_index
+        tl.store(out_ptr3 + (x0 + ks0*r0_1), tmp50, xmask)
+        tl.store(out_ptr4 + (r0_1 + 1024*x0), tmp59, xmask)
+        tl.store(out_ptr6 + (x0 + 4096*r0_1), tmp75, xmask)
+        tl.store(out_ptr0 + (x0), tmp10, xmask)
+"""
+
+
+def test_a_row_kernels_transposed_stores_are_told_from_its_coalesced_ones():
+    assert fake_h100.strided_row_stores(ROW_KERNEL) == 2
+    # the same stores in a pointwise kernel (x the fastest axis, no reduction's rows): not this pattern
+    assert fake_h100.strided_row_stores(ROW_KERNEL.replace("[None, :]", "[:, None]")) == 0
+    assert fake_h100.strided_row_stores("    r0_index = tl.arange(0, R0_BLOCK)[None, :]\n"
+                                        "        tl.store(out_ptr0 + (r0_1 + 1024*x0), tmp1, xmask)\n") == 0
 
 
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):

@@ -4,21 +4,22 @@ A driver with COMPILE_CACHE (bert.train.compile_cache), or one on a machine whos
 AOT autograd's and inductor's graphs from the caches instead of tracing and compiling them. Two kinds of node in our
 graphs need a setting for that to be both possible and safe:
 
-- **Our custom ops** (`bert::flash_varlen`, `bert::cudnn_varlen`): both caches key a graph holding one on the op's
-  name, but the graph they keep has the op's fake implementation and its backward traced in, so an edit of either
-  would be served from a cache made before it. Each op's module registers a hash of its own source
-  (`key_on_source`), and `configure_caches` puts those hashes into inductor's setting for it
-  (`unsafe_marked_cacheable_functions`, a name to a key string). That setting is part of inductor's config, which is
-  in every graph's key, AOT autograd's and inductor's: an edit of either module misses every cached graph (the
-  LAMB update's too), and the run compiles as it would have.
+- **Our custom ops** (`bert::flash_varlen`, `bert::cudnn_varlen`, `bert::fp8_transpose`): both caches key a graph
+  holding one on the op's name, but the graph they keep has the op's fake implementation and its backward traced
+  in (the transpose's kernel is run by name), so an edit of either would be served from a cache made before it.
+  Each op's module registers a hash of its own source (`key_on_source`), and `configure_caches` puts those hashes
+  into inductor's setting for it (`unsafe_marked_cacheable_functions`, a name to a key string). That setting is
+  part of inductor's config, which is in every graph's key, AOT autograd's and inductor's: an edit of any such
+  module misses every cached graph (the LAMB update's too), and the run compiles as it would have.
 - **Autograd Functions** (delayed float8's GEMMs, `bert.model.fp8_delayed`): AOT autograd does not cache a graph
   holding one unless `autograd_cache_allow_custom_autograd_functions` is on (off by default in torch 2.11 and 2.13,
   PyTorch's plan being to turn it on once tested: pytorch/pytorch#149751). Dynamo traces the Function's forward and
   backward into the graph it hands AOT autograd (the `autograd_function_apply` higher-order op, both as subgraphs),
   so both are in the key and an edit misses (tests/test_compile_keys.py); a Function dynamo cannot trace is a graph
   break, run eagerly, never cached. What a Function's body calls by name (a custom op) is keyed on the name alone:
-  ours call aten ops only. Without the setting every float8 row traced its whole model again when loading its
-  graphs from a file: `fp8-delayed` took 117-138 s to load on the 2-core VM (bench/gpu_cache.py, 2026-11-27).
+  ours calls aten ops and `bert::fp8_transpose`, keyed on its module's source as above. Without the setting every
+  float8 row traced its whole model again when loading its graphs from a file: `fp8-delayed` took 117-138 s to
+  load on the 2-core VM (bench/gpu_cache.py, 2026-11-27).
 
 Both are process settings, needed where the caches are written and where they are read (they are in the key).
 `compile_model` and the optimizer's `compile_step` apply them before anything compiles. Registering a hash costs nothing
