@@ -97,3 +97,13 @@ def test_compiled_delayed_float8_keeps_the_transposes_as_their_own_kernels():
     torch._dynamo.reset()
     assert len(calls) == 3
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(24576, 1024), (24576, 4096), (4096, 1024), (1000, 3072), (77, 5)])
+def test_cuda_the_kernel_is_torchs_transpose_byte_for_byte(shape):
+    """On the GPU, the op's Triton kernel at the step's shapes (a batch's tokens by BERT-large's widths: the grid's
+    first axis is the long one) and at shapes that cut the tiles."""
+    t = float8(shape, E4M3).cuda()
+    out = fp8_transpose(t)
+    assert same_bytes(out, t.t().contiguous()) and out.is_contiguous() and out.device == t.device
