@@ -35,7 +35,6 @@ Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines'
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.metadata
 import json
 import os
@@ -90,19 +89,24 @@ KEYED = ("torch_key", "system_hash", "torchao", "compile_keys", "cxx")
 
 
 def key_lines(path: Path) -> dict[str, list[list[str]]]:
-    """Each graph's cache key in a COMPILE_CACHE file or its `.keys.json`, part by part ("[hash] part: value"), by
-    kind: inductor's and AOT autograd's from the keys a run recorded (bert.train.compile_cache.recording_keys),
-    inductor's alone from a cache file (torch keeps them with each graph, `_fx_graph_cache_debug_lines`)."""
+    """Each graph's cache key, part by part ("[hash] part: value"), by kind, from a row's COMPILE_CACHE file and the
+    keys recorded beside it (bert.train.compile_cache.recording_keys), or from either alone. Inductor's come from
+    the file (torch keeps them with each graph, `_fx_graph_cache_debug_lines`: every graph the run used, where the
+    record has only those whose key it computed), AOT autograd's from the record only."""
     import pickle
 
     from torch.compiler._cache import CacheArtifactManager
 
-    if path.name.endswith(".keys.json"):
-        return {kind: list(found.values()) for kind, found in json.loads(path.read_text()).items()}
-    raw = path.read_bytes()
-    artifacts = CacheArtifactManager.deserialize(gzip.decompress(raw) if path.suffix == ".gz" else raw)
-    return {"inductor": [pickle.loads(a.content)._fx_graph_cache_debug_lines
-                         for a in (artifacts or {}).get("inductor", [])]}
+    from bert.train.compile_cache import keys_path, unpacked
+
+    record = path if path.name.endswith(".keys.json") else keys_path(str(path))
+    found = {kind: list(keys.values()) for kind, keys in json.loads(record.read_text()).items()} \
+        if record.is_file() else {}
+    if path != record:
+        artifacts = CacheArtifactManager.deserialize(unpacked(path)) or {}
+        found["inductor"] = [pickle.loads(a.content)._fx_graph_cache_debug_lines
+                             for a in artifacts.get("inductor", [])]
+    return found
 
 
 def key_differences(ours: Path, theirs: Path) -> list[str]:
@@ -289,6 +293,8 @@ def main() -> int:
         print(f"gpu_cache: {why}; run it with torch's CUDA build (bash scripts/test_torch.sh 2.11.0 makes one)")
         return 2
     native = fake_h100.stand_ins()
+    from bert.train.compile_cache import keys_path
+
     rows, made, work = [], {}, Path(tempfile.mkdtemp(prefix="gpu_cache-"))
     try:
         data = work / "shards"  # the session's shards (its eval set's 10,000 samples); a few training samples
@@ -307,7 +313,11 @@ def main() -> int:
                 file = Path(env["COMPILE_CACHE"])
                 file.unlink(missing_ok=True)  # written afresh: for the code as it is now
                 first = run_child(gpu, env, native, args.timeout)
+                keys = keys_path(str(file))  # the first run's: every graph's key (the check computes few)
+                recorded = keys.read_bytes() if keys.is_file() else None
                 check = run_child(gpu, env, native, args.timeout) if "error" not in first else {}
+                if recorded is not None:
+                    keys.write_bytes(recorded)
                 # served: inductor compiled nothing, and AOT autograd could cache every graph (compile_keys)
                 ok = "error" not in first and "error" not in check and check["graphs_compiled"] == 0 and \
                     check["graphs_from_cache"] > 0 and check["aot_uncacheable"] == 0

@@ -178,3 +178,37 @@ def test_a_cache_with_nothing_compiled_is_refused_in_one_line():
         cfg(compile="off").validate()
     assert "\n" not in str(e.value)
     cfg(compile="default").validate()
+
+
+def test_recording_keys_takes_the_key_records_and_passes_on_what_was_asked_for():
+    """Inside, torch's key-detail records (DEBUG) are kept and not printed; a record at or above the level the
+    logger had before still reaches torch's handlers (an INFO asked for with TORCH_LOGS, say), one below it does not;
+    after, each logger's level and propagation are as they were, also when the block raises."""
+    import logging
+
+    from bert.train.compile_cache import recording_keys
+
+    name = "torch._inductor.codecache"
+    logger, seen = logging.getLogger(name), []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    watch = Seen(logging.DEBUG)
+    logger.parent.addHandler(watch)
+    before = (logger.level, logger.propagate)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(RuntimeError), recording_keys() as keys:
+            logger.debug("FX graph cache hash details for key fabc:\n[h1] gm: graph\n  more of it\n[h2] cxx: g++")
+            logger.info("Bypassing FX Graph Cache because ...")
+            logging.getLogger(name + ".child").debug("a child's debug")
+            raise RuntimeError("the compile failed")
+        assert keys["inductor"] == {"fabc": ["[h1] gm: graph", "[h2] cxx: g++"]} and keys["aot_autograd"] == {}
+        assert seen == ["Bypassing FX Graph Cache because ..."]
+        assert (logger.level, logger.propagate) == (logging.INFO, before[1])
+        assert not [h for h in logger.handlers if type(h).__name__ == "_KeyParts"]
+    finally:
+        logger.parent.removeHandler(watch)
+        logger.setLevel(before[0])

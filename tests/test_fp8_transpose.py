@@ -36,6 +36,21 @@ def test_the_op_is_torchs_transpose_byte_for_byte(dtype):
     assert same_bytes(fp8_transpose(wide), wide.t().contiguous())
 
 
+@pytest.mark.parametrize("shape", [(1, 5), (5, 1), (0, 4), (1, 1)])
+def test_a_side_of_one_or_none_still_gives_a_new_tensor(shape):
+    """t().contiguous() of such a tensor is a view of it, which a custom op may not return."""
+    t = float8(shape, E4M3)
+    out = fp8_transpose(t)
+    assert same_bytes(out, t.t().contiguous()) and not out._is_view()
+    assert not t.numel() or out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_anything_but_a_matrix_of_bytes_is_refused():
+    for bad in (torch.zeros(4, 4), torch.zeros(2, 2, 2, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="a 2-d tensor of 1-byte elements"):
+            fp8_transpose(bad)
+
+
 def test_its_fake_gives_the_transposed_shape():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -94,6 +94,10 @@ def test_a_row_kernels_transposed_stores_are_told_from_its_coalesced_ones():
     assert fake_h100.strided_row_stores(ROW_KERNEL.replace("[None, :]", "[:, None]")) == 0
     assert fake_h100.strided_row_stores("    r0_index = tl.arange(0, R0_BLOCK)[None, :]\n"
                                         "        tl.store(out_ptr0 + (r0_1 + 1024*x0), tmp1, xmask)\n") == 0
+    # a row wider than one block, reduced in a loop (GELU's 4096): r0 from a base and an offset
+    looped = ROW_KERNEL.replace("r0_index = tl.arange(0, R0_BLOCK)[None, :]",
+                                "r0_base = tl.arange(0, R0_BLOCK)[None, :]\n        r0_index = r0_offset + r0_base")
+    assert fake_h100.strided_row_stores(looped) == 2
 
 
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):

@@ -49,6 +49,12 @@ def _counts(info) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in counts.items() if n) or "no artifacts"
 
 
+def unpacked(file: Path, raw: bytes | None = None) -> bytes:
+    """A cache file's artifacts as torch wrote them: gunzipped for a `.gz`."""
+    raw = file.read_bytes() if raw is None else raw
+    return gzip.decompress(raw) if file.suffix == ".gz" else raw
+
+
 def load_compile_cache(path: str) -> str:
     """Fill this process's torch.compile caches from `path` before anything compiles; a one-line report. A missing
     file is a first run. A file torch cannot read (damaged, or written by another torch) is said so and ignored:
@@ -59,8 +65,7 @@ def load_compile_cache(path: str) -> str:
             return (f"compile cache: {path} does not exist yet; compiling from scratch and writing it after the "
                     "warm-up")
         raw = file.read_bytes()
-        data = gzip.decompress(raw) if file.suffix == ".gz" else raw
-        info = torch.compiler.load_cache_artifacts(data)  # writes them into this machine's local caches
+        info = torch.compiler.load_cache_artifacts(unpacked(file, raw))  # writes them into this machine's local caches
     except (gzip.BadGzipFile, EOFError, zlib.error):  # a damaged .gz (before OSError, BadGzipFile's base): replaced,
         info = None  # as a file torch cannot read
     except OSError as e:  # a cache is optional: the run compiles without it
@@ -113,16 +118,18 @@ PREVIEW = 200  # characters of a part's value kept: its hash, kept whole, is wha
 def keys_path(path: str) -> Path:
     """Where `recording_keys`'s record of a run with COMPILE_CACHE=`path` goes: `x.bin.gz` -> `x.keys.json`."""
     file = Path(path)
-    return file.with_name(file.name.split(".", 1)[0] + ".keys.json")
+    return file.with_name(file.name.removesuffix(".gz").removesuffix(".bin") + ".keys.json")
 
 
 class _KeyParts(logging.Handler):
     """Takes torch's key-detail records ("[hash] part: value" lines under "... for key K:") into `keys`, by kind and
-    key; anything else those loggers say at WARNING or above goes on to torch's handlers, as it would have."""
+    key; anything else those loggers say at the level they had before (`levels`) goes on to torch's handlers, as it
+    would have."""
 
-    def __init__(self, loggers: dict[str, logging.Logger]):
+    def __init__(self, loggers: dict[str, logging.Logger], levels: dict[str, int]):
         super().__init__(logging.DEBUG)
-        self.loggers, self.keys = loggers, {kind: {} for kind, _ in KEY_LOGS.values()}
+        self.loggers, self.levels = loggers, levels
+        self.keys = {kind: {} for kind, _ in KEY_LOGS.values()}
 
     def emit(self, record: logging.LogRecord) -> None:
         kind, prefix = KEY_LOGS[record.name] if record.name in KEY_LOGS else (None, None)
@@ -130,9 +137,10 @@ class _KeyParts(logging.Handler):
         if kind and text.startswith(prefix):
             key, _, lines = text[len(prefix):].partition(":\n")
             self.keys[kind][key] = [line[:PREVIEW] for line in lines.splitlines() if line.startswith("[")]
-        elif record.levelno >= logging.WARNING:  # theirs or a child logger's, which stops here too
+        else:  # theirs or a child logger's, which stops here too
             attached = next(n for n in self.loggers if record.name == n or record.name.startswith(n + "."))
-            self.loggers[attached].parent.handle(record)
+            if record.levelno >= self.levels[attached]:
+                self.loggers[attached].parent.handle(record)
 
 
 @contextlib.contextmanager
@@ -144,7 +152,7 @@ def recording_keys(enabled: bool = True) -> Iterator[dict]:
         return
     loggers = {name: logging.getLogger(name) for name in KEY_LOGS}
     before = {name: (logger.level, logger.propagate) for name, logger in loggers.items()}
-    handler = _KeyParts(loggers)
+    handler = _KeyParts(loggers, {name: logger.getEffectiveLevel() for name, logger in loggers.items()})
     for logger in loggers.values():
         logger.setLevel(logging.DEBUG)
         logger.propagate = False  # their DEBUG records would reach torch's handlers, which print DEBUG
