@@ -127,8 +127,10 @@ def test_a_file_made_under_another_cxx_misses_and_gpu_cache_diff_names_it(tmp_pa
                     "\"(None, 'c++')\"",
                     f"inductor: inductor_config[cpp.cxx], in {compiled} of {compiled} graphs: ours \"(None, 'g++')\", "
                     f"theirs \"(None, 'c++')\""]
-    # the cache file alone has inductor's (the same graphs' parts as the keys file)
+    # a row's file is read with the keys beside it: inductor's parts from the file (the same as the record's here),
+    # AOT autograd's from the record
     assert gpu_cache.key_differences(ours, keys_path(str(ours))) == [
+        f"aot_autograd: the 1 graphs of {ours} have keys equal to graphs of {keys_path(str(ours))}",
         f"inductor: the {compiled} graphs of {ours} have keys equal to graphs of {keys_path(str(ours))}"]
 
 
