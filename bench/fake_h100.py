@@ -147,16 +147,15 @@ LAUNCHES = Launches()
 _ROW_STRIDED = re.compile(r"tl\.store\(\w+ \+ \(([^)]*)\)")
 
 
-_ROW_AXIS = re.compile(r"r0_(?:index|base) = tl\.arange\(0, R0_BLOCK\)\[None, :\]")  # persistent, looped
-
-
 def strided_row_stores(source: str) -> int:
-    """The stores of an inductor Triton kernel, a reduction along rows (r0 the fastest axis, the whole row at once
-    or in a loop), whose index takes r0 times a stride (`x0 + ks0*r0_1`): each lane writes an element a row apart
-    from the next, a 32-byte sector per element where it is a byte (float8). Delayed float8's transposed copies
-    fused into its casts' row kernels were such stores: three kernels, 40 ms of an H200's 184 ms step
-    (bert.model.fp8_transpose)."""
-    if not _ROW_AXIS.search(source):
+    """The stores of an inductor Triton kernel, a persistent reduction along rows (the whole row in one block, r0
+    the fastest axis, a block one or a few rows), whose index takes r0 times a stride (`x0 + ks0*r0_1`): the
+    lanes write elements a row apart, in runs of as many bytes as the block has rows, a 32-byte sector per element
+    where it is a byte (float8). Delayed float8's transposed copies fused into its casts' row kernels were such
+    stores: three kernels, 40 ms of an H200's 184 ms step (bert.model.fp8_transpose). A looped reduction is not
+    counted: in its column-sum form (a bias's gradient over the tokens) a block spans many columns, and Triton lays
+    a store out along the axis its index is contiguous in, so runs are long."""
+    if "r0_index = tl.arange(0, R0_BLOCK)[None, :]" not in source:
         return 0
     return sum(bool(re.search(r"\w\*r0_\d+\b", index)) for index in _ROW_STRIDED.findall(source))
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",

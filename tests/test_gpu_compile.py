@@ -72,7 +72,7 @@ def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_on
     # 1.81x with that and each amax a reduction of the whole tensor, a pass of its own
     assert fp8["triton_gb"] < 1.5 * bf16["triton_gb"], (fp8["triton_gb"], bf16["triton_gb"])
     # no row kernel stores a tensor transposed (bert.model.fp8_transpose: fused into the casts' row kernels, as
-    # t().contiguous(), the transposed copies were most of the H200's float8 step)
+    # t().contiguous(), the transposed copies were most of the H200's float8 step; here 12 launches that way)
     assert fp8["strided_store_launches"] == bf16["strided_store_launches"] == 0, fp8["strided_store_kernels"]
 
 
@@ -94,10 +94,11 @@ def test_a_row_kernels_transposed_stores_are_told_from_its_coalesced_ones():
     assert fake_h100.strided_row_stores(ROW_KERNEL.replace("[None, :]", "[:, None]")) == 0
     assert fake_h100.strided_row_stores("    r0_index = tl.arange(0, R0_BLOCK)[None, :]\n"
                                         "        tl.store(out_ptr0 + (r0_1 + 1024*x0), tmp1, xmask)\n") == 0
-    # a row wider than one block, reduced in a loop (GELU's 4096): r0 from a base and an offset
+    # a looped reduction (r0 from a base and an offset): a column sum's blocks span many columns, so not counted (the
+    # MLM head's log-softmax backward and the pooler's tanh backward store so, in bf16 and float8 alike)
     looped = ROW_KERNEL.replace("r0_index = tl.arange(0, R0_BLOCK)[None, :]",
                                 "r0_base = tl.arange(0, R0_BLOCK)[None, :]\n        r0_index = r0_offset + r0_base")
-    assert fake_h100.strided_row_stores(looped) == 2
+    assert fake_h100.strided_row_stores(looped) == 0
 
 
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
