@@ -158,6 +158,8 @@ def strided_row_stores(source: str) -> int:
     if "r0_index = tl.arange(0, R0_BLOCK)[None, :]" not in source:
         return 0
     return sum(bool(re.search(r"\w\*r0_\d+\b", index)) for index in _ROW_STRIDED.findall(source))
+
+
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
                 "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::sym_size",
                 "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size"}
