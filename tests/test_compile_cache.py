@@ -216,3 +216,24 @@ def test_recording_keys_takes_the_key_records_and_passes_on_what_was_asked_for()
     finally:
         logger.parent.removeHandler(watch)
         logger.setLevel(before[0])
+
+
+def test_each_key_is_on_disk_as_it_comes_so_a_compile_that_never_ends_leaves_them(tmp_path):
+    """A driver's compile stopped by a step's deadline (the one-graph float8 model on an H200, 2026-11-27) or by an
+    error never reaches save_keys: the keys it looked up must already be beside the cache, each as it came, in a
+    folder the cache has not made yet."""
+    import logging
+
+    from bert.train.compile_cache import recording_keys
+
+    cache = tmp_path / "not-yet" / "bert.bin.gz"
+    inductor = logging.getLogger("torch._inductor.codecache")
+    aot = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    with pytest.raises(RuntimeError), recording_keys(to=str(cache)):
+        aot.debug("Autograd graph cache hash details for key a1:\n[h0] gm: dynamo's graph")
+        assert json.loads(keys_path(str(cache)).read_text())["aot_autograd"] == {"a1": ["[h0] gm: dynamo's graph"]}
+        inductor.debug("FX graph cache hash details for key f1:\n[h1] gm: graph\n[h2] cxx: g++")
+        raise RuntimeError("the step's deadline")
+    assert json.loads(keys_path(str(cache)).read_text()) == {
+        "inductor": {"f1": ["[h1] gm: graph", "[h2] cxx: g++"]}, "aot_autograd": {"a1": ["[h0] gm: dynamo's graph"]}}
+    assert sorted(p.name for p in cache.parent.iterdir()) == ["bert.keys.json"]  # no temporary file, no cache

@@ -47,6 +47,30 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     assert cc.returncode == 0, cc.stdout + cc.stderr
 
 
+def test_a_compile_that_fails_leaves_the_keys_it_looked_up_beside_the_cache(tmp_path, monkeypatch):
+    """The driver passes COMPILE_CACHE to recording_keys, so each key is on disk as it comes: a compile that raises
+    (or is killed by a deadline) never reaches save_keys, and its keys are what says why a carried cache missed."""
+    import logging
+    from types import SimpleNamespace
+
+    from bert.train import warmup
+    from bert.train.compile_cache import keys_path
+
+    cache = tmp_path / "bert.bin.gz"
+    run = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(compile="default", compile_cache=str(cache))),
+                          env=SimpleNamespace(is_main=True))
+
+    def failing(run, log, device):
+        logging.getLogger("torch._inductor.codecache").debug("FX graph cache hash details for key f1:\n[h1] gm: g")
+        raise RuntimeError("inductor failed")
+
+    monkeypatch.setattr(warmup, "_compile", failing)
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        warmup.compile_before_run(run, None, CPU)
+    assert json.loads(keys_path(str(cache)).read_text())["inductor"] == {"f1": ["[h1] gm: g"]}
+    assert not cache.exists()
+
+
 def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(world_of_one, tmp_path, monkeypatch):
     """The driver's build and compile warm-up (COMPILE=debug; 10 eval examples in batches of 4: sizes 4, 4, 2) read
     no sample: the rules' clock starts before any part of the system touches the dataset (bert.data.eval_set).

@@ -126,9 +126,9 @@ class _KeyParts(logging.Handler):
     key; anything else those loggers say at the level they had before (`levels`) goes on to torch's handlers, as it
     would have."""
 
-    def __init__(self, loggers: dict[str, logging.Logger], levels: dict[str, int]):
+    def __init__(self, loggers: dict[str, logging.Logger], levels: dict[str, int], to: str | None = None):
         super().__init__(logging.DEBUG)
-        self.loggers, self.levels = loggers, levels
+        self.loggers, self.levels, self.to = loggers, levels, to
         self.keys = {kind: {} for kind, _ in KEY_LOGS.values()}
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -137,6 +137,9 @@ class _KeyParts(logging.Handler):
         if kind and text.startswith(prefix):
             key, _, lines = text[len(prefix):].partition(":\n")
             self.keys[kind][key] = [line[:PREVIEW] for line in lines.splitlines() if line.startswith("[")]
+            if self.to:  # at once: a compile killed by a deadline or failing still leaves the keys it looked up
+                with contextlib.suppress(OSError):  # said by save_keys at the end, if the run gets there
+                    write_keys(self.to, self.keys)
         else:  # theirs or a child logger's, which stops here too
             attached = next(n for n in self.loggers if record.name == n or record.name.startswith(n + "."))
             if record.levelno >= self.levels[attached]:
@@ -144,15 +147,18 @@ class _KeyParts(logging.Handler):
 
 
 @contextlib.contextmanager
-def recording_keys(enabled: bool = True) -> Iterator[dict]:
+def recording_keys(enabled: bool = True, to: str | None = None) -> Iterator[dict]:
     """While inside, each graph's cache key parts that torch logs (`KEY_LOGS`), collected into the dict yielded
-    ({"inductor": {key: lines}, "aot_autograd": {...}}); torch's own handlers print none of those DEBUG records."""
+    ({"inductor": {key: lines}, "aot_autograd": {...}}); torch's own handlers print none of those DEBUG records.
+    With `to` (a COMPILE_CACHE path), the record is also written to `keys_path(to)` as each key comes: on an H200
+    (2026-11-27) the one-graph float8 model's compile outlasted its step's deadline, and the keys kept only at its
+    end would have gone with it."""
     if not enabled:
         yield {}
         return
     loggers = {name: logging.getLogger(name) for name in KEY_LOGS}
     before = {name: (logger.level, logger.propagate) for name, logger in loggers.items()}
-    handler = _KeyParts(loggers, {name: logger.getEffectiveLevel() for name, logger in loggers.items()})
+    handler = _KeyParts(loggers, {name: logger.getEffectiveLevel() for name, logger in loggers.items()}, to)
     for logger in loggers.values():
         logger.setLevel(logging.DEBUG)
         logger.propagate = False  # their DEBUG records would reach torch's handlers, which print DEBUG
@@ -166,13 +172,20 @@ def recording_keys(enabled: bool = True) -> Iterator[dict]:
             logger.propagate = before[name][1]
 
 
-def save_keys(path: str, keys: dict) -> str:
-    """`keys` (recording_keys's) into `keys_path(path)`, atomically; a one-line report."""
+def write_keys(path: str, keys: dict) -> Path:
+    """`keys` (recording_keys's) into `keys_path(path)`, atomically (a reader never sees half a file)."""
     file = keys_path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)  # a first run's keys come before its cache makes the folder
+    with atomic_output(file) as tmp:
+        tmp.write_text(json.dumps(keys, indent=0) + "\n")
+    return file
+
+
+def save_keys(path: str, keys: dict) -> str:
+    """`write_keys`, reported in one line, an error too."""
     try:
-        with atomic_output(file) as tmp:
-            tmp.write_text(json.dumps(keys, indent=0) + "\n")
+        file = write_keys(path, keys)
     except OSError as e:
-        return f"compile cache: cannot write {file} ({e.strerror or e})"
+        return f"compile cache: cannot write {keys_path(path)} ({e.strerror or e})"
     counts = ", ".join(f"{len(found)} {kind}" for kind, found in keys.items())
     return f"compile cache: the keys of the graphs looked up ({counts}) in {file}"

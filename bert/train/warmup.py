@@ -184,7 +184,7 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         loaded = load_compile_cache(model_cfg.compile_cache)
         if run.env.is_main:
             print(loaded, flush=True)
-    with recording_keys(enabled=bool(model_cfg.compile_cache) and run.env.is_main) as keys:
+    with recording_keys(enabled=bool(model_cfg.compile_cache) and run.env.is_main, to=model_cfg.compile_cache) as keys:
         seconds = _compile(run, log, device)
     if model_cfg.compile_cache and run.env.is_main:  # the ranks compiled the same graphs: one writes them
         print(save_compile_cache(model_cfg.compile_cache), flush=True)
