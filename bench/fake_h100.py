@@ -132,6 +132,9 @@ class Launches:
     gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
     # launches of row kernels (reductions over rows) storing a tensor transposed: `strided_row_stores`
     strided: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # launches of kernels computing a power (`libdevice.pow`): LAMB's bias corrections, inlined by inductor into the
+    # update's kernels, computed two float64 pows per element (bert.optim.bias_correction); the model computes none
+    pow: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     in_triton: bool = False
 
     @property
@@ -344,8 +347,11 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
         if not benchmark_run:
             gb = autotuner.inductor_meta.get("kernel_num_gb")
             LAUNCHES.triton += 1
-            if strided_row_stores(getattr(autotuner.fn, "src", "")):
+            source = getattr(autotuner.fn, "src", "")
+            if strided_row_stores(source):
                 LAUNCHES.strided[autotuner.fn.__name__] += 1
+            if "libdevice.pow(" in source:
+                LAUNCHES.pow[autotuner.fn.__name__] += 1
             LAUNCHES.unestimated += gb is None
             LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0
         LAUNCHES.in_triton = True  # a first launch autotunes: its copies of the mutated arguments are not the step's

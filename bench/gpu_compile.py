@@ -9,7 +9,8 @@ flash varlen attention) under a fake CUDA device, and "runs" a forward and backw
 GPU, and nothing is computed. A step target's row counts what its graphs launched: Triton kernels and inductor's
 estimate of the bytes they read and write (`triton_gb`; at an H100's 3.35 TB/s, `triton_ms` is the least time
 they take), launches of row kernels that store a tensor transposed (`strided`: a sector per element, which the
-estimate does not see; fake_h100.strided_row_stores), and library calls (GEMMs) by name. The estimate is
+estimate does not see; fake_h100.strided_row_stores), launches of kernels computing a power (`pow`: LAMB's bias
+corrections inlined per element were, bert.optim.bias_correction), and library calls (GEMMs) by name. The estimate is
 inductor's: each kernel's buffers, counted once; attention and the GEMMs are not in it. An update target takes
 gradients made as zeros of the parameters' shapes.
 Needs torch's CUDA build and a C compiler (the backward's stand-ins, fake_h100.native_env):
@@ -140,7 +141,8 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                aten_calls=dict(launched.aten.most_common()),
                aten_gb={k: round(v, 3) for k, v in launched.aten_gb.most_common()},
                top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)},
-               strided_store_launches=sum(launched.strided.values()), strided_store_kernels=dict(launched.strided))
+               strided_store_launches=sum(launched.strided.values()), strided_store_kernels=dict(launched.strided),
+               pow_launches=sum(launched.pow.values()), pow_kernels=dict(launched.pow))
     return row
 
 
@@ -172,7 +174,8 @@ def main() -> int:
         rows.append(row)
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
         launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms "
-                    f"{row['strided_store_launches']:4} strided" if row.get("triton_launches") else f"{'':46}")
+                    f"{row['strided_store_launches']:4} strided {row['pow_launches']:4} pow"
+                    if row.get("triton_launches") else f"{'':55}")
         print(f"{row['target']:28} {'compiled' if row['compiled'] else 'FAILED':9} {graphs!s:>2} graphs "
               f"{row.get('graph_breaks', '-')!s:>2} breaks {kernels!s:>4} kernels {seconds!s:>5} s {launched}  "
               f"{row.get('error') or ''}")

@@ -17,6 +17,7 @@ from bert.model import compile_keys, cuda_varlen, cudnn_varlen, fp8_delayed, fp8
 from bert.model.compile import compile_model
 from bert.model.cuda_varlen import flash_varlen_op
 from bert.model.fp8_delayed import DelayedFloat8Linear
+from bert.optim import bias_correction
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +38,7 @@ def test_each_custom_op_is_keyed_on_its_modules_source():
     assert marked()["torch.ops.bert.flash_varlen"] == compile_keys.source_hash(cuda_varlen.__file__)
     assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
     assert marked()["torch.ops.bert.fp8_transpose"] == compile_keys.source_hash(fp8_transpose.__file__)
+    assert marked()["torch.ops.bert.lamb_bias_corrections"] == compile_keys.source_hash(bias_correction.__file__)
     assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
     assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
                                        "autograd_cache_allow_custom_autograd_functions": True}

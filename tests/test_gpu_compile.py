@@ -25,7 +25,8 @@ WHY = fake_h100.usable()
 def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_fails_here(tmp_path):
     out = tmp_path / "gpu_compile.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--targets", "flat-update",
-                           "flat-update-cast-in-graph", "layers-forward", "model-forward", "--bert-config", "tiny",
+                           "flat-update-cast-in-graph", "layers-forward", "model-forward", "tensors-update",
+                           "--bert-config", "tiny",
                            "--tokens", "512",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -40,6 +41,10 @@ def test_the_flat_update_compiles_for_the_gpu_and_the_graph_the_gpus_failed_on_f
     flat = rows["flat-update"]
     assert flat["compiled"] and (flat["graphs"], flat["graph_breaks"]) == (2, 0) and 10 <= flat["triton_kernels"] <= 40
     assert rows["layers-forward"]["compiled"] and rows["layers-forward"]["triton_kernels"] > 5
+    # LAMB's bias corrections come from their op: no kernel of either update computes a pow (with them inlined, the
+    # flat update's pass computed two float64 pows a row, the per-tensor update's kernels two an element)
+    assert rows["tensors-update"]["compiled"] and rows["tensors-update"]["triton_launches"] > 10
+    assert rows["flat-update"]["pow_launches"] == rows["tensors-update"]["pow_launches"] == 0
     # the model's graph breaks where the GPU's does, at the attention plan (eager by design) and nowhere else: a Tensor
     # method written in Python, inlined on the fake mode's tensors (`Tensor.unflatten`), broke it 5 more times
     assert (rows["model-forward"]["graphs"], rows["model-forward"]["graph_breaks"]) == (2, 2), rows["model-forward"]

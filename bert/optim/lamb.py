@@ -38,6 +38,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from bert.optim.bias_correction import lamb_bias_corrections
+
 TensorNorms = Callable[[list[Tensor], list[Tensor]], tuple[Tensor, Tensor]]
 
 
@@ -121,7 +123,8 @@ def _bias_corrections(b1: float, b2: float, t: Tensor | int) -> tuple[Tensor | f
     list's dtype)."""
     if torch.is_tensor(t):
         # a float64 copy, not a float64 count: stored as a 0-dim float64 CPU state, the count lost its in-place
-        # updates when the step was compiled (COMPILE=debug, torch 2.13)
-        t = t.double()
-        return (1.0 - b1**t).float(), (1.0 - b2**t).sqrt().float()
+        # updates when the step was compiled (COMPILE=debug, torch 2.13); computed by an op of its own, which
+        # inductor cannot inline into the update's kernels (bert.optim.bias_correction)
+        pair = lamb_bias_corrections(t, b1, b2)
+        return pair[..., 0], pair[..., 1]
     return 1.0 - b1**t, math.sqrt(1.0 - b2**t)
