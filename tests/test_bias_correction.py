@@ -69,3 +69,14 @@ def test_a_compiled_step_takes_the_corrections_from_the_op_and_equals_eager():
     assert torch.ops.bert.lamb_bias_corrections.default in nodes
     assert torch.ops.aten.pow.Scalar not in nodes and torch.ops.aten.pow.Tensor_Scalar not in nodes
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_op_gives_the_hosts_corrections_within_an_fp32_ulp():
+    """On the GPU the float64 pow is CUDA's (within 2 ulp of float64), so after rounding to fp32 the corrections
+    are the host's or a neighbour."""
+    counts = [1.0, 2.0, 7.0, 100.0, 7038.0]
+    got = lamb_bias_corrections(torch.tensor(counts, device="cuda"), *BETAS).cpu()
+    want = torch.tensor([host(*BETAS, int(t)) for t in counts])
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32).sub(want.view(torch.int32)).abs() <= 1,
+                                                      torch.ones_like(got, dtype=torch.bool))
