@@ -5,8 +5,14 @@ its block and computed 1 - b^t in float64 for every element. This compiles that 
 corrections loaded, as computed by `bert::lamb_bias_corrections`, bert.optim.bias_correction) for sm_90 with the
 ptxas Triton ships, disassembles them with its cuobjdump, and counts instructions: in the kernel, in float64
 (D*: DFMA, DADD, DMUL, DSETP...), the calls (libdevice's pow is a subroutine, called once per element) and the
-subroutine's own length. No GPU: Triton compiles for a target, not a device. Static counts: a thread runs the
-subroutine once per element it holds (8 here: 1,024 elements over 4 warps).
+subroutine's own length. No GPU: Triton compiles for a target, not a device. The code has no loop, so a thread
+runs each instruction once and the subroutine once a call, for the 8 elements it holds (1,024 over 4 warps):
+`per_element` is that run divided by 8.
+
+Two more pairs, for the next candidate: dropout as inductor generates it inside the LayerNorm kernels (`tl.rand`,
+one Philox call an element, of whose four numbers it keeps one) and from all four numbers of a call (`tl.rand4x`).
+On the H200 (`driver-compiled-flat`, 2026-11-27) the forward's residual + dropout + LayerNorm kernels moved their
+10.2 GB (the fake H100's estimate) at 2.0 TB/s, the LayerNorm backward's 12.7 GB at 3.5 TB/s.
 
     .venv-torch2.11.0-py3.12/bin/python bench/sass_count.py
 """
@@ -23,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 XBLOCK, WARPS = 1024, 4
+PER_THREAD = XBLOCK // (32 * WARPS)  # elements each thread holds
 
 
 def kernels() -> dict:
@@ -46,7 +53,26 @@ def kernels() -> dict:
         mask = x < n
         tl.store(out_ptr + x, tl.load(m_ptr + x, mask) / tl.load(c_ptr), mask)
 
-    return {"inlined": inlined, "loaded": loaded}
+    @triton.jit
+    def dropout(seed, m_ptr, out_ptr, n, XBLOCK: tl.constexpr):
+        """Dropout (p 0.1) as inductor writes it into the LayerNorm kernels: one Philox call an element
+        (`tl.rand`, which keeps one of the four numbers a call makes)."""
+        x = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+        mask = x < n
+        keep = tl.rand(seed, x.to(tl.uint32)) > 0.1
+        tl.store(out_ptr + x, tl.where(keep, tl.load(m_ptr + x, mask) * 1.1111111, 0.0), mask)
+
+    @triton.jit
+    def dropout4x(seed, m_ptr, out_ptr, n, XBLOCK: tl.constexpr):
+        """The same from all four numbers of a Philox call (`tl.rand4x`): a call for four elements."""
+        q = tl.program_id(0) * XBLOCK + 4 * tl.arange(0, XBLOCK // 4)
+        r0, r1, r2, r3 = tl.rand4x(seed, (q // 4).to(tl.uint32))
+        tl.store(out_ptr + q, tl.where(r0 > 0.1, tl.load(m_ptr + q, q < n) * 1.1111111, 0.0), q < n)
+        tl.store(out_ptr + q + 1, tl.where(r1 > 0.1, tl.load(m_ptr + q + 1, q + 1 < n) * 1.1111111, 0.0), q + 1 < n)
+        tl.store(out_ptr + q + 2, tl.where(r2 > 0.1, tl.load(m_ptr + q + 2, q + 2 < n) * 1.1111111, 0.0), q + 2 < n)
+        tl.store(out_ptr + q + 3, tl.where(r3 > 0.1, tl.load(m_ptr + q + 3, q + 3 < n) * 1.1111111, 0.0), q + 3 < n)
+
+    return {"inlined": inlined, "loaded": loaded, "dropout": dropout, "dropout4x": dropout4x}
 
 
 def count(sass: str) -> dict:
@@ -79,20 +105,23 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, fn in kernels().items():
-            first = "t_ptr" if name == "inlined" else "c_ptr"
-            source = ASTSource(fn, signature={first: "*fp32", "m_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
+            first = {"inlined": ("t_ptr", "*fp32"), "loaded": ("c_ptr", "*fp32")}.get(name, ("seed", "i32"))
+            source = ASTSource(fn, signature={first[0]: first[1], "m_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
                                               "XBLOCK": "constexpr"}, constexprs={"XBLOCK": XBLOCK})
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
             cubin = Path(tmp) / f"{name}.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
             sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                                   check=True).stdout
-            rows.append({"kernel": name, **count(sass)})
+            row = count(sass)
+            # what a thread runs, over the elements it holds: the subroutine run once a call
+            run = row["instructions"] - row["subroutine_instructions"] + row["calls"] * row["subroutine_instructions"]
+            rows.append({"kernel": name, **row, "per_element": round(run / PER_THREAD, 1)})
     print(f"{'kernel (sm_90, XBLOCK 1024, 4 warps)':38} {'SASS':>5} {'float64':>7} {'calls':>5} "
-          f"{'subroutine':>10} {'its float64':>11}")
+          f"{'subroutine':>10} {'its float64':>11} {'run per element':>15}")
     for r in rows:
         print(f"{r['kernel']:38} {r['instructions']:5} {r['float64']:7} {r['calls']:5} "
-              f"{r['subroutine_instructions']:10} {r['subroutine_float64']:11}")
+              f"{r['subroutine_instructions']:10} {r['subroutine_float64']:11} {r['per_element']:15}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "xblock": XBLOCK,
                                            "warps": WARPS, "rows": rows}, indent=1) + "\n")

@@ -42,3 +42,5 @@ def test_the_inlined_correction_calls_a_float64_pow_per_element(tmp_path):
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["inlined"]["calls"] == 8 and rows["inlined"]["subroutine_float64"] > 50  # 1,024 elements, 128 threads
     assert rows["loaded"]["float64"] == rows["loaded"]["calls"] == 0
+    assert rows["inlined"]["per_element"] > 10 * rows["loaded"]["per_element"]
+    assert rows["dropout4x"]["per_element"] < rows["dropout"]["per_element"]  # a Philox call for 4 elements, not 1
