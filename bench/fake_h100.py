@@ -163,6 +163,12 @@ def strided_row_stores(source: str) -> int:
     return sum(bool(re.search(r"\w\*r0_\d+\b", index)) for index in _ROW_STRIDED.findall(source))
 
 
+def computes_pow(source: str) -> bool:
+    """Whether an inductor Triton kernel raises to a power (`libdevice.pow`, which inductor emits for aten.pow of
+    floats): LAMB's bias corrections inlined into the update's kernels did, per element (bert.optim.bias_correction)."""
+    return "libdevice.pow(" in source
+
+
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
                 "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::sym_size",
                 "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size"}
@@ -350,7 +356,7 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
             source = getattr(autotuner.fn, "src", "")
             if strided_row_stores(source):
                 LAUNCHES.strided[autotuner.fn.__name__] += 1
-            if "libdevice.pow(" in source:
+            if computes_pow(source):
                 LAUNCHES.pow[autotuner.fn.__name__] += 1
             LAUNCHES.unestimated += gb is None
             LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0

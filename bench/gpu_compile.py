@@ -9,10 +9,10 @@ flash varlen attention) under a fake CUDA device, and "runs" a forward and backw
 GPU, and nothing is computed. A step target's row counts what its graphs launched: Triton kernels and inductor's
 estimate of the bytes they read and write (`triton_gb`; at an H100's 3.35 TB/s, `triton_ms` is the least time
 they take), launches of row kernels that store a tensor transposed (`strided`: a sector per element, which the
-estimate does not see; fake_h100.strided_row_stores), launches of kernels computing a power (`pow`: LAMB's bias
-corrections inlined per element were, bert.optim.bias_correction), and library calls (GEMMs) by name. The estimate is
-inductor's: each kernel's buffers, counted once; attention and the GEMMs are not in it. An update target takes
-gradients made as zeros of the parameters' shapes.
+estimate does not see; fake_h100.strided_row_stores), launches of kernels computing a power (`pow`: where LAMB's
+bias corrections were inlined per element; bert.optim.bias_correction), and library calls (GEMMs) by name. The
+estimate is inductor's: each kernel's buffers, counted once; attention and the GEMMs are not in it. An update
+target takes gradients made as zeros of the parameters' shapes.
 Needs torch's CUDA build and a C compiler (the backward's stand-ins, fake_h100.native_env):
 
     .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets model-step fp8-delayed-layers-step

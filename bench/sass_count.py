@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 XBLOCK, WARPS = 1024, 4
 PER_THREAD = XBLOCK // (32 * WARPS)  # elements each thread holds
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")  # address, opcode
+FLOAT64 = re.compile(r"D(ADD|FMA|MUL|SETP|MNMX)\b|MUFU\.\w+64H")  # the float64 pipe's (not DEPBAR, a barrier)
 
 
 def kernels() -> dict:
@@ -76,8 +78,9 @@ def kernels() -> dict:
 
 
 def count(sass: str) -> dict:
-    """Instructions, float64 ones and calls in the disassembly, and the length of the first called subroutine."""
-    ops = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+    """Instructions (the whole cubin's: the subroutine and the padding after EXIT included), float64 ones and calls
+    in the disassembly, and the length of the first called subroutine."""
+    ops = [(int(a, 16), op) for a, op in INSTRUCTION.findall(sass)]
     calls = [int(t, 16) for t in re.findall(r"CALL\.REL\.NOINC (0x[0-9a-f]+)", sass)]
     subroutine = []
     for address, op in ops:
@@ -85,9 +88,9 @@ def count(sass: str) -> dict:
             subroutine.append(op)
             if op.startswith("RET"):
                 break
-    return {"instructions": len(ops), "float64": sum(op.startswith("D") for _, op in ops), "calls": len(calls),
+    return {"instructions": len(ops), "float64": sum(bool(FLOAT64.match(op)) for _, op in ops), "calls": len(calls),
             "subroutine_instructions": len(subroutine),
-            "subroutine_float64": sum(op.startswith("D") for op in subroutine)}
+            "subroutine_float64": sum(bool(FLOAT64.match(op)) for op in subroutine)}
 
 
 def main() -> int:

@@ -41,7 +41,8 @@ def test_the_op_passes_torchs_op_check():
 
 def test_a_compiled_step_takes_the_corrections_from_the_op_and_equals_eager():
     """The op stays a node of the compiled update's graph (its float64 arithmetic is not in the graph inductor
-    fuses), and the weights after three compiled steps are eager's, bit for bit."""
+    fuses), and the weights after three steps of that graph, run eagerly, are eager's bit for bit (what inductor
+    then makes of the graph on a GPU: tests/test_gpu_compile.py)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -72,11 +73,19 @@ def test_a_compiled_step_takes_the_corrections_from_the_op_and_equals_eager():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_the_op_gives_the_hosts_corrections_within_an_fp32_ulp():
+def test_cuda_the_op_gives_the_hosts_corrections_within_an_fp32_ulp_and_a_cuda_graph_replays_it():
     """On the GPU the float64 pow is CUDA's (within 2 ulp of float64), so after rounding to fp32 the corrections
-    are the host's or a neighbour."""
-    counts = [1.0, 2.0, 7.0, 100.0, 7038.0]
-    got = lamb_bias_corrections(torch.tensor(counts, device="cuda"), *BETAS).cpu()
-    want = torch.tensor([host(*BETAS, int(t)) for t in counts])
-    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32).sub(want.view(torch.int32)).abs() <= 1,
-                                                      torch.ones_like(got, dtype=torch.bool))
+    are the host's or a neighbour. Captured in a CUDA graph (it syncs nothing with the host), a replay after the
+    count moves gives the new count's corrections."""
+    counts = torch.tensor([1.0, 2.0, 7.0, 100.0, 7038.0], device="cuda")
+    got = lamb_bias_corrections(counts, *BETAS).cpu()
+    want = torch.tensor([host(*BETAS, int(t)) for t in counts.tolist()])
+    assert got.dtype == torch.float32 and bool((got.view(torch.int32) - want.view(torch.int32)).abs().max() <= 1)
+    t = torch.tensor(3.0, device="cuda")
+    lamb_bias_corrections(t, *BETAS)  # kernels loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lamb_bias_corrections(t, *BETAS)
+    t.fill_(11.0)
+    graph.replay()
+    assert torch.equal(captured, lamb_bias_corrections(t, *BETAS))

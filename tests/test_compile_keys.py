@@ -125,3 +125,36 @@ def test_compiling_the_optimizers_step_configures_the_caches():
     compile_step(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1), "debug")
     assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
     assert marked() == compile_keys.settings()["unsafe_marked_cacheable_functions"]
+
+
+FINGERPRINT = """
+import sys, torch
+{imports}
+from bert.model import compile_keys
+print(compile_keys.fingerprint())
+print(" ".join(sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("bert::"))))
+"""
+
+
+def test_a_process_that_imported_no_model_keys_every_custom_op_as_the_driver_does():
+    """bench/gpu_cache.py --key (the device session's setup check) compares a fresh process's fingerprint with the
+    one the caches were made under, in a driver that had imported every op's module: the two must agree (without
+    the update's op, every carried file would have been called a miss). Every op registered under `bert::` is keyed
+    (a backward op with its forward, from the same module)."""
+    import os
+    import subprocess
+    import sys
+
+    from script_modules import ROOT
+
+    def run(imports: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", FINGERPRINT.format(imports=imports)], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split("\n")[:2]
+
+    bare = run("")
+    driver = run("import bert.train.build, bert.train.warmup")
+    assert bare[0] == driver[0]
+    ops = {name.removeprefix("bert::").removesuffix("_backward") for name in driver[1].split()}
+    assert {f"torch.ops.bert.{op}" for op in ops} == set(compile_keys.SOURCES)

@@ -106,6 +106,20 @@ def test_a_row_kernels_transposed_stores_are_told_from_its_coalesced_ones():
     assert fake_h100.strided_row_stores(looped) == 0
 
 
+def test_a_kernel_computing_the_bias_corrections_inlined_is_told_from_one_loading_them():
+    """Lines of the H200's per-tensor LAMB kernel (the compiled-opt cache, 2026-11-27), and the same loading them."""
+    inlined = """
+        tmp31 = tmp30.to(tl.float64)
+        tmp32 = tl.full([1], 0.85437, tl.float64)
+        tmp33 = libdevice.pow(tmp32, tmp31)
+        tmp34 = tl.full([1], 1.0, tl.float64)"""
+    loaded = """
+        tmp31 = tl.load(in_ptr7 + (0))
+        tmp32 = tl.broadcast_to(tmp31, [XBLOCK])
+        tmp38 = (tmp26 / tmp32)"""
+    assert fake_h100.computes_pow(inlined) and not fake_h100.computes_pow(loaded)
+
+
 def test_the_fake_gpu_is_refused_in_one_line_by_a_torch_without_cuda(tmp_path):
     if WHY is None:
         pytest.skip("this torch can compile for the fake GPU")

@@ -6,14 +6,16 @@ it), the corrections 1 - b1^t and sqrt(1 - b2^t) are float64 arithmetic on a cou
 inlined that arithmetic into every kernel that reads the corrections. In the H200's generated code (the `compiled-opt`
 compile cache, 2026-11-27) the per-tensor update's kernels broadcast the count over their block before computing,
 so every element of BERT-large's 336 M parameters computed two float64 pows and a float64 sqrt. Compiled for sm_90
-(`bench/sass_count.py`), such a pow is a subroutine of 162 instructions, 78 of them float64, called once per
+(`bench/sass_count.py`), such a pow is a subroutine of 162 instructions, 79 of them float64, called once per
 element: about 55 G float64 instructions a step, which an H100's float64 pipes (33.5 TFLOP/s, an FMA counted as
-two) issue in about 3 ms, in an update that moves ~13 GB (under 3 ms at an H200's bandwidth) and took 7.6 ms
-there. The flat update's pass computed them once per row and thread.
+two) issue in about 3 ms (a static count, and the other 83 instructions of each pow take issue slots too), in an
+update that moves ~13 GB (under 3 ms at an H200's bandwidth) and took 7.6 ms there. The flat update's pass
+computed them once per row and thread.
 
 An opaque custom op computes both, once per count, in a few tiny kernels of its own. The update's kernels then load
-two fp32 scalars. The values are the same float64 arithmetic as before, rounded to fp32, so they equal the host's
-(`bert.optim.lamb._bias_corrections`) bit for bit. The op launches no host sync, so a CUDA graph can capture it.
+two fp32 scalars. The values are the same float64 arithmetic as before, rounded to fp32: on the CPU the host's
+(`bert.optim.lamb._bias_corrections`) bit for bit, on CUDA within an fp32 ulp of them (its float64 pow is within
+2 ulp). The op launches no host sync; the CUDA test captures it in a CUDA graph (tests/test_bias_correction.py).
 """
 
 from __future__ import annotations
