@@ -87,6 +87,11 @@ class ModelConfig:
                           "rowwise-gw-hp: rowwise, the weight-gradient GEMM in bf16) or ours, delayed (the previous "
                           "step's amax, no torchao; bert.model.fp8_delayed)", env="FP8_RECIPE",
                           registry="bert.model.fp8:FP8_RECIPES")
+    residual_norm: str = opt("torch", "how each sublayer closes, dropout(dense + bias) + residual -> LayerNorm: "
+                             "torch's modules (eager, or fused by inductor under COMPILE), or fused: one Triton kernel "
+                             "each way with a Philox call per four elements and the mask kept as bits "
+                             "(bert.model.dropout_add_norm)", env="RESIDUAL_NORM",
+                             registry="bert.model.dropout_add_norm:RESIDUAL_NORMS")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")

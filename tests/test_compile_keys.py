@@ -13,7 +13,7 @@ from test_flash_varlen import compiles, stand_in
 from torch import nn
 
 from bert.batch import SeqLayout
-from bert.model import compile_keys, cuda_varlen, cudnn_varlen, fp8_delayed, fp8_transpose
+from bert.model import compile_keys, cuda_varlen, cudnn_varlen, dropout_add_norm, fp8_delayed, fp8_transpose
 from bert.model.compile import compile_model
 from bert.model.cuda_varlen import flash_varlen_op
 from bert.model.fp8_delayed import DelayedFloat8Linear
@@ -39,6 +39,7 @@ def test_each_custom_op_is_keyed_on_its_modules_source():
     assert marked()["torch.ops.bert.cudnn_varlen"] == compile_keys.source_hash(cudnn_varlen.__file__)
     assert marked()["torch.ops.bert.fp8_transpose"] == compile_keys.source_hash(fp8_transpose.__file__)
     assert marked()["torch.ops.bert.lamb_bias_corrections"] == compile_keys.source_hash(bias_correction.__file__)
+    assert marked()["torch.ops.bert.dropout_add_layer_norm"] == compile_keys.source_hash(dropout_add_norm.__file__)
     assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
     assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
                                        "autograd_cache_allow_custom_autograd_functions": True}

@@ -4,9 +4,10 @@ A driver with COMPILE_CACHE (bert.train.compile_cache), or one on a machine whos
 AOT autograd's and inductor's graphs from the caches instead of tracing and compiling them. Two kinds of node in our
 graphs need a setting for that to be both possible and safe:
 
-- **Our custom ops** (`bert::flash_varlen`, `bert::cudnn_varlen`, `bert::fp8_transpose`): both caches key a graph
-  holding one on the op's name, but the graph they keep has the op's fake implementation and its backward traced
-  in (the transpose's kernel is run by name), so an edit of either would be served from a cache made before it.
+- **Our custom ops** (`bert::flash_varlen`, `bert::cudnn_varlen`, `bert::fp8_transpose`, those of the other
+  `OP_MODULES`): both caches key a graph holding one on the op's name, but the graph they keep has the op's fake
+  implementation and its backward traced in (the transpose's kernel is run by name), so an edit of either would be
+  served from a cache made before it.
   Each op's module registers a hash of its own source (`key_on_source`), and `configure_caches` puts those hashes
   into inductor's setting for it (`unsafe_marked_cacheable_functions`, a name to a key string). That setting is
   part of inductor's config, which is in every graph's key, AOT autograd's and inductor's: an edit of any such
@@ -39,7 +40,7 @@ SOURCES: dict[str, str] = {}  # "torch.ops.<namespace>.<op>" -> its module's has
 # process keys its graphs on all of them whatever it imported before. bench/gpu_cache.py's setup check imports no
 # model or optimizer, and without the update's op its fingerprint differed from the caches' (2026-11-27).
 OP_MODULES = ("bert.model.cuda_varlen", "bert.model.cudnn_varlen", "bert.model.fp8_transpose",
-              "bert.optim.bias_correction")
+              "bert.optim.bias_correction", "bert.model.dropout_add_norm")
 
 
 def source_hash(file: str | Path) -> str:

@@ -22,6 +22,7 @@ from bert.dist.shard_plan import build_shard_plan
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import check_attention
 from bert.model.compile import check_compile, compile_model
+from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
 from bert.model.fp8 import apply_precision, check_fp8
 from bert.model.init_checkpoint import load_init_checkpoint
 from bert.model.precision import autocast_dtype, compute_dtype
@@ -48,15 +49,18 @@ def seed_everything(seed: int) -> None:
 
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights in fp32; bf16/fp16 come from autocast, or, with MASTER_WEIGHTS=1, from the optimizer casting
-    the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`). The same
+    the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`), RESIDUAL_NORM=fused
+    each sublayer's dropout + add + LayerNorm for one kernel (`bert.model.dropout_add_norm`). The same
     seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway), which is also
     what a bare-encoder INIT_CHECKPOINT leaves in the heads. COMPILE compiles
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device, cfg.fp8_recipe)
     check_attention(cfg.attention, device, cfg.precision)
+    check_residual_norm(cfg.residual_norm, device)
     model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)
+    apply_residual_norm(model, cfg.residual_norm)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
     model = apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears, cfg.fp8_recipe)

@@ -1,0 +1,372 @@
+"""The close of every BERT sublayer, y = LayerNorm(dropout(h + b) + residual), as one kernel each way
+(`bert::dropout_add_layer_norm`, selected by RESIDUAL_NORM=fused), as apex's and NVIDIA's submissions fuse it.
+
+Why: inductor fuses the same chain, but the generated code the H200 brought back (2026-11-27, the compiled-layers
+cache) spends more than it needs to. The forward draws each element's random number with `tl.rand`, a 10-round
+Philox call that keeps one of its four words (66 SASS instructions an element, `bench/sass_count.py`), and ran at
+2.0 TB/s, 42 % of the card's bandwidth; the backward first writes x_hat in fp32 from the saved mask, h and residual,
+then reads it back with the two gradients and the mask, and sums gamma's and beta's gradients over the tokens in
+kernels of their own. Here:
+
+- **forward**, one row per program: read h and the residual (and the dense layer's bias: its add, and its gradient's
+  sum, come into these kernels instead of cuBLAS's epilogue and a reduction of their own), write y, the sum
+  s = dropout(h + b) + residual in y's dtype, mean and rstd (fp32, one each a row), and the mask as bits, four
+  elements a byte. One Philox call gives four elements' words.
+- **backward**, ROWS rows per program: read dy, s, the mask bits, mean and rstd; write the residual's gradient
+  (LayerNorm's backward, d s) and h's (d s times the mask over 1 - p); gamma's, beta's and the bias's gradients are
+  column sums each program keeps for its rows and writes once, summed over the programs after.
+
+The mask is a pure function of the seed (a fresh int64 each call, from torch's generator) and the element: element
+j of row t is dropped iff word j // W of Philox4x32-10(counter t * W + j % W, key seed) is below round(p * 2^32),
+W the power of two at or above N / 4 (so p is exact to 2^-32). The CPU draws the same words in torch's arithmetic
+(bert.model.philox), so one seed gives one mask on every device, and the Triton kernels (run in Triton's
+interpreter by the tests) are checked against the CPU bit for bit. The arithmetic is fp32 (float64 inputs: float64,
+for gradcheck), as inductor's.
+
+Not measured on a GPU yet. Each call launches its Triton kernel from Python (two a sublayer a step, each way: about
+96 launches a BERT-large step), host time hidden only while the step is GPU-bound; `torch.library.triton_op` would
+let inductor launch them from its wrapper.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bert.model.compile_keys import key_on_source
+from bert.model.layers import BertResidualOutput
+from bert.model.philox import randint4x
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
+    triton = None
+
+RESIDUAL_NORMS = ("torch", "fused")  # RESIDUAL_NORM: nn.Dropout + add + nn.LayerNorm (eager or compiled), or this
+ROWS = 32  # rows a backward program takes: its column sums are written once per ROWS rows
+
+
+def words_per_row(n: int) -> int:
+    """W: the counters a row of `n` elements uses, each giving four words (a power of two: a Triton block)."""
+    return 1 << max(0, (-(-n // 4) - 1).bit_length())
+
+
+def drop_threshold(p: float) -> int:
+    """Words below this are dropped: P = threshold / 2^32, p to 2^-32."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability {p} is not in [0, 1)")
+    return min(round(p * 2**32), 2**32 - 1)
+
+
+def keep_mask(seed: Tensor, rows: int, n: int, p: float) -> Tensor:
+    """(rows, n) bool: the elements the kernels keep for `seed` (module doc), drawn in torch's arithmetic."""
+    w = words_per_row(n)
+    counters = torch.arange(rows, device=seed.device)[:, None] * w + torch.arange(w, device=seed.device)
+    words = torch.stack(randint4x(seed, counters), 1).reshape(rows, 4 * w)  # element j = word j // W, counter j % W
+    return words[:, :n] >= drop_threshold(p)
+
+
+def pack_bits(keep: Tensor) -> Tensor:
+    """(rows, n) bool -> (rows, W) uint8: bit q of byte c is element q * W + c."""
+    rows, n = keep.shape
+    w = words_per_row(n)
+    padded = torch.zeros(rows, 4 * w, dtype=torch.int32, device=keep.device)
+    padded[:, :n] = keep.int()
+    shifts = torch.arange(4, dtype=torch.int32, device=keep.device)[:, None]
+    return (padded.view(rows, 4, w) << shifts).sum(1).to(torch.uint8)
+
+
+def unpack_bits(bits: Tensor, n: int) -> Tensor:
+    """`pack_bits` undone: (rows, n) bool."""
+    shifts = torch.arange(4, dtype=torch.int32, device=bits.device)[:, None]
+    return ((bits.int()[:, None, :] >> shifts) & 1).flatten(1)[:, :n].bool()
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scale(p: float, compute: torch.dtype) -> float:
+    """1 / (1 - p) as the kernels have it: an fp32 number, unless the arithmetic is float64."""
+    return 1.0 / (1.0 - p) if compute == torch.float64 else torch.tensor(1.0 / (1.0 - p), dtype=torch.float32).item()
+
+
+if triton is not None:
+    @triton.jit
+    def _forward_rows(h, res, gamma, beta, dense_bias, seed, y, s, bits, mean_out, rstd_out, n, threshold, scale,
+                      eps, W: tl.constexpr, DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        q = tl.arange(0, 4)[:, None]
+        c = tl.arange(0, W)[None, :]
+        j = q * W + c  # the row as a (4, W) tile: column j is word q of counter c
+        inside = j < n
+        at = t * n + j
+        x = tl.load(h + at, mask=inside, other=0.0).to(tl.float32)
+        if DENSE_BIAS:
+            x += tl.load(dense_bias + j, mask=inside, other=0.0).to(tl.float32)
+        if DROPOUT:
+            r0, r1, r2, r3 = tl.randint4x(tl.load(seed), t * W + tl.arange(0, W))
+            word = tl.where(q == 0, r0[None, :], tl.where(q == 1, r1[None, :], tl.where(q == 2, r2[None, :],
+                                                                                       r3[None, :])))
+            keep = (word.to(tl.int64) >= threshold) & inside  # zero-extended: the words are uint32
+            x = tl.where(keep, x * scale, 0.0)
+            tl.store(bits + t * W + tl.arange(0, W), tl.sum(keep.to(tl.int32) << q, axis=0).to(tl.uint8))
+        x += tl.load(res + at, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.sum(x) / n
+        d = tl.where(inside, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d) / n + eps)
+        w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
+        out = d * rstd * w + tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
+        tl.store(y + at, out.to(y.dtype.element_ty), mask=inside)
+        tl.store(s + at, x.to(s.dtype.element_ty), mask=inside)
+        tl.store(mean_out + t, mean)
+        tl.store(rstd_out + t, rstd)
+
+    @triton.jit
+    def _backward_rows(dy, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, rows, n, scale, W: tl.constexpr,
+                       ROWS: tl.constexpr, DROPOUT: tl.constexpr):
+        program = tl.program_id(0)
+        q = tl.arange(0, 4)[:, None]
+        c = tl.arange(0, W)[None, :]
+        j = q * W + c
+        inside = j < n
+        w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
+        dgamma = tl.zeros((4, W), dtype=tl.float32)
+        dbeta = tl.zeros((4, W), dtype=tl.float32)
+        dbias = tl.zeros((4, W), dtype=tl.float32)
+        for i in range(ROWS):
+            t = program.to(tl.int64) * ROWS + i
+            live = inside & (t < rows)
+            at = t * n + j
+            g = tl.load(dy + at, mask=live, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_in + t, mask=t < rows, other=0.0)
+            xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32) - tl.load(mean_in + t, mask=t < rows,
+                                                                                      other=0.0)) * rstd
+            xhat = tl.where(live, xhat, 0.0)
+            gx = g * w
+            d_sum = rstd * (gx - tl.sum(gx) / n - xhat * (tl.sum(gx * xhat) / n))
+            d_h = d_sum
+            if DROPOUT:
+                byte = tl.load(bits + t * W + tl.arange(0, W), mask=t < rows, other=0).to(tl.int32)
+                d_h = tl.where(((byte[None, :] >> q) & 1) != 0, d_sum * scale, 0.0)
+            tl.store(ds + at, d_sum.to(ds.dtype.element_ty), mask=live)
+            tl.store(dh + at, d_h.to(dh.dtype.element_ty), mask=live)
+            dgamma += g * xhat
+            dbeta += g
+            dbias += tl.where(live, d_h, 0.0)
+        out = sums + program.to(tl.int64) * 3 * n + j
+        tl.store(out, dgamma, mask=inside)
+        tl.store(out + n, dbeta, mask=inside)
+        tl.store(out + 2 * n, dbias, mask=inside)
+
+
+def _warps(w: int) -> int:
+    return max(1, min(8, 4 * w // 256))  # 8 elements a thread: 4 warps for BERT-large's 1,024
+
+
+def _on_triton(t: Tensor) -> bool:
+    return t.is_cuda and triton is not None
+
+
+def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
+                   seed: Tensor | None, p: float, eps: float, out: tuple[Tensor, ...]) -> None:
+    """The forward's Triton kernel into `out` (y, s, bits, mean, rstd), one program a row; on the current device."""
+    y, s, bits, mean, rstd = out
+    rows, n = h.shape
+    w = words_per_row(n)
+    # a flag off leaves its pointer unread: y stands in (an empty tensor's pointer may be null)
+    _forward_rows[(rows,)](h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
+                           y if seed is None else seed, y, s, bits if p > 0 else y, mean, rstd, n, drop_threshold(p),
+                           _scale(p, torch.float32), eps, W=w, DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None,
+                           num_warps=_warps(w))
+
+
+def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
+                    out: tuple[Tensor, ...]) -> None:
+    """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after."""
+    dh, ds, sums = out
+    rows, n = s.shape
+    w = words_per_row(n)
+    programs = triton.cdiv(rows, ROWS)
+    partial = sums.new_empty((programs, 3, n))
+    _backward_rows[(programs,)](dy.contiguous(), s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial, rows, n,
+                                _scale(p, torch.float32), W=w, ROWS=ROWS, DROPOUT=p > 0, num_warps=_warps(w))
+    sums.copy_(partial.sum(0))
+
+
+def forward_torch(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
+                  seed: Tensor | None, p: float, eps: float, out: tuple[Tensor, ...]) -> None:
+    """The forward in torch's ops, into `out` as `launch_forward`'s: the same mask, any device."""
+    y, s, bits, mean, rstd = out
+    compute = mean.dtype
+    x = h.to(compute)
+    if dense_bias is not None:
+        x = x + dense_bias.to(compute)
+    if p > 0:
+        keep = keep_mask(seed, *h.shape, p)
+        x = torch.where(keep, x * _scale(p, compute), 0.0)
+        bits.copy_(pack_bits(keep))
+    x = x + residual.to(compute)
+    mean.copy_(x.mean(-1))
+    rstd.copy_(torch.rsqrt((x - mean[:, None]).square().mean(-1) + eps))
+    y.copy_((x - mean[:, None]) * rstd[:, None] * weight.to(compute) + bias.to(compute))
+    s.copy_(x)
+
+
+def backward_torch(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
+                   out: tuple[Tensor, ...]) -> None:
+    """The backward in torch's ops, into `out` as `launch_backward`'s."""
+    dh, ds, sums = out
+    compute = mean.dtype
+    xhat = (s.to(compute) - mean[:, None]) * rstd[:, None]
+    g = dy.to(compute)
+    gx = g * weight.to(compute)
+    d_sum = rstd[:, None] * (gx - gx.mean(-1, keepdim=True) - xhat * (gx * xhat).mean(-1, keepdim=True))
+    d_h = torch.where(unpack_bits(bits, s.shape[1]), d_sum * _scale(p, compute), 0.0) if p > 0 else d_sum
+    dh.copy_(d_h)
+    ds.copy_(d_sum)
+    sums.copy_(torch.stack([(g * xhat).sum(0), g.sum(0), d_h.sum(0)]))
+
+
+@torch.library.custom_op("bert::dropout_add_layer_norm", mutates_args=())
+def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
+                              seed: Tensor | None, p: float, eps: float
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(T, N) `h` and `residual` -> y, s, the mask's bits (T x W uint8; 0 rows when p = 0), mean, rstd (module doc)."""
+    if h.dim() != 2 or h.shape != residual.shape:
+        raise ValueError(f"h {tuple(h.shape)} and residual {tuple(residual.shape)} must be the same (T, N)")
+    drop_threshold(p)  # p in [0, 1)
+    if p > 0 and seed is None:
+        raise ValueError("dropout needs a seed")
+    out = _outputs(h, residual, p)
+    if not _on_triton(h):
+        forward_torch(h, residual, weight, bias, dense_bias, seed, p, eps, out)
+    elif h.shape[0]:
+        with torch.cuda.device(h.device):  # Triton launches on the current device
+            launch_forward(h, residual, weight, bias, dense_bias, seed, p, eps, out)
+    return out
+
+
+def _outputs(h: Tensor, residual: Tensor, p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows, n = h.shape
+    dtype = torch.promote_types(h.dtype, residual.dtype)
+    stats = dict(dtype=_compute_dtype(dtype), device=h.device)
+    return (h.new_empty((rows, n), dtype=dtype), h.new_empty((rows, n), dtype=dtype),
+            h.new_empty((rows if p > 0 else 0, words_per_row(n)), dtype=torch.uint8),
+            torch.empty(rows, **stats), torch.empty(rows, **stats))
+
+
+@dropout_add_layer_norm_op.register_fake
+def _(h, residual, weight, bias, dense_bias, seed, p, eps):
+    return _outputs(h, residual, p)
+
+
+@torch.library.custom_op("bert::dropout_add_layer_norm_backward", mutates_args=())
+def dropout_add_layer_norm_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
+                                    p: float, h_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """d h (`h_dtype`), d s (s's dtype: the residual's gradient), and the column sums (3, N) of dy * x_hat, dy and
+    d h (gamma's, beta's and the dense bias's gradients) in the statistics' dtype."""
+    out = _grads(dy, s, mean, h_dtype)
+    if not _on_triton(s):
+        backward_torch(dy, s, bits, mean, rstd, weight, p, out)
+    elif s.shape[0]:
+        with torch.cuda.device(s.device):
+            launch_backward(dy, s, bits, mean, rstd, weight, p, out)
+    else:
+        out[2].zero_()
+    return out
+
+
+def _grads(dy: Tensor, s: Tensor, mean: Tensor, h_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty_like(s, dtype=h_dtype), torch.empty_like(s),
+            torch.empty((3, s.shape[1]), dtype=mean.dtype, device=s.device))
+
+
+@dropout_add_layer_norm_backward.register_fake
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype):
+    return _grads(dy, s, mean, h_dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    h, residual, weight, bias, dense_bias, _seed, p, _eps = inputs
+    _y, s, bits, mean, rstd = output
+    ctx.save_for_backward(s, bits, mean, rstd, weight)
+    ctx.mark_non_differentiable(s, bits, mean, rstd)
+    ctx.p, ctx.dtypes = p, (h.dtype, residual.dtype, weight.dtype, bias.dtype,
+                            None if dense_bias is None else dense_bias.dtype)
+
+
+def _backward(ctx, dy, *_aux):
+    s, bits, mean, rstd, weight = ctx.saved_tensors
+    h_dtype, residual_dtype, weight_dtype, bias_dtype, dense_bias_dtype = ctx.dtypes
+    dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, h_dtype)
+    d_dense_bias = None if dense_bias_dtype is None else sums[2].to(dense_bias_dtype)
+    return dh, ds.to(residual_dtype), sums[0].to(weight_dtype), sums[1].to(bias_dtype), d_dense_bias, None, None, None
+
+
+dropout_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dropout_add_layer_norm(h: Tensor, residual: Tensor, norm: nn.LayerNorm, p: float,
+                           dense_bias: Tensor | None = None) -> Tensor:
+    """`norm`(dropout(h + dense_bias, p) + residual) over the last axis, any leading shape; a fresh seed per call
+    from torch's generator on h's device (so a rank's masks follow its seed, as nn.Dropout's do)."""
+    n = residual.shape[-1]
+    seed = torch.randint(2**62, (), device=h.device) if p > 0 else None
+    y = torch.ops.bert.dropout_add_layer_norm(h.reshape(-1, n), residual.reshape(-1, n), norm.weight, norm.bias,
+                                              dense_bias, seed, p, norm.eps)[0]
+    return y.view(residual.shape)
+
+
+class FusedResidualOutput(BertResidualOutput):
+    """BertResidualOutput through `bert::dropout_add_layer_norm`, with the same submodules (names, checkpoints and
+    optimizer groups unchanged). A plain nn.Linear's bias is added in the kernel, its gradient summed there; a float8
+    linear (bert.model.fp8) keeps its bias in its own GEMM."""
+
+    @classmethod
+    def from_module(cls, module: BertResidualOutput) -> FusedResidualOutput:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.dense, new.LayerNorm, new.dropout = module.dense, module.LayerNorm, module.dropout
+        return new.train(module.training)
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        p = self.dropout.p if self.training else 0.0
+        if type(self.dense) is nn.Linear:
+            return dropout_add_layer_norm(F.linear(h, self.dense.weight), residual, self.LayerNorm, p, self.dense.bias)
+        return dropout_add_layer_norm(self.dense(h), residual, self.LayerNorm, p)
+
+
+def check_residual_norm(kind: str, device: torch.device) -> None:
+    """A ValueError for a RESIDUAL_NORM that cannot run as asked on `device` (the fused one's GPU kernels are
+    Triton's)."""
+    _known(kind)
+    if kind == "fused" and device.type == "cuda" and triton is None:
+        raise ValueError("RESIDUAL_NORM=fused needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
+                         "installed here")
+
+
+def _known(kind: str) -> str:
+    if kind not in RESIDUAL_NORMS:
+        raise ValueError(f"RESIDUAL_NORM={kind!r} is not one of {', '.join(RESIDUAL_NORMS)}")
+    return kind
+
+
+def apply_residual_norm(model: nn.Module, kind: str) -> list[str]:
+    """RESIDUAL_NORM: with `fused`, swap every BertResidualOutput of `model` for a FusedResidualOutput, in place;
+    the names swapped (none for `torch`)."""
+    if _known(kind) == "torch":
+        return []
+    names = [name for name, module in model.named_modules() if type(module) is BertResidualOutput]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, FusedResidualOutput.from_module(getattr(parent, child)))
+    return names
+
+
+# traced into compiled graphs by the ops' names, with this module's fakes and backward: an edit here must miss them
+# (bert.model.compile_keys; the hash is the module's, so the backward op's name needs no key of its own)
+key_on_source("bert::dropout_add_layer_norm", __file__)
