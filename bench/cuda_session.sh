@@ -82,6 +82,9 @@ declare -A DRIVERS=(
   [compiled-opt]="--compile default --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # LAMB over flat buffers of whole rows (bert.optim.flat): a few passes over one buffer instead of foreach lists
   [compiled-flat]="--compile default --env COMPILE_OPTIMIZER=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
+  # each sublayer's bias + dropout + residual + LayerNorm our Triton kernel each way (bert.model.dropout_add_norm),
+  # against compiled-opt: Philox per four elements, no fp32 x_hat, the mask as bits (2026-11-27, not yet run)
+  [compiled-opt-norm]="--compile default --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
@@ -274,7 +277,7 @@ for name in "$@"; do
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
         tests/test_compile.py tests/test_fp8.py tests/test_fp8_delayed.py tests/test_fp8_transpose.py \
         tests/test_flash_varlen.py tests/test_optim_compiled.py tests/test_master_weights.py tests/test_flat_lamb.py \
-        tests/test_bias_correction.py \
+        tests/test_bias_correction.py tests/test_dropout_add_norm.py \
         tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
         tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \

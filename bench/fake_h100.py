@@ -130,6 +130,10 @@ class Launches:
     aten: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     aten_gb: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
+    # our custom ops (`bert::`: flash attention, the fused residual LayerNorm), by name, with the bytes of every tensor
+    # each takes or makes: what its kernel reads and writes, which inductor's estimate does not see
+    ours: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ours_gb: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # launches of row kernels (reductions over rows) storing a tensor transposed: `strided_row_stores`
     strided: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # launches of kernels computing a power (`libdevice.pow`): LAMB's bias corrections, inlined by inductor into the
@@ -169,9 +173,10 @@ def computes_pow(source: str) -> bool:
     return "libdevice.pow(" in source
 
 
-NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh",
-                "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_", "aten::sym_size",
-                "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::is_same_size"}
+NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::detach",
+                "aten::lift_fresh", "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_",
+                "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset",
+                "aten::is_same_size", "aten::_unsafe_view"}
 
 
 def native_env(where: Path) -> dict[str, str]:
@@ -260,11 +265,15 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             name = func.name()
-            if not (func.is_view or LAUNCHES.in_triton or name.split(".")[0] in NOT_LAUNCHED) and \
-                    name.startswith(("aten::", "prims::")):
-                tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
+            if func.is_view or LAUNCHES.in_triton or name.split(".")[0] in NOT_LAUNCHED:
+                return out
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if torch.is_tensor(t)]
+            if name.startswith(("aten::", "prims::")):
                 LAUNCHES.aten[name] += 1
                 LAUNCHES.aten_gb[name] += sum(t.nbytes for t in tensors) / 1e9  # each tensor it takes or makes
+            elif name.startswith("bert::"):
+                LAUNCHES.ours[name] += 1
+                LAUNCHES.ours_gb[name] += sum(t.nbytes for t in tensors) / 1e9
             return out
 
     mode = CountingFakeTensorMode(allow_non_fake_inputs=True)

@@ -32,6 +32,10 @@ between variants meaningful.
                       fp32 masters (PRECISION=fp8 with MASTER_WEIGHTS=1), no autocast
     master-bf16/<name>  unpadded/<name> as MASTER_WEIGHTS=1 runs it (bert.optim.master): bf16 weights, no
                       autocast, the AdamW step on fp32 masters (cast the gradients up, update, copy back), on CPU too
+    fused-norm/<name>  unpadded/<name> with RESIDUAL_NORM=fused: each sublayer's bias + dropout + residual +
+                      LayerNorm one Triton kernel each way (bert.model.dropout_add_norm; on the CPU its torch path,
+                      there to check that it runs); compiled-fused-norm/<name> (with `--compile MODE`) against
+                      compiled/<name>, where inductor fuses the same chain itself
     master-bf16-lamb/<name>  the same with the driver's LAMB (`build_optimizer`: decay groups, the schedule's
                       device LR, `after` clip in the step; foreach LAMB, or apex FusedLAMB when installed);
                       master-bf16-lamb-copt/<name> (with `--compile MODE`) with that update compiled
@@ -83,6 +87,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.cudnn_varlen import backward_is_fixed as cudnn_backward_is_fixed
+from bert.model.dropout_add_norm import apply_residual_norm
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.last_layer import kept_row_count
@@ -186,9 +191,9 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
     fast = "varlen" if device == "cuda" else "loop"
     names = ["padded", *(f"unpadded/{b}" for b in backends), f"full-last/{fast}"]
     names += [f"static{static_tokens}/{fast}"] if static_tokens else []
-    names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}"]
+    names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}", f"fused-norm/{fast}"]
     if compile != "off":
-        names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}"]
+        names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}", f"compiled-fused-norm/{fast}"]
         names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
     if fp8:
         names += [f"fp8/{fast}", f"master-fp8/{fast}"]
@@ -220,10 +225,10 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
                        len(static.masked_labels), B + 1)
         specs[f"static{static_tokens}/{fast}"] = (*static_spec, False)
     specs[f"master-bf16/{fast}"] = specs[f"unpadded/{fast}"]
-    specs[f"master-bf16-lamb/{fast}"] = specs[f"unpadded/{fast}"]
+    specs[f"master-bf16-lamb/{fast}"] = specs[f"fused-norm/{fast}"] = specs[f"unpadded/{fast}"]
     if compile != "off":
         specs[f"master-bf16-lamb-copt/{fast}"] = specs[f"unpadded/{fast}"]  # the optimizer compiled, not the model
-        specs[f"compiled/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
+        specs[f"compiled/{fast}"] = specs[f"compiled-fused-norm/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
         if static_tokens:
             specs[f"compiled-static{static_tokens}/{fast}"] = (*static_spec, True)
     fp8_names = set()
@@ -249,6 +254,8 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             model = BertForPreTraining(cfg, attention=backend, device=device, last_layer_subset=subset).to(device)
             if name in fp8_names:
                 convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
+            if "fused-norm/" in name:
+                apply_residual_norm(model, "fused")
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
         shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows,

@@ -90,6 +90,16 @@ def test_every_gradient_is_autograds_through_the_chain(p, with_bias):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+def test_each_gradient_has_its_inputs_dtype():
+    """Under autocast h is bf16 and the residual fp32; with master weights the LayerNorm's parameters are bf16 and
+    the kernel's column sums fp32."""
+    h, residual, gamma, beta, bias = inputs(8, 16, torch.bfloat16, torch.float32)
+    leaves = [t.requires_grad_() for t in (h, residual, gamma, beta, bias.float())]
+    y = OP(*leaves, SEED, 0.1, 1e-12)[0]
+    assert y.dtype == torch.float32
+    assert [g.dtype for g in torch.autograd.grad(y.sum(), leaves)] == [t.dtype for t in leaves]
+
+
 def test_gradcheck_and_opcheck():
     h, residual, gamma, beta, bias = inputs(9, 24)
     torch.autograd.gradcheck(lambda *t: OP(*t, SEED, 0.2, 1e-5)[0],

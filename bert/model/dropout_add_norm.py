@@ -136,7 +136,7 @@ if triton is not None:
         dgamma = tl.zeros((4, W), dtype=tl.float32)
         dbeta = tl.zeros((4, W), dtype=tl.float32)
         dbias = tl.zeros((4, W), dtype=tl.float32)
-        for i in range(ROWS):
+        for i in tl.range(0, ROWS, num_stages=2):  # the next row's loads in flight during this one's sums
             t = program.to(tl.int64) * ROWS + i
             live = inside & (t < rows)
             at = t * n + j
@@ -290,20 +290,19 @@ def _(dy, s, bits, mean, rstd, weight, p, h_dtype):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, residual, weight, bias, dense_bias, _seed, p, _eps = inputs
+    h, _residual, weight, _bias, dense_bias, _seed, p, _eps = inputs
     _y, s, bits, mean, rstd = output
     ctx.save_for_backward(s, bits, mean, rstd, weight)
     ctx.mark_non_differentiable(s, bits, mean, rstd)
-    ctx.p, ctx.dtypes = p, (h.dtype, residual.dtype, weight.dtype, bias.dtype,
-                            None if dense_bias is None else dense_bias.dtype)
+    ctx.p, ctx.h_dtype, ctx.dense_bias = p, h.dtype, dense_bias is not None
 
 
 def _backward(ctx, dy, *_aux):
+    """Autograd casts each gradient to its input's dtype where they differ (the residual's, under autocast, and the
+    fp32 column sums for bf16 parameters); d h comes in h's dtype from the kernel."""
     s, bits, mean, rstd, weight = ctx.saved_tensors
-    h_dtype, residual_dtype, weight_dtype, bias_dtype, dense_bias_dtype = ctx.dtypes
-    dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, h_dtype)
-    d_dense_bias = None if dense_bias_dtype is None else sums[2].to(dense_bias_dtype)
-    return dh, ds.to(residual_dtype), sums[0].to(weight_dtype), sums[1].to(bias_dtype), d_dense_bias, None, None, None
+    dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, ctx.h_dtype)
+    return dh, ds, sums[0], sums[1], sums[2] if ctx.dense_bias else None, None, None, None
 
 
 dropout_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
