@@ -176,7 +176,7 @@ def computes_pow(source: str) -> bool:
 NOT_LAUNCHED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::detach",
                 "aten::lift_fresh", "aten::lift_fresh_copy", "aten::_local_scalar_dense", "aten::set_", "aten::resize_",
                 "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset",
-                "aten::is_same_size", "aten::_unsafe_view"}
+                "aten::is_same_size", "aten::_unsafe_view", "aten::promote_types"}
 
 
 def native_env(where: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ OPTIMIZER_LAYOUT=tensors: compiled-opt) and the float8 model as one graph (fp8-d
 Triton kernels overflowed Python's recursion limit when compiled in this process, and are compiled in inductor's
 compile workers now, as on the GPU (bench/fake_h100.py).
 
-    .venv-torch2.11.0-py3.12/bin/python bench/gpu_cache.py --gpus h100 h200   # the four rows of the session's plan
+    .venv-torch2.11.0-py3.12/bin/python bench/gpu_cache.py --gpus h100 h200   # the rows of the session's plan
 
 Needs torch's CUDA build (`bash scripts/test_torch.sh 2.11.0`: the GPU machines' 2.11.0) and a C compiler.
 """
@@ -260,7 +260,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", nargs="+", default=["h100"], choices=["h100", "h200"])
     p.add_argument("--rows", nargs="+", default=["compiled-flat", "fp8-delayed-layers-flat", "compiled-opt",
-                                                 "fp8-delayed", "compiled-layers", "fp8-delayed-layers"],
+                                                 "compiled-opt-norm", "fp8-delayed", "compiled-layers",
+                                                 "fp8-delayed-layers"],
                    help="cuda_session.sh driver rows (driver-<row>)")
     p.add_argument("--caches", type=Path, default=CACHES, help="where the session's COMPILE_CACHE files live")
     p.add_argument("--flags", default="", help="bench/train_gpu.py flags after the row's (a test: --bert-config tiny)")

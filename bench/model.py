@@ -87,7 +87,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.cudnn_varlen import backward_is_fixed as cudnn_backward_is_fixed
-from bert.model.dropout_add_norm import apply_residual_norm
+from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
 from bert.model.last_layer import kept_row_count
@@ -255,6 +255,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             if name in fp8_names:
                 convert_to_fp8(model, linears=fp8_linears, recipe=fp8_recipe)
             if "fused-norm/" in name:
+                check_residual_norm("fused", torch.device(device))
                 apply_residual_norm(model, "fused")
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))

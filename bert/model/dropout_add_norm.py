@@ -4,9 +4,9 @@
 Why: inductor fuses the same chain, but the generated code the H200 brought back (2026-11-27, the compiled-layers
 cache) spends more than it needs to. The forward draws each element's random number with `tl.rand`, a 10-round
 Philox call that keeps one of its four words (66 SASS instructions an element, `bench/sass_count.py`), and ran at
-2.0 TB/s, 42 % of the card's bandwidth; the backward first writes x_hat in fp32 from the saved mask, h and residual,
-then reads it back with the two gradients and the mask, and sums gamma's and beta's gradients over the tokens in
-kernels of their own. Here:
+2.0 TB/s, 42 % of the card's bandwidth; for one of a layer's two norms the backward first writes x_hat in fp32 from
+the saved mask, h and residual, then reads it back with the two gradients and the mask, and it sums gamma's and
+beta's gradients over the tokens in split reductions. Here:
 
 - **forward**, one row per program: read h and the residual (and the dense layer's bias: its add, and its gradient's
   sum, come into these kernels instead of cuBLAS's epilogue and a reduction of their own), write y, the sum
@@ -16,16 +16,16 @@ kernels of their own. Here:
   (LayerNorm's backward, d s) and h's (d s times the mask over 1 - p); gamma's, beta's and the bias's gradients are
   column sums each program keeps for its rows and writes once, summed over the programs after.
 
-The mask is a pure function of the seed (a fresh int64 each call, from torch's generator) and the element: element
+The mask is a pure function of the seed (a fresh 62-bit one each call, from torch's generator) and the element: element
 j of row t is dropped iff word j // W of Philox4x32-10(counter t * W + j % W, key seed) is below round(p * 2^32),
 W the power of two at or above N / 4 (so p is exact to 2^-32). The CPU draws the same words in torch's arithmetic
 (bert.model.philox), so one seed gives one mask on every device, and the Triton kernels (run in Triton's
-interpreter by the tests) are checked against the CPU bit for bit. The arithmetic is fp32 (float64 inputs: float64,
-for gradcheck), as inductor's.
+interpreter by the tests) are checked against the CPU bit for bit. The arithmetic is fp32, as inductor's; float64
+inputs take the torch path on every device, in float64 (gradcheck's).
 
-Not measured on a GPU yet. Each call launches its Triton kernel from Python (two a sublayer a step, each way: about
-96 launches a BERT-large step), host time hidden only while the step is GPU-bound; `torch.library.triton_op` would
-let inductor launch them from its wrapper.
+Not measured on a GPU yet. Each call launches its Triton kernel from Python (one a sublayer each way: 96 a BERT-large
+step, and the 48 sums of the backward's partials), host time hidden only while the step is GPU-bound;
+`torch.library.triton_op` would let inductor launch them from its wrapper.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ if triton is not None:
         x += tl.load(res + at, mask=inside, other=0.0).to(tl.float32)
         mean = tl.sum(x) / n
         d = tl.where(inside, x - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d) / n + eps)
+        rstd = tl.rsqrt(tl.sum(d * d) / n + eps)
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
         out = d * rstd * w + tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
         tl.store(y + at, out.to(y.dtype.element_ty), mask=inside)
@@ -141,9 +141,9 @@ if triton is not None:
             live = inside & (t < rows)
             at = t * n + j
             g = tl.load(dy + at, mask=live, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_in + t, mask=t < rows, other=0.0)
-            xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32) - tl.load(mean_in + t, mask=t < rows,
-                                                                                      other=0.0)) * rstd
+            rstd = tl.load(rstd_in + t, mask=t < rows, other=0.0).to(tl.float32)
+            xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32)
+                    - tl.load(mean_in + t, mask=t < rows, other=0.0).to(tl.float32)) * rstd
             xhat = tl.where(live, xhat, 0.0)
             gx = g * w
             d_sum = rstd * (gx - tl.sum(gx) / n - xhat * (tl.sum(gx * xhat) / n))
@@ -166,8 +166,9 @@ def _warps(w: int) -> int:
     return max(1, min(8, 4 * w // 256))  # 8 elements a thread: 4 warps for BERT-large's 1,024
 
 
-def _on_triton(t: Tensor) -> bool:
-    return t.is_cuda and triton is not None
+def _on_triton(t: Tensor, stats: Tensor) -> bool:
+    """The kernels' path: CUDA with Triton, fp32 arithmetic (the statistics' dtype; float64's is the torch path's)."""
+    return t.is_cuda and triton is not None and stats.dtype == torch.float32
 
 
 def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
@@ -241,7 +242,7 @@ def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias:
     if p > 0 and seed is None:
         raise ValueError("dropout needs a seed")
     out = _outputs(h, residual, p)
-    if not _on_triton(h):
+    if not _on_triton(h, out[3]):
         forward_torch(h, residual, weight, bias, dense_bias, seed, p, eps, out)
     elif h.shape[0]:
         with torch.cuda.device(h.device):  # Triton launches on the current device
@@ -269,7 +270,7 @@ def dropout_add_layer_norm_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: T
     """d h (`h_dtype`), d s (s's dtype: the residual's gradient), and the column sums (3, N) of dy * x_hat, dy and
     d h (gamma's, beta's and the dense bias's gradients) in the statistics' dtype."""
     out = _grads(dy, s, mean, h_dtype)
-    if not _on_triton(s):
+    if not _on_triton(s, mean):
         backward_torch(dy, s, bits, mean, rstd, weight, p, out)
     elif s.shape[0]:
         with torch.cuda.device(s.device):
@@ -294,12 +295,15 @@ def _setup_context(ctx, inputs, output) -> None:
     _y, s, bits, mean, rstd = output
     ctx.save_for_backward(s, bits, mean, rstd, weight)
     ctx.mark_non_differentiable(s, bits, mean, rstd)
+    ctx.set_materialize_grads(False)  # else eager autograd fills a zero gradient for s, bits, mean and rstd each call
     ctx.p, ctx.h_dtype, ctx.dense_bias = p, h.dtype, dense_bias is not None
 
 
 def _backward(ctx, dy, *_aux):
     """Autograd casts each gradient to its input's dtype where they differ (the residual's, under autocast, and the
     fp32 column sums for bf16 parameters); d h comes in h's dtype from the kernel."""
+    if dy is None:  # y unused
+        return (None,) * 8
     s, bits, mean, rstd, weight = ctx.saved_tensors
     dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, ctx.h_dtype)
     return dh, ds, sums[0], sums[1], sums[2] if ctx.dense_bias else None, None, None, None
