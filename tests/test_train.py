@@ -92,11 +92,13 @@ def test_evaluate_counts_every_batch():
 
 
 @pytest.mark.slow
-def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_data):
+@pytest.mark.parametrize("residual_norm", ["torch", "fused"])
+def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_data, residual_norm):
+    """Two ranks to the target; with RESIDUAL_NORM=fused the sublayers' dropout is bert.model.dropout_add_norm's."""
     data, out = synthetic_data, tmp_path / "run"
     run = torchrun(common_args(data, out, train_batch_size=16, learning_rate=1e-2, max_steps=300, warmup_steps=5,
                                eval_iter_samples=320, num_eval_examples=256, eval_batch_size=128,
-                               division="closed", seed=7))
+                               division="closed", seed=7, residual_norm=residual_norm))
     assert run.returncode == 0, run.stderr[-3000:]
     log = mllog(out / "result_0.txt")
     evals = [e for e in log if e["key"] == "eval_accuracy"]
@@ -115,6 +117,7 @@ def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_d
     record = json.loads((out / "config.json").read_text())
     assert record["config"]["optim"]["learning_rate"] == 1e-2 and record["config"]["run"]["seed"] == 7
     assert record["config"]["data"]["train_batch_size"] == 16 and record["config"]["log"]["division"] == "closed"
+    assert record["config"]["model"]["residual_norm"] == residual_norm
     resolved = record["resolved"]
     assert (resolved["world_size"], resolved["nodes"], resolved["ranks_per_node"]) == (2, 1, 2)
     assert resolved["attention_backend"] == "padded" and resolved["optimizer_class"] == "bert.optim.lamb.Lamb"
