@@ -30,6 +30,7 @@ step, and the 48 sums of the backward's partials), host time hidden only while t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from bert.model.compile_keys import key_on_source
 from bert.model.layers import BertResidualOutput
 from bert.model.philox import randint4x
+from bert.model.swap import swap_modules
 
 try:
     import triton
@@ -89,8 +91,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _scale(p: float, compute: torch.dtype) -> float:
-    """1 / (1 - p) as the kernels have it: an fp32 number, unless the arithmetic is float64."""
-    return 1.0 / (1.0 - p) if compute == torch.float64 else torch.tensor(1.0 / (1.0 - p), dtype=torch.float32).item()
+    """1 / (1 - p) as the kernels have it: an fp32 number, unless the arithmetic is float64 (rounded on the host, with
+    no tensor made: this runs at every call)."""
+    return 1.0 / (1.0 - p) if compute == torch.float64 else float(np.float32(1.0 / (1.0 - p)))
 
 
 if triton is not None:
@@ -362,12 +365,7 @@ def apply_residual_norm(model: nn.Module, kind: str) -> list[str]:
     the names swapped (none for `torch`)."""
     if _known(kind) == "torch":
         return []
-    names = [name for name, module in model.named_modules() if type(module) is BertResidualOutput]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, FusedResidualOutput.from_module(getattr(parent, child)))
-    return names
+    return swap_modules(model, lambda module, _: type(module) is BertResidualOutput, FusedResidualOutput.from_module)
 
 
 # traced into compiled graphs by the ops' names, with this module's fakes and backward: an edit here must miss them

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from bert.model.fp8_transpose import fp8_transpose
+from bert.model.swap import swap_modules
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The amaxes a layer starts from: each format's max, i.e. scale 1, as TransformerEngine starts (1 would clip the
@@ -176,9 +177,4 @@ class AmaxState:
 
 def convert_to_delayed_fp8(model: nn.Module, keep) -> list[str]:
     """Swap every `nn.Linear` that `keep(module, name)` accepts for a DelayedFloat8Linear, in place; the names."""
-    swapped = [name for name, module in model.named_modules() if keep(module, name)]
-    for name in swapped:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, DelayedFloat8Linear.from_linear(getattr(parent, child)))
-    return swapped
+    return swap_modules(model, keep, DelayedFloat8Linear.from_linear)
