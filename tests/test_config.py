@@ -358,3 +358,17 @@ def test_check_device_refuses_fp32_where_auto_picks_flash_varlen(monkeypatch, pr
             train_config.check_device(cfg)
     else:
         train_config.check_device(cfg)
+
+
+def test_check_device_refuses_the_fused_residual_norm_on_a_gpu_without_triton(monkeypatch):
+    """The same check as build_model's (bert.model.dropout_add_norm.check_residual_norm), before anything is logged;
+    the GPU is simulated as above, and Triton taken away."""
+    from bert.model import dropout_add_norm
+    from bert.train import config as train_config
+
+    monkeypatch.setattr("bert.dist.env.device_type", lambda want: "cuda")
+    monkeypatch.setattr(dropout_add_norm, "triton", None)
+    cfg = from_env_and_args([], {**BASE, "PRECISION": "bf16", "RESIDUAL_NORM": "fused"})
+    with pytest.raises(ValueError, match="RESIDUAL_NORM=fused needs Triton"):
+        train_config.check_device(cfg)
+    train_config.check_device(from_env_and_args([], {**BASE, "PRECISION": "bf16"}))

@@ -46,19 +46,21 @@ def check_device(cfg: TrainConfig) -> None:
     """The driver's own device checks (`bert.train.build.build_model`), on the device it will pick: a GPU
     when there is one. A ValueError with one line naming the setting."""
     if cfg.model.compile == "off" and cfg.model.precision not in ("fp8", "fp32") and cfg.model.attention == "auto" \
-            and cfg.run.device == "auto":
+            and cfg.model.residual_norm == "torch" and cfg.run.device == "auto":
         return  # nothing to refuse on any device (fp32: flash varlen, auto's choice on a GPU, refuses it)
     import torch
 
     from bert.dist.env import device_type
     from bert.model.attention import check_attention
     from bert.model.compile import check_compile
+    from bert.model.dropout_add_norm import check_residual_norm
     from bert.model.fp8 import check_fp8
 
     device = torch.device(device_type(cfg.run.device))
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device, cfg.model.fp8_recipe)
     check_attention(cfg.model.attention, device, cfg.model.precision)
+    check_residual_norm(cfg.model.residual_norm, device)
 
 
 def main(argv: list[str] | None = None) -> int:
