@@ -7,6 +7,8 @@ import contextlib
 import gzip
 import io
 import json
+import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +27,8 @@ from bert.train.profile import (
     covered_us,
     device_records,
     format_table,
+    host_waits,
+    idle_gaps,
     kind_of,
     short_name,
     summarize,
@@ -115,6 +119,85 @@ def test_kernels_overlapping_on_streams_count_once_in_the_busy_time():
     assert "kernels 6.5 ms overlapping" in format_table({**s, "first": 1, "last": 1, "device": "cuda"})
     assert covered_us([(5, 6), (0, 2), (1, 3), (2.5, 2.7)]) == pytest.approx(4.0)
     assert covered_us([]) == 0.0
+
+
+def test_idle_gaps_match_a_count_on_a_microsecond_grid():
+    """Random kernels on three streams (overlapping), in whole microseconds: the gaps' time, count and length classes
+    equal a count of the idle microseconds on a grid between the first start and the last end."""
+    rng = random.Random(7)
+    spans = []
+    for stream in range(3):
+        t = rng.randrange(50)
+        for i in range(60):
+            t += rng.choice([0, 0, 1, 3, 8, 15, 40, 300, 1500])
+            length = rng.randrange(1, 30)
+            spans.append((t, t + length, f"k{stream}_{i}"))
+            t += length
+    busy = bytearray(max(b for _, b, _ in spans) + 1)
+    for a, b, _ in spans:
+        busy[a:b] = b"\x01" * (b - a)
+    runs, run = [], 0  # idle runs between the first start and the last end
+    for cell in busy[min(a for a, _, _ in spans):max(b for _, b, _ in spans)]:
+        if cell:
+            if run:
+                runs.append(run)
+            run = 0
+        else:
+            run += 1
+    got = idle_gaps(spans, steps=2)
+    assert got["ms_per_step"] == pytest.approx(sum(runs) / 1e3 / 2)
+    assert got["gaps_per_step"] == pytest.approx(len(runs) / 2)
+    classes = {c["length"]: c for c in got["by_length"]}
+    for label, low, high in (("under 10 us", 0, 10), ("10-100 us", 10, 100), ("0.1-1 ms", 100, 1000),
+                             ("1 ms and over", 1000, 10**9)):
+        these = [r for r in runs if low <= r < high]
+        assert classes[label]["gaps_per_step"] == pytest.approx(len(these) / 2), label
+        assert classes[label]["ms_per_step"] == pytest.approx(sum(these) / 1e3 / 2), label
+    assert sum(s["ms_per_step"] for s in got["stalls"]) <= got["ms_per_step"]
+
+
+def test_stalls_are_named_by_the_kernels_on_either_side():
+    """A stall (a gap of 10 us or more) is listed under the kernel that ended last before it and the one that ended
+    it, longest first; a launch-sized gap is binned but not listed; overlapping kernels leave no gap."""
+    spans = [(0, 100, "void ns::A<int>(x)"), (50, 120, "B"), (150, 160, "C"), (162, 1300, "D"), (2500, 2600, "E"),
+             (3100, 3200, "D2"), (3250, 3300, "C")]
+    got = idle_gaps(spans, steps=1)
+    assert got["ms_per_step"] == pytest.approx((30 + 2 + 1200 + 500 + 50) / 1e3)
+    assert [(s["after"], s["before"], s["ms_per_step"]) for s in got["stalls"]] == [
+        ("D", "E", pytest.approx(1.2)), ("E", "D2", pytest.approx(0.5)), ("D2", "C", pytest.approx(0.05)),
+        ("B", "C", pytest.approx(0.03))]
+    assert {c["length"]: c["gaps_per_step"] for c in got["by_length"]} == {
+        "under 10 us": 1, "10-100 us": 2, "0.1-1 ms": 1, "1 ms and over": 1}
+    s = summarize([Timed(n, b - a, start_us=a) for a, b, n in spans], steps=1, wall_s=0.004)
+    s.update(first=1, last=1, device="cuda", host_waits={"cudaStreamSynchronize": {"calls_per_step": 1.0,
+                                                                                   "ms_per_step": 1.1}})
+    table = format_table(s)
+    assert "idle between kernels: 1.78 ms per step in 5 gaps" in table
+    assert "stall:    1.20 ms x1.0   after D before E" in table
+    assert "host waits for the device in the steps: cudaStreamSynchronize x1.0 (1.10 ms)" in table
+    # a short kernel inside a long one on another stream: the gap after them follows the long one
+    inside = idle_gaps([(0, 500, "long"), (100, 200, "short"), (600, 700, "next")], steps=1)
+    assert [(s["after"], s["before"]) for s in inside["stalls"]] == [("long", "next")]
+    assert summarize([Timed("aten::mm", 40)], steps=1, wall_s=0.001)["idle"] is None  # a CPU's operators: no timeline
+
+
+def test_host_waits_are_the_synchronizing_calls_inside_the_steps():
+    """The host's waits for the device are counted inside the step marker's ranges only (the window's own
+    synchronizes before and after are not the step's), on any thread; a launch is not a wait."""
+    def event(name, start, us, device=DeviceType.CPU, thread=1):
+        return SimpleNamespace(name=name, device_type=device, thread=thread,
+                               time_range=SimpleNamespace(start=start, end=start + us, elapsed_us=lambda: us))
+
+    events = [event(WINDOW, 0, 100), event(WINDOW, 200, 100),
+              event("cudaStreamSynchronize", 50, 30), event("cudaStreamSynchronize", 150, 10),
+              event("aten::_local_scalar_dense", 250, 40, thread=2), event("cudaLaunchKernel", 60, 5),
+              event("cudaDeviceSynchronize", 310, 900), event("cudaMemcpy", 210, 20),
+              event("cudaStreamSynchronize", 220, 10, device=DeviceType.CUDA)]
+    assert host_waits(events, steps=2) == {
+        "aten::_local_scalar_dense": {"calls_per_step": 0.5, "ms_per_step": 0.02},
+        "cudaStreamSynchronize": {"calls_per_step": 0.5, "ms_per_step": 0.015},
+        "cudaMemcpy": {"calls_per_step": 0.5, "ms_per_step": 0.01}}
+    assert host_waits(events[:2], steps=2) == {}
 
 
 def test_the_table_gives_what_the_allocator_holds_beside_the_peak():
@@ -246,6 +329,29 @@ def test_cuda_kernels_of_a_bert_layer_fall_into_their_kinds(tmp_path):
     assert s["reserved_memory_gib"] >= s["peak_memory_gib"]
     assert set(s["allocator"]) == {"num_device_alloc", "num_device_free", "num_alloc_retries"}
     assert all(n >= 0 for n in s["allocator"].values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_idle_time_is_found_between_the_kernels_and_the_hosts_wait_named(tmp_path):
+    """On a GPU: each step reads a value back (`.item()`, the host waits) and then sleeps 3 ms before its next
+    launch, so the device idles 3 ms a step between a GEMM and the next kernel, and the table names both."""
+    cuda = torch.device("cuda")
+    x = torch.randn(2048, 2048, device=cuda, dtype=torch.bfloat16)
+    prof = StepProfiler(first=1, steps=3, out_dir=tmp_path, device=cuda)
+    for n in (1, 2, 3):
+        with prof.step(n):
+            y = x @ x
+            y.float().sum().item()
+            time.sleep(0.003)
+            torch.mul(y, 2)
+    s = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    idle = s["idle"]
+    assert idle["ms_per_step"] >= 2.5, idle
+    longest = {c["length"]: c for c in idle["by_length"]}["1 ms and over"]
+    assert longest["gaps_per_step"] >= 1, idle
+    assert idle["stalls"] and idle["ms_per_step"] <= s["wall_ms_per_step"]
+    assert any(name in s["host_waits"] for name in ("aten::_local_scalar_dense", "cudaStreamSynchronize",
+                                                    "cudaMemcpy")), s["host_waits"]
 
 
 def test_compile_activity_inside_the_window_is_reported(tmp_path, one_thread):

@@ -6,9 +6,12 @@ progress line and any evaluation in between included. Each rank writes `<output_
 chrome://tracing); rank 0 prints the table when the window closes. On a GPU the rows are the device's
 kernels (CUPTI, kernels inside CUDA graphs included), on a CPU the training thread's operators by their self
 time. Beside them: the wall time per step and the share of it the device was busy with compute, so a
-host-bound step (busy well under 100 %) tells itself apart from a slow kernel. Under COMPILE the summary also
-says what torch.compile did: graphs, graph breaks with their reasons, and anything it compiled or counted inside
-the window (a steady run compiles nothing there: a recompile or a new CUDA-graph shape in the timed steps shows up).
+host-bound step (busy well under 100 %) tells itself apart from a slow kernel. On a GPU it also says where the
+idle time is: the gaps between kernels by length (launch-sized gaps against stalls), the longest stalls by the
+kernels on either side, and the host's waits for the device (synchronizing calls) inside the window. Under COMPILE
+the summary also says what torch.compile did: graphs, graph breaks with their reasons, and anything it compiled or
+counted inside the window (a steady run compiles nothing there: a recompile or a new CUDA-graph shape in the timed
+steps shows up).
 
 Kinds are told apart by name (`KINDS`, first match wins): what inductor fused is one kind whatever it holds,
 since a fused kernel's name lists every op it absorbed. Communication runs on its own stream, overlapping
@@ -85,6 +88,63 @@ def covered_us(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+# Gap lengths (microseconds) the idle time is binned by: under 10 us is a launch's latency between kernels queued
+# back to back; longer ones are the device waiting for the host (a slow launch path, a sync, a copy).
+GAP_CLASSES: tuple[tuple[float, str], ...] = ((10.0, "under 10 us"), (100.0, "10-100 us"), (1000.0, "0.1-1 ms"),
+                                              (float("inf"), "1 ms and over"))
+STALL_US = 10.0  # a gap at least this long is a stall: its neighbours are listed
+WAITS = 5  # neighbour pairs listed
+# The host's calls that wait for the device: a stream's, the device's or an event's synchronize, a synchronous copy,
+# and `.item()` (aten's _local_scalar_dense, a copy and a synchronize of its own)
+HOST_WAITS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^aten::_local_scalar_dense$")
+
+
+def idle_gaps(spans: Iterable[tuple[float, float, str]], steps: int) -> dict:
+    """The device's idle time between its first kernel's start and its last kernel's end, from (start, end, name)
+    spans in microseconds (kernels on several streams may overlap: a gap is where none runs). Per step: the gaps'
+    time and count in all and by length (`GAP_CLASSES`), and the stalls' time (gaps of `STALL_US` and longer) by
+    the kernels on either side: the one whose end began the gap (the latest to end so far) and the one whose start
+    ended it."""
+    ordered = sorted(spans)
+    classes = [[0.0, 0] for _ in GAP_CLASSES]
+    waits: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    end, before = float("-inf"), ""
+    for start, stop, name in ordered:
+        if start > end > float("-inf"):
+            gap = start - end
+            entry = classes[next(i for i, (limit, _) in enumerate(GAP_CLASSES) if gap < limit)]
+            entry[0] += gap
+            entry[1] += 1
+            if gap >= STALL_US:
+                wait = waits[(short_name(before), short_name(name))]
+                wait[0] += gap
+                wait[1] += 1
+        if stop > end:
+            end, before = stop, name
+    total_us, count = sum(us for us, _ in classes), sum(n for _, n in classes)
+    return {"ms_per_step": total_us / 1e3 / steps, "gaps_per_step": count / steps,
+            "by_length": [{"length": label, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps}
+                          for (_, label), (us, n) in zip(GAP_CLASSES, classes, strict=True)],
+            "stalls": [{"after": a, "before": b, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps}
+                       for (a, b), (us, n) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:WAITS]]}
+
+
+def host_waits(events: Iterable, steps: int) -> dict[str, dict[str, float]]:
+    """The host's calls that wait for the device (`HOST_WAITS`) inside the profiled steps (the step marker's
+    ranges: the window's own synchronizes at its edges left out), on any thread, per step: calls and time."""
+    events = list(events)
+    steps_at = [(e.time_range.start, e.time_range.end) for e in events
+                if e.name == WINDOW and e.device_type == DeviceType.CPU]
+    found: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.device_type == DeviceType.CPU and HOST_WAITS.match(e.name) and any(
+                a <= e.time_range.start <= b for a, b in steps_at):
+            found[e.name][0] += e.time_range.elapsed_us()
+            found[e.name][1] += 1
+    return {name: {"calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps}
+            for name, (us, n) in sorted(found.items(), key=lambda kv: -kv[1][0])}
+
+
 def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
     """The window's time per kind and its top kernels, per step; `busy_share` is compute (communication left
     out: it overlaps on its own stream) over wall time, where compute is the union of the kernels' intervals when
@@ -92,7 +152,7 @@ def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
     Each kind's `share` is of the summed compute time."""
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    spans: list[tuple[float, float]] = []
+    spans: list[tuple[float, float, str]] = []
     timed = True  # every compute record has a start
     for r in records:
         kind = kind_of(r.name)
@@ -102,9 +162,9 @@ def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
         if kind != COMMUNICATION:
             timed = timed and r.start_us is not None
             if timed:
-                spans.append((r.start_us, r.start_us + r.us))
+                spans.append((r.start_us, r.start_us + r.us, r.name))
     summed_ms = sum(us for kind, (us, _) in by_kind.items() if kind != COMMUNICATION) / 1e3 / steps
-    busy_ms = covered_us(spans) / 1e3 / steps if timed else summed_ms
+    busy_ms = covered_us((a, b) for a, b, _ in spans) / 1e3 / steps if timed else summed_ms
     wall_ms = wall_s * 1e3 / steps
     kinds = [{"kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps,
               "share": us / 1e3 / steps / summed_ms if summed_ms else 0.0}
@@ -112,7 +172,8 @@ def summarize(records: Iterable[Timed], steps: int, wall_s: float) -> dict:
     top = [{"name": name, "kind": kind, "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps}
            for (name, kind), (us, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP]]
     return {"steps": steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": busy_ms, "kernel_ms_per_step": summed_ms,
-            "busy_share": busy_ms / wall_ms if wall_ms else 0.0, "kinds": kinds, "top": top}
+            "busy_share": busy_ms / wall_ms if wall_ms else 0.0, "kinds": kinds, "top": top,
+            "idle": idle_gaps(spans, steps) if timed and spans else None}
 
 
 def device_records(events: Iterable, device: torch.device, thread: int | None) -> Iterator[Timed]:
@@ -181,6 +242,7 @@ def format_table(summary: dict) -> str:
               for k in summary["kinds"]]
     lines += [f"  top: {t['ms_per_step']:7.2f} ms x{t['calls_per_step']:<5.0f} {t['kind']:<20} {t['name']}"
               for t in summary["top"]]
+    lines += idle_lines(summary.get("idle"), summary.get("host_waits"))
     if summary.get("allocator") is not None:
         lines.append(allocator_line(summary["allocator"]))
     compiled = summary.get("compile")
@@ -191,6 +253,22 @@ def format_table(summary: dict) -> str:
                      + "".join(f"; {n} x {reason}" for reason, n in list(compiled["graph_break_reasons"].items())[:3]))
         lines.append("  compile in the window: " + moved_counters(compiled["in_window"]))
     return "\n".join(lines)
+
+
+def idle_lines(idle: dict | None, waits: dict | None) -> list[str]:
+    """The table's lines on the idle device: the gaps by length, the longest stalls' neighbours, the host's waits."""
+    if not idle:
+        return []
+    lengths = "; ".join(f"{c['length']}: {c['gaps_per_step']:.1f} gaps, {c['ms_per_step']:.2f} ms"
+                        for c in idle["by_length"] if c["gaps_per_step"])
+    lines = [f"  idle between kernels: {idle['ms_per_step']:.2f} ms per step in {idle['gaps_per_step']:.0f} gaps"
+             + (f" ({lengths})" if lengths else "")]
+    lines += [f"  stall: {w['ms_per_step']:7.2f} ms x{w['gaps_per_step']:<5.1f} after {w['after']} before {w['before']}"
+              for w in idle["stalls"]]
+    if waits is not None:
+        lines.append("  host waits for the device in the steps: " + ("none" if not waits else "; ".join(
+            f"{name} x{w['calls_per_step']:.1f} ({w['ms_per_step']:.2f} ms)" for name, w in waits.items())))
+    return lines
 
 
 def overlap_note(summary: dict) -> str:
@@ -259,6 +337,7 @@ class StepProfiler:
         summary.update(first=self.first, last=self.first + self._done - 1, device=device_label(self.device),
                        compile=compile_report(self._counters, compile_counters()))
         if self.device.type == "cuda":
+            summary["host_waits"] = host_waits(events, max(self._done, 1))
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             # a CUDA graph's replay allocates nothing: its pool shows in what the allocator holds, not in the peak
             summary["reserved_memory_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
