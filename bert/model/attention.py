@@ -13,6 +13,8 @@ A backend is a planner: called once per batch with the `SeqLayout`, it does its 
              stream, eagerly (under torch.compile all on the current stream)
     varlen   CUDA flash attention on the unpadded tokens (`cuda_varlen.py`)
     cudnn    cuDNN's fused attention on the same ragged layout (`cudnn_varlen.py`; Hopper kernels, not measured yet)
+    triton   our flash attention with dropout in Triton on the same tokens (`triton_attention.py`; Hopper's warpgroup
+             MMA, 64-key tiles, not measured yet); on the CPU its torch path, the same mask
     padded   pad every sequence to the batch maximum, mask padded keys: the baseline
     auto     `varlen` when CUDA is available, else `loop`
 
@@ -36,6 +38,7 @@ from bert.model.cudnn_varlen import check_torch as check_cudnn_torch
 from bert.model.cudnn_varlen import cudnn_varlen
 from bert.model.padding import GroupedLayout, PadLayout, pad, pad_groups, unpad, unpad_groups
 from bert.model.precision import compute_dtype
+from bert.model.triton_attention import check_triton, triton_varlen
 
 Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
 Planner = Callable[[SeqLayout], Attend]
@@ -136,6 +139,7 @@ BACKENDS: dict[str, Planner] = {
     "grouped": plan_grouped,
     "varlen": flash_varlen,
     "cudnn": cudnn_varlen,
+    "triton": triton_varlen,
     "padded": plan_padded,
 }
 ATTENTION_CHOICES = ("auto", *BACKENDS)  # what the config accepts: a backend, or `auto` to pick by device
@@ -143,6 +147,7 @@ CUDA_ONLY = ("varlen", "cudnn")  # fused kernels on the concatenated tokens
 
 
 HALF_ONLY = CUDA_ONLY  # the same fused kernels take fp16/bf16 q, k, v only (cuda_varlen.require_half)
+HALF_ON_CUDA = ("triton",)  # its kernels take fp16/bf16 (its torch path, the CPU's, any dtype)
 
 
 def check_attention(name: str, device: torch.device, precision: str | None = None) -> None:
@@ -152,8 +157,11 @@ def check_attention(name: str, device: torch.device, precision: str | None = Non
         raise ValueError(f"ATTENTION={name} needs a CUDA device (this run's is {device.type}): use ATTENTION=auto")
     if name == "cudnn":
         check_cudnn_torch()
+    if name == "triton":
+        check_triton(device)
     backend = resolve_backend(name, device)
-    if precision is not None and backend in HALF_ONLY and compute_dtype(precision) == torch.float32:
+    half_only = backend in HALF_ONLY or (backend in HALF_ON_CUDA and device.type == "cuda")
+    if precision is not None and half_only and compute_dtype(precision) == torch.float32:
         which = name if backend == name else f"{name} ({backend} on {device.type})"
         raise ValueError(f"ATTENTION={which} needs PRECISION=bf16, fp16 or fp8 (its kernels take half precision "
                          f"only), not PRECISION={precision}: set PRECISION=bf16, or ATTENTION=padded for fp32")

@@ -1,0 +1,409 @@
+"""Flash attention with dropout on the unpadded tokens in Triton (`ATTENTION=triton`): our kernels for Hopper in
+place of torch's FlashAttention-2.
+
+Why: on the H100 (2026-11-26, `driver-compiled-opt`) torch's FlashAttention-2 took 23.8 ms of the 135.5 ms step,
+about 130 TFLOP/s forward and backward, at phase 2's lengths (at most 512, half of them on average) with dropout 0.1.
+FA2 was written for the A100: its matrix products are the A100's `mma` instructions, its tiles 128 x 128. Triton
+compiles `tl.dot` on sm_90 to Hopper's warpgroup MMA, and the tiles here are smaller (64 keys), so a short sequence
+wastes less of its last tile. Not measured on a GPU yet: whether it beats FA2 is the question the bench answers
+(`bench/model.py --variants unpadded/varlen unpadded/triton`).
+
+The kernels follow FlashAttention-2's algorithm (Dao, 2023) on the concatenated tokens (`cu_seqlens`):
+
+- **forward**, a program per (query block of BM, sequence, head): the keys of its own sequence in blocks of BN, an
+  online softmax in base 2, the kept probabilities times V; it writes the output and the log-sum-exp (base 2).
+- **backward**, two kernels, as Triton's fused-attention tutorial: one per key block (dK, dV, over the query blocks)
+  and one per query block (dQ, over the key blocks), so no atomics; each recomputes the probabilities from the
+  log-sum-exp and the mask from the seed. delta = rowsum(dO * O) is torch's.
+
+**The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
+CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
+place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqlen / 8)); Philox4x32-10(c, key seed)
+gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a 16-bit number u; the
+element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for 0.1). One Philox call
+serves eight elements. The CPU draws the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels
+(run in Triton's interpreter by the tests) equal the torch path's mask bit for bit.
+
+The torch path (the CPU, float64 anywhere) computes the same attention per sequence in torch's ops, and its backward
+by the kernels' formulas (checked against autograd through a float64 reference by the tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from bert.batch import SeqLayout
+from bert.model.compile_keys import key_on_source
+from bert.model.philox import randint4x
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
+    triton = None
+
+LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax is base 2
+FORWARD_BLOCKS = (128, 64)  # (BM queries, BN keys) a forward program takes; not tuned on a GPU
+BACKWARD_BLOCKS = (64, 64)  # the backward kernels' (BM, BN)
+WARPS = 8  # with 4, the forward spilled registers (sm_90 compile, cuobjdump: 304 bytes of stack a thread); 8: none
+HEAD_DIMS = (16, 32, 64, 128)  # tl.dot's operands: a power of two, at least 16
+
+
+def drop_threshold(p: float) -> int:
+    """16-bit numbers below this are dropped: P = threshold / 2^16."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attention dropout probability {p} is not in [0, 1)")
+    return min(round(p * 2**16), 2**16 - 1)
+
+
+def groups_per_row(max_seqlen: int) -> int:
+    """G: the Philox counters a query row uses (eight keys each)."""
+    return -(-max_seqlen // 8)
+
+
+def keep_mask(seed: Tensor, heads: int, tokens: int, rows: Tensor, length: int, groups: int, p: float) -> Tensor:
+    """(heads, len(rows), length) bool: the elements kept for query tokens `rows` (their places in the T = `tokens`)
+    and keys 0..length-1 of their sequence (module doc), in torch's arithmetic."""
+    h = torch.arange(heads, device=rows.device)[:, None, None]
+    g = torch.arange(-(-length // 8), device=rows.device)
+    counters = (h * tokens + rows.to(torch.int64)[None, :, None]) * groups + g
+    words = torch.stack(randint4x(seed, counters), -1)  # (heads, rows, groups, 4)
+    halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # element 8g + 2w + half
+    return halves.flatten(2)[..., :length] >= drop_threshold(p)
+
+
+def attention_torch(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], max_seqlen: int, p: float,
+                    seed: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out (T, H, D) in q's dtype, log-sum-exp base 2 (H, T) in the compute dtype): the kernels' attention and mask,
+    per sequence in torch's ops (fp32 arithmetic, float64 for float64)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tokens, heads, dim = q.shape
+    scale, groups = 1.0 / math.sqrt(dim), groups_per_row(max_seqlen)
+    outs, lses, start = [], [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start:start + n].to(compute).transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        scores = qs @ ks.transpose(1, 2) * scale
+        probs = torch.softmax(scores, -1)
+        if p > 0:
+            keep = keep_mask(seed, heads, tokens, torch.arange(start, start + n, device=q.device), n, groups, p)
+            probs = torch.where(keep, probs / (1.0 - p), 0.0)
+        outs.append((probs @ vs).transpose(0, 1))
+        lses.append(torch.logsumexp(scores, -1) * LOG2E)
+        start += n
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1)
+
+
+def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lengths: list[int], max_seqlen: int,
+                   p: float, seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of `attention_torch`, by the kernels' formulas per sequence: P again from the scores, dV = P~^T dO,
+    dP = (dO V^T) with the mask and scale, dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D)
+    (P~: P with the mask and scale)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tokens, heads, dim = q.shape
+    scale, groups = 1.0 / math.sqrt(dim), groups_per_row(max_seqlen)
+    grads, start = [[], [], []], 0
+    for n in lengths:
+        qs, ks, vs, dos, outs = (t[start:start + n].to(compute).transpose(0, 1) for t in (q, k, v, grad, out))
+        probs = torch.softmax(qs @ ks.transpose(1, 2) * scale, -1)
+        dprobs = dos @ vs.transpose(1, 2)
+        kept = probs
+        if p > 0:
+            keep = keep_mask(seed, heads, tokens, torch.arange(start, start + n, device=q.device), n, groups, p)
+            kept = torch.where(keep, probs / (1.0 - p), 0.0)
+            dprobs = torch.where(keep, dprobs / (1.0 - p), 0.0)
+        ds = probs * (dprobs - (dos * outs).sum(-1, keepdim=True))
+        for got, g in zip(grads, (ds @ ks * scale, ds.transpose(1, 2) @ qs * scale, kept.transpose(1, 2) @ dos)):
+            got.append(g.transpose(0, 1))
+        start += n
+    return tuple(torch.cat(g).to(q.dtype).contiguous() for g in grads)
+
+
+if triton is not None:
+    @triton.jit
+    def _keep_tile(seed, head, rows, n0, tokens, groups, threshold, BM: tl.constexpr, BN: tl.constexpr):
+        """(BM, BN) bool: kept elements of query tokens `rows` (their places in the T tokens) against keys
+        n0..n0+BN-1 of their sequence."""
+        g = n0 // 8 + tl.arange(0, BN // 8)
+        counters = (head * tokens + rows)[:, None] * groups + g[None, :]
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), counters)
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [..., a, b]: word 2a + b
+        halves = tl.join(words & 0xFFFF, words >> 16)  # [..., a, b, c]: half c of word 2a + b
+        return tl.reshape(halves, (BM, BN)).to(tl.int32) >= threshold  # key 8g + 4a + 2b + c
+
+    @triton.jit
+    def _sequence(cu):
+        """(start, length) of program_id(1)'s sequence: a reduction of its two bounds, so both are scalars."""
+        bounds = tl.load(cu + tl.program_id(1) + tl.arange(0, 2)).to(tl.int64)
+        start = tl.min(bounds, 0)
+        return start, tl.max(bounds, 0) - start
+
+    @triton.jit
+    def _rows_of(X, start, length, stride, head, head_stride, first, B: tl.constexpr, D: tl.constexpr):
+        """A block pointer to rows first..first+B-1 of one head of the sequence's (length, D) slice of X: 32-bit
+        offsets from one base, and loads padded with zeros past the sequence's end (a tensor of 64-bit pointers,
+        one an element, spilled registers: found compiling for sm_90)."""
+        return tl.make_block_ptr(X + start * stride + head * head_stride, shape=(length, D), strides=(stride, 1),
+                                 offsets=(first, 0), block_shape=(B, D), order=(1, 0))
+
+    @triton.jit
+    def _forward(Q, K, V, OUT, LSE, cu, seed, tokens, groups, threshold, qk_scale, drop_scale,
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        head = tl.program_id(2)
+        start, length = _sequence(cu)
+        m0 = tl.program_id(0) * BM
+        if m0 < length:
+            rows = m0 + tl.arange(0, BM)
+            q = tl.load(_rows_of(Q, start, length, sq_t, head, sq_h, m0, BM, D), boundary_check=(0,),
+                        padding_option="zero")
+            k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
+            v_at = _rows_of(V, start, length, sv_t, head, sv_h, 0, BN, D)
+            m_i = tl.full((BM,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BM,), tl.float32)
+            acc = tl.zeros((BM, D), tl.float32)
+            for n0 in tl.range(0, length, BN, num_stages=2):
+                k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
+                v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
+                cols = n0 + tl.arange(0, BN)
+                s = tl.where((cols < length)[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                prob = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(prob, 1)
+                if DROPOUT:
+                    prob = tl.where(_keep_tile(seed, head, start + rows, n0, tokens, groups, threshold, BM, BN),
+                                    prob, 0.0)
+                acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+                m_i = m_new
+                k_at = tl.advance(k_at, (BN, 0))
+                v_at = tl.advance(v_at, (BN, 0))
+            out = acc * (drop_scale / l_i)[:, None]
+            tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out.to(OUT.dtype.element_ty),
+                     boundary_check=(0,))
+            tl.store(LSE + head * tokens + start + rows, m_i + tl.math.log2(l_i), mask=rows < length)
+
+    @triton.jit
+    def _probabilities(q, k, do, v, lse, delta, rows, row_in, col_in, seed, head, n0, tokens, groups, threshold,
+                       qk_scale, drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        """(P with the mask and scale, dS) of a (BM, BN) tile: the backward kernels' shared part."""
+        prob = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        prob = tl.where(row_in[:, None] & col_in[None, :], prob, 0.0)
+        dprob = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            keep = _keep_tile(seed, head, rows, n0, tokens, groups, threshold, BM, BN)
+            dropped = tl.where(keep, prob * drop_scale, 0.0)
+            dprob = tl.where(keep, dprob * drop_scale, 0.0)
+        else:
+            dropped = prob
+        return dropped, prob * (dprob - delta[:, None])
+
+    @triton.jit
+    def _backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, cu, seed, tokens, groups, threshold, qk_scale, sm_scale,
+                     drop_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        head = tl.program_id(2)
+        start, length = _sequence(cu)
+        n0 = tl.program_id(0) * BN
+        if n0 < length:
+            cols = n0 + tl.arange(0, BN)
+            col_in = cols < length
+            k = tl.load(_rows_of(K, start, length, sk_t, head, sk_h, n0, BN, D), boundary_check=(0,),
+                        padding_option="zero")
+            v = tl.load(_rows_of(V, start, length, sv_t, head, sv_h, n0, BN, D), boundary_check=(0,),
+                        padding_option="zero")
+            q_at = _rows_of(Q, start, length, sq_t, head, sq_h, 0, BM, D)
+            do_at = _rows_of(DO, start, length, sdo_t, head, sdo_h, 0, BM, D)
+            dk = tl.zeros((BN, D), tl.float32)
+            dv = tl.zeros((BN, D), tl.float32)
+            for m0 in tl.range(0, length, BM, num_stages=2):
+                rows = m0 + tl.arange(0, BM)
+                row_in = rows < length
+                q = tl.load(q_at, boundary_check=(0,), padding_option="zero")
+                do = tl.load(do_at, boundary_check=(0,), padding_option="zero")
+                lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
+                delta = tl.load(DELTA + head * tokens + start + rows, mask=row_in, other=0.0)
+                dropped, ds = _probabilities(q, k, do, v, lse, delta, start + rows, row_in, col_in, seed, head, n0,
+                                             tokens, groups, threshold, qk_scale, drop_scale, BM, BN, DROPOUT)
+                dv += tl.dot(tl.trans(dropped.to(do.dtype)), do)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+                q_at = tl.advance(q_at, (BM, 0))
+                do_at = tl.advance(do_at, (BM, 0))
+            # dk and dv are contiguous (T, H, D)
+            heads = tl.num_programs(2)
+            tl.store(_rows_of(DK, start, length, heads * D, head, D, n0, BN, D),
+                     (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
+            tl.store(_rows_of(DV, start, length, heads * D, head, D, n0, BN, D), dv.to(DV.dtype.element_ty),
+                     boundary_check=(0,))
+
+    @triton.jit
+    def _backward_q(Q, K, V, DO, LSE, DELTA, DQ, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        head = tl.program_id(2)
+        start, length = _sequence(cu)
+        m0 = tl.program_id(0) * BM
+        if m0 < length:
+            rows = m0 + tl.arange(0, BM)
+            row_in = rows < length
+            q = tl.load(_rows_of(Q, start, length, sq_t, head, sq_h, m0, BM, D), boundary_check=(0,),
+                        padding_option="zero")
+            do = tl.load(_rows_of(DO, start, length, sdo_t, head, sdo_h, m0, BM, D), boundary_check=(0,),
+                         padding_option="zero")
+            lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
+            delta = tl.load(DELTA + head * tokens + start + rows, mask=row_in, other=0.0)
+            k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
+            v_at = _rows_of(V, start, length, sv_t, head, sv_h, 0, BN, D)
+            dq = tl.zeros((BM, D), tl.float32)
+            for n0 in tl.range(0, length, BN, num_stages=2):
+                k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
+                v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
+                col_in = n0 + tl.arange(0, BN) < length
+                _, ds = _probabilities(q, k, do, v, lse, delta, start + rows, row_in, col_in, seed, head, n0, tokens,
+                                       groups, threshold, qk_scale, drop_scale, BM, BN, DROPOUT)
+                dq += tl.dot(ds.to(k.dtype), k)
+                k_at = tl.advance(k_at, (BN, 0))
+                v_at = tl.advance(v_at, (BN, 0))
+            tl.store(_rows_of(DQ, start, length, tl.num_programs(2) * D, head, D, m0, BM, D),
+                     (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
+
+
+def _strides(*tensors: Tensor) -> list[int]:
+    return [s for t in tensors for s in (t.stride(0), t.stride(1))]
+
+
+def _common(q: Tensor, max_seqlen: int, p: float) -> tuple[int, float, float, float, int]:
+    """(G, softmax scale, its base-2 form, 1 / (1 - p), threshold)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return groups_per_row(max_seqlen), scale, scale * LOG2E, 1.0 / (1.0 - p), drop_threshold(p)
+
+
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, p: float, seed: Tensor | None
+                   ) -> tuple[Tensor, Tensor]:
+    """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32); on q's device."""
+    tokens, heads, dim = q.shape
+    out = q.new_empty((tokens, heads, dim))
+    lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
+    groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
+    bm, bn = FORWARD_BLOCKS
+    grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
+    _forward[grid](q, k, v, out, lse, cu, out if seed is None else seed, tokens, groups, threshold, qk_scale,
+                   drop_scale, *_strides(q, k, v, out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=WARPS)
+    return out, lse
+
+
+def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor,
+                    max_seqlen: int, p: float, seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype."""
+    tokens, heads, dim = q.shape
+    delta = (grad.float() * out.float()).sum(-1).t().contiguous()  # (H, T): rowsum(dO * O)
+    dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
+    groups, sm_scale, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
+    bm, bn = BACKWARD_BLOCKS
+    common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=WARPS)
+    seed = dq if seed is None else seed
+    strides = _strides(q, k, v, grad)
+    _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
+        q, k, v, grad, lse, delta, dk, dv, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
+        *strides, **common)
+    _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](
+        q, k, v, grad, lse, delta, dq, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
+        *strides, **common)
+    return dq, dk, dv
+
+
+def _on_triton(q: Tensor) -> bool:
+    """The kernels' path: CUDA with Triton, half precision, a head dimension tl.dot takes."""
+    return q.is_cuda and triton is not None and q.dtype in (torch.float16, torch.bfloat16) \
+        and q.shape[-1] in HEAD_DIMS
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, p: float, seed: Tensor | None) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or q.stride(-1) != 1 or k.stride(-1) != 1 \
+            or v.stride(-1) != 1:
+        raise ValueError(f"q, k, v must be one (T, H, D) shape with unit last strides, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    drop_threshold(p)
+    if p > 0 and seed is None:
+        raise ValueError("attention dropout needs a seed")
+
+
+@torch.library.custom_op("bert::triton_attention", mutates_args=())
+def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
+                        seed: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out (T, H, D), log-sum-exp base 2 (H, T)) of the tokens within their sequences (module doc)."""
+    _check(q, k, v, dropout_p, seed)
+    if not _on_triton(q):
+        lengths = cu_seqlens.diff().tolist()  # the torch path: the CPU (a copy costs nothing there), float64
+        return attention_torch(q, k, v, lengths, max_seqlen, dropout_p, seed)
+    with torch.cuda.device(q.device):  # Triton launches on the current device
+        return launch_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed)
+
+
+@triton_attention_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=compute)
+
+
+@torch.library.custom_op("bert::triton_attention_backward", mutates_args=())
+def triton_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor | None
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, in q's dtype."""
+    if not _on_triton(q):
+        return backward_torch(grad, q, k, v, out, cu_seqlens.diff().tolist(), max_seqlen, dropout_p, seed)
+    with torch.cuda.device(q.device):
+        return launch_backward(grad.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, seed)
+
+
+@triton_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, seed):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, seed = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed)
+    ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+
+
+def _backward(ctx, grad_out: Tensor | None, _lse_grad: Tensor | None):
+    if grad_out is None:
+        return (None,) * 7
+    q, k, v, out, lse, cu, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.bert.triton_attention_backward(grad_out, q, k, v, out, lse, cu, ctx.max_seqlen,
+                                                          ctx.dropout_p, seed)
+    return dq, dk, dv, None, None, None, None
+
+
+triton_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# traced into compiled graphs by the ops' names, with this module's fakes and backward: an edit here must miss them
+key_on_source("bert::triton_attention", __file__)
+
+
+def check_triton(device: torch.device) -> None:
+    """ATTENTION=triton on a GPU needs Triton (it ships with torch's CUDA wheels)."""
+    if device.type == "cuda" and triton is None:
+        raise ValueError("ATTENTION=triton needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
+                         "installed here: use ATTENTION=varlen")
+
+
+def triton_varlen(seq: SeqLayout):
+    """The planner: attention of the batch's tokens within their sequences through `bert::triton_attention`, a fresh
+    seed a call from torch's generator on the tokens' device."""
+    cu, longest = seq.cu_seqlens, seq.max_seqlen
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        if q.is_cuda and not _on_triton(q):  # the torch path on a GPU: a sync a call, and slow
+            raise ValueError(f"ATTENTION=triton on CUDA needs fp16/bf16 q, k, v with a head dimension in {HEAD_DIMS} "
+                             f"(got {q.dtype}, {q.shape[-1]}) and Triton: use ATTENTION=varlen")
+        seed = torch.randint(2**62, (), device=q.device) if dropout_p > 0 else None
+        return torch.ops.bert.triton_attention(q, k, v, cu, longest, dropout_p, seed)[0]
+
+    return attend

@@ -1,0 +1,383 @@
+"""bert.model.triton_attention (`ATTENTION=triton`): attention of the tokens within their sequences, with dropout from
+a Philox mask. References: a padded float64 attention through torch's softmax and autograd, given the op's mask; SDPA
+per sequence without dropout; the mask's definition evaluated element by element; the binomial law; torch's
+`gradcheck` and `opcheck`. The Triton kernels the GPU runs are checked against the torch path in Triton's interpreter
+(fp32 and fp16: its bf16 `tl.dot` is wrong, found here), compiled for sm_90 (no register spills), and on a GPU."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from script_modules import ROOT
+
+from bert.batch import SeqLayout
+from bert.config import from_flat
+from bert.model import triton_attention as ta
+from bert.model.attention import check_attention, varlen_attention
+from bert.model.philox import randint4x
+
+OP = torch.ops.bert.triton_attention
+SEED = torch.tensor(2**45 + 987)
+
+
+def tokens(lengths, heads=2, dim=16, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, sum(lengths), heads, dim, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def cu_of(lengths):
+    return SeqLayout.from_lengths(lengths).cu_seqlens
+
+
+def reference(q, k, v, lengths, keep_of, p):
+    """Padded float64 attention: (B, H, L, L) scores, padded keys filled with -inf, torch's softmax, then the mask
+    `keep_of(b)` (H, n, n) for sequence b and 1 / (1 - p)."""
+    batch, longest, (heads, dim) = len(lengths), max(lengths), q.shape[1:]
+    padded = [torch.zeros(batch, longest, heads, dim, dtype=torch.float64) for _ in range(3)]
+    start = 0
+    for b, n in enumerate(lengths):
+        for buf, t in zip(padded, (q, k, v)):
+            buf[b, :n] = t[start:start + n].double()
+        start += n
+    qp, kp, vp = (t.transpose(1, 2) for t in padded)
+    scores = qp @ kp.transpose(-1, -2) / dim**0.5
+    real = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    probs = torch.softmax(scores.masked_fill(~real[:, None, None, :], float("-inf")), -1)
+    if p > 0:
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            keep[b, :, :n, :n] = keep_of(b)
+        probs = probs * keep / (1 - p)
+    out = (probs @ vp).transpose(1, 2)
+    return torch.cat([out[b, :n] for b, n in enumerate(lengths)])
+
+
+def op_mask(lengths, heads, p, seed=SEED):
+    """The op's mask for sequence b, from `keep_mask`."""
+    starts = [sum(lengths[:b]) for b in range(len(lengths))]
+    groups = ta.groups_per_row(max(lengths))
+    return lambda b: ta.keep_mask(seed, heads, sum(lengths), torch.arange(starts[b], starts[b] + lengths[b]),
+                                  lengths[b], groups, p)
+
+
+LENGTHS = [5, 1, 70, 33]
+
+
+def test_the_mask_is_its_definition_element_by_element():
+    """Counter (h * T + i) * G + j // 8, word (j mod 8) // 2, half j mod 2, dropped below round(p * 2^16): evaluated
+    one element at a time with Philox, at elements of every word and half."""
+    heads, lengths, p = 3, [40, 77], 0.25
+    keep = op_mask(lengths, heads, p)(1)  # the second sequence: its queries start at token 40
+    groups, threshold, total = ta.groups_per_row(77), ta.drop_threshold(p), 117
+    g = torch.Generator().manual_seed(1)
+    for _ in range(64):
+        h, i, j = (int(torch.randint(n, (), generator=g)) for n in (heads, 77, 77))
+        counter = (h * total + 40 + i) * groups + j // 8
+        word = randint4x(SEED, torch.tensor([counter]))[(j % 8) // 2].item()
+        assert keep[h, i, j].item() == ((word >> (16 * (j % 2))) & 0xFFFF >= threshold), (h, i, j)
+
+
+def test_the_mask_drops_p_and_follows_the_seed():
+    lengths, heads = [512, 300, 200], 4
+    for p in (0.1, 0.5):
+        drops = torch.cat([(~op_mask(lengths, heads, p)(b)).flatten() for b in range(3)]).double()
+        n = drops.numel()
+        assert abs(drops.mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    assert ta.drop_threshold(0.1) == 6554 and ta.drop_threshold(0.0) == 0
+    a, b = op_mask(lengths, heads, 0.1)(0), op_mask(lengths, heads, 0.1, torch.tensor(5))(0)
+    assert (a != b).double().mean().item() == pytest.approx(2 * 0.1 * 0.9, abs=0.01)  # independent masks
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        ta.drop_threshold(1.0)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_the_op_is_padded_attention_with_its_mask(p, dtype, tol):
+    q, k, v = tokens(LENGTHS, dtype=dtype)
+    out, lse = OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)
+    want = reference(q, k, v, LENGTHS, op_mask(LENGTHS, 2, p), p)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    start, scores = 0, []
+    for n in LENGTHS:  # the log-sum-exp in base 2, (H, T)
+        s = torch.einsum("ihd,jhd->hij", q[start:start + n].double(), k[start:start + n].double()) / 4
+        scores.append(torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0, dtype=torch.float64)))
+        start += n
+    torch.testing.assert_close(lse.double(), torch.cat(scores, 1), rtol=tol, atol=tol)
+
+
+def test_without_dropout_it_is_sdpa_per_sequence_and_the_loop_backend():
+    q, k, v = tokens(LENGTHS)
+    seq = SeqLayout.from_lengths(LENGTHS)
+    got = varlen_attention(q, k, v, seq, 0.0, "triton")
+    start, parts = 0, []
+    for n in LENGTHS:
+        parts.append(F.scaled_dot_product_attention(*(t[start:start + n].transpose(0, 1) for t in (q, k, v)))
+                     .transpose(0, 1))
+        start += n
+    torch.testing.assert_close(got, torch.cat(parts), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, varlen_attention(q, k, v, seq, 0.0, "loop"), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_every_gradient_is_autograds_through_the_reference(p):
+    q, k, v = (t.requires_grad_() for t in tokens(LENGTHS))
+    grad = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)[0], (q, k, v), grad)
+    want = torch.autograd.grad(reference(q, k, v, LENGTHS, op_mask(LENGTHS, 2, p), p), (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_and_opcheck():
+    lengths = [3, 9, 1]
+    q, k, v = (t.requires_grad_() for t in tokens(lengths, dim=8))
+    cu = cu_of(lengths)
+    assert torch.autograd.gradcheck(lambda *qkv: OP(*qkv, cu, 9, 0.3, SEED)[0], (q, k, v))
+    torch.library.opcheck(OP, (q, k, v, cu, 9, 0.3, SEED))
+    torch.library.opcheck(OP, (q, k, v, cu, 9, 0.0, None))
+
+
+def test_the_op_refuses_what_it_cannot_run():
+    q, k, v = tokens(LENGTHS)
+    with pytest.raises(ValueError, match="needs a seed"):
+        OP(q, k, v, cu_of(LENGTHS), 70, 0.1, None)
+    with pytest.raises(ValueError, match=r"\(T, H, D\)"):
+        OP(q, k[:, :1], v, cu_of(LENGTHS), 70, 0.0, None)
+
+
+def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seq = SeqLayout.from_lengths(LENGTHS)
+    q, k, v = (t.float().requires_grad_() for t in tokens(LENGTHS))
+    seen = []
+
+    def count(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if "triton_attention" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    def f(q, k, v):
+        return varlen_attention(q, k, v, seq, 0.1, "triton")
+
+    torch._dynamo.reset()
+    torch.compile(f, backend=aot_autograd(fw_compiler=count, bw_compiler=count), fullgraph=True)(q, k, v).sum() \
+        .backward()
+    assert seen == ["bert.triton_attention.default", "bert.triton_attention_backward.default"]
+
+    def grads(fn):  # the seed drawn by torch's generator as eager's (fallback_random): the same masks
+        torch.manual_seed(5)
+        return torch.autograd.grad(fn(q, k, v).square().sum(), (q, k, v))
+
+    want = grads(f)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True):
+        got = grads(torch.compile(f))
+    torch._dynamo.reset()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_config_and_the_device_check_take_it(monkeypatch):
+    assert from_flat(attention="triton").model.attention == "triton"
+    check_attention("triton", torch.device("cpu"), "fp32")  # the torch path: any dtype on the CPU
+    monkeypatch.setattr(ta, "triton", object())  # Triton present (the CPU wheel has none)
+    check_attention("triton", torch.device("cuda"), "bf16")
+    with pytest.raises(ValueError, match="ATTENTION=triton needs PRECISION=bf16"):
+        check_attention("triton", torch.device("cuda"), "fp32")
+    monkeypatch.setattr(ta, "triton", None)
+    with pytest.raises(ValueError, match="ATTENTION=triton needs Triton on CUDA"):
+        check_attention("triton", torch.device("cuda"), "bf16")
+
+
+INTERPRETER = """
+import sys, torch
+import triton.runtime.interpreter as interpreter
+from bert.model import triton_attention as ta
+
+# Triton 3.6's interpreter reads a loop bound with int() of a one-element array, which numpy 2.5 refuses
+patch = interpreter._patch_lang_tensor
+def patched(tensor, scope):
+    patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = patched
+
+bad = []
+for lengths, heads, dim, dtype, p in [([5, 70, 130], 2, 16, torch.float32, 0.1), ([64, 1, 33], 3, 32, torch.float32,
+                                      0.3), ([200, 129], 2, 64, torch.float16, 0.1), ([20], 1, 16, torch.float16, 0.0)]:
+    g = torch.Generator().manual_seed(len(lengths) + dim)
+    qkv = torch.randn(sum(lengths), 3, heads, dim, generator=g).to(dtype)  # views of a fused QKV, as in the model
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    seed, longest = torch.tensor(123456789), max(lengths)
+    out, lse = ta.launch_forward(q, k, v, cu, longest, p, seed if p else None)
+    want, want_lse = ta.attention_torch(q, k, v, lengths, longest, p, seed)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    case = (lengths, dim, str(dtype), p)
+    if not torch.allclose(out.float(), want.float(), rtol=tol, atol=tol):
+        bad.append(case + ("out", (out.float() - want.float()).abs().max().item()))
+    if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5):
+        bad.append(case + ("lse",))
+    grad = torch.randn(q.shape, generator=g).to(dtype)
+    got = ta.launch_backward(grad, q, k, v, out, lse, cu, longest, p, seed if p else None)
+    wants = ta.backward_torch(grad, q, k, v, out, lengths, longest, p, seed)
+    for name, a, b in zip(("dq", "dk", "dv"), got, wants):
+        if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * (1 + b.float().abs().max().item())):
+            bad.append(case + (name, (a.float() - b.float()).abs().max().item()))
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+def test_the_triton_kernels_match_the_torch_path_in_the_interpreter():
+    """The three CUDA kernels in Triton's interpreter against the torch path with the same seed: sequences of 1 and of
+    lengths cut inside a tile, several query and key blocks, q, k, v as strided views of one fused QKV, dropout on and
+    off, head dimensions 16-64; fp32 and fp16 (the interpreter's bf16 products are wrong)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", INTERPRETER], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "bad []" in done.stdout
+
+
+SM90 = """
+import os, re, subprocess, sys, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from bert.model import triton_attention as ta
+
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
+scalars = dict(tokens="i32", groups="i32", threshold="i32")
+flags = dict(D="constexpr", BM="constexpr", BN="constexpr", DROPOUT="constexpr")
+bad, seen = [], []
+for dtype in ("bf16", "fp16"):
+    qkv = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
+    grads = dict(DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32")
+    kernels = [
+        (ta._forward, ta.FORWARD_BLOCKS, dict(**qkv, OUT=f"*{dtype}", LSE="*fp32", cu="*i32", seed="*i64", **scalars,
+                                              qk_scale="fp32", drop_scale="fp32", **strides, so_t="i32", so_h="i32")),
+        (ta._backward_kv, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, DK=f"*{dtype}", DV=f"*{dtype}", cu="*i32",
+                                                   seed="*i64", **scalars, qk_scale="fp32", sm_scale="fp32",
+                                                   drop_scale="fp32", **strides, sdo_t="i32", sdo_h="i32")),
+        (ta._backward_q, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, DQ=f"*{dtype}", cu="*i32", seed="*i64", **scalars,
+                                                  qk_scale="fp32", sm_scale="fp32", drop_scale="fp32", **strides,
+                                                  sdo_t="i32", sdo_h="i32")),
+    ]
+    for kernel, (bm, bn), signature in kernels:
+        for dim in (64, 128):
+            for dropout in (True, False):
+                case = (kernel.fn.__name__, dtype, dim, dropout)
+                try:
+                    compiled = triton.compile(ASTSource(kernel, {**signature, **flags},
+                                                       dict(D=dim, BM=bm, BN=bn, DROPOUT=dropout)),
+                                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=ta.WARPS))
+                except Exception as e:
+                    bad.append(case + (repr(e)[:300],))
+                    continue
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(compiled.asm["cubin"])
+                    f.flush()
+                    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name],
+                                           capture_output=True, text=True, check=True).stdout
+                stack = int(re.search(r"STACK:(\\d+)", usage).group(1))
+                wgmma = compiled.asm["ptx"].count("wgmma.mma_async")
+                seen.append(case + (stack, wgmma))
+                if (dim == 64 and stack) or not wgmma:  # BERT's heads: nothing spilled; Hopper's MMA in every kernel
+                    bad.append(case + (f"stack {stack}", f"wgmma {wgmma}"))
+print("seen", seen)
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+def test_the_kernels_compile_for_an_h100_without_spills():
+    """The three kernels compiled for sm_90 with Triton's ptxas (no GPU needed), bf16 and fp16, head dimensions 64 and
+    128, dropout on and off: each uses Hopper's warpgroup MMA, and at BERT's 64 none spills a register to the stack
+    (cuobjdump's resource usage; with 4 warps the forward spilled 304 bytes a thread, with 64-bit pointers a tile
+    1,328)."""
+    done = subprocess.run([sys.executable, "-c", SM90], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "bad []" in done.stdout
+
+
+TORCH_PATHS = (ta.attention_torch, ta.backward_torch)
+
+
+@pytest.fixture
+def kernels_only(monkeypatch):
+    """The torch path refused on CUDA: a CUDA test that passes ran the Triton kernels."""
+    def only_off_cuda(path):
+        def run(first, *rest):
+            assert not first.is_cuda, "the torch path ran on CUDA"
+            return path(first, *rest)
+        return run
+
+    monkeypatch.setattr(ta, "attention_torch", only_off_cuda(TORCH_PATHS[0]))
+    monkeypatch.setattr(ta, "backward_torch", only_off_cuda(TORCH_PATHS[1]))
+
+
+def step_lengths(tokens: int, seed: int = 0) -> list[int]:
+    """Phase-2-like lengths (at most 512) summing to `tokens`."""
+    g, lengths = torch.Generator().manual_seed(seed), []
+    while sum(lengths) < tokens:
+        lengths.append(min(int(torch.randint(20, 513, (), generator=g)), tokens - sum(lengths)))
+    return lengths
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens_in_step,p", [(24576, 0.1), (3001, 0.0)])
+def test_cuda_the_kernels_match_the_torch_path(tokens_in_step, p, kernels_only):
+    """On the GPU, BERT-large's heads at a step's token count: bf16 outputs and gradients within bf16's rounding of the
+    torch path's in fp32 with the same seed (so the same mask)."""
+    lengths = step_lengths(tokens_in_step)
+    q, k, v = (t.cuda() for t in tokens(lengths, heads=16, dim=64, dtype=torch.bfloat16))
+    cu, longest, seed = cu_of(lengths).cuda(), max(lengths), SEED.cuda()
+    out, lse = OP(q, k, v, cu, longest, p, seed if p else None)
+    want, want_lse = TORCH_PATHS[0](*(t.cpu().float() for t in (q, k, v)), lengths, longest, p, SEED)
+    torch.testing.assert_close(out.cpu().float(), want, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-3, atol=1e-3)
+    grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    got = torch.ops.bert.triton_attention_backward(grad, q, k, v, out, lse, cu, longest, p, seed if p else None)
+    wants = TORCH_PATHS[1](*(t.cpu().float() for t in (grad, q, k, v, out)), lengths, longest, p, SEED)
+    for a, b in zip(got, wants):
+        torch.testing.assert_close(a.cpu().float(), b, rtol=2**-6, atol=2**-6 * (1 + b.abs().max().item()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_without_dropout_it_is_flash_attention(kernels_only):
+    """Against torch's FlashAttention-2 (the `varlen` backend) on views of a fused QKV, forward and gradients."""
+    lengths = step_lengths(8192, seed=1)
+    qkv = torch.randn(sum(lengths), 3, 16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seq = SeqLayout.from_lengths(lengths, device="cuda")
+    outs = [varlen_attention(*qkv.unbind(1), seq, 0.0, name) for name in ("triton", "varlen")]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2**-7, atol=2**-7)
+    grad = torch.randn_like(outs[0])
+    got, want = (torch.autograd.grad(o, qkv, grad)[0].float() for o in outs)
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * (1 + want.abs().max().item()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_graph_replays_it_with_a_fresh_mask(kernels_only):
+    """Captured in a CUDA graph with the seed drawn inside it (torch's generator is graph-safe), each replay draws a
+    new mask."""
+    lengths = [512, 300, 77]
+    q, k, v = (t.cuda() for t in tokens(lengths, heads=16, dim=64, dtype=torch.bfloat16))
+    attend = ta.triton_varlen(SeqLayout.from_lengths(lengths, device="cuda"))
+    attend(q, k, v, 0.1)  # warm: the kernel compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(q, k, v, 0.1)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(first, out) and torch.isfinite(out.float()).all()
