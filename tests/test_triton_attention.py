@@ -18,6 +18,7 @@ from bert.batch import SeqLayout
 from bert.config import from_flat
 from bert.model import triton_attention as ta
 from bert.model.attention import check_attention, varlen_attention
+from bert.model.compile_keys import configure_caches
 from bert.model.philox import randint4x
 
 OP = torch.ops.bert.triton_attention
@@ -82,6 +83,14 @@ def test_the_mask_is_its_definition_element_by_element():
         assert keep[h, i, j].item() == ((word >> (16 * (j % 2))) & 0xFFFF >= threshold), (h, i, j)
 
 
+def test_the_bits_hold_eight_elements_a_byte():
+    keep = torch.rand(3, 5, 21) > 0.5
+    bits = ta.pack_bits(keep, 3)
+    assert bits.shape == (3, 5, 3) and torch.equal(ta.unpack_bits(bits, 21), keep)
+    assert bits[0, 0, 0].item() == sum(int(keep[0, 0, s]) << s for s in range(8))
+    assert (bits[..., 2] >> 5).eq(0).all()  # elements 21-23 do not exist: 0
+
+
 def test_the_mask_drops_p_and_follows_the_seed():
     lengths, heads = [512, 300, 200], 4
     for p in (0.1, 0.5):
@@ -99,8 +108,14 @@ def test_the_mask_drops_p_and_follows_the_seed():
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_the_op_is_padded_attention_with_its_mask(p, dtype, tol):
     q, k, v = tokens(LENGTHS, dtype=dtype)
-    out, lse = OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)
+    out, lse, bits = OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)
     want = reference(q, k, v, LENGTHS, op_mask(LENGTHS, 2, p), p)
+    assert bits.shape == ((2, sum(LENGTHS), 9) if p else (2, 0, 9)) and bits.dtype == torch.uint8
+    start = 0
+    for b, n in enumerate(LENGTHS):  # the bits the backward reads are the mask
+        if p:
+            assert torch.equal(ta.unpack_bits(bits[:, start:start + n], n), op_mask(LENGTHS, 2, p)(b))
+        start += n
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     start, scores = 0, []
@@ -177,6 +192,7 @@ def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
 
     want = grads(f)
     torch._dynamo.reset()
+    configure_caches()  # as the driver: the caches keyed on this module's source, so an edit misses them
     with torch._inductor.config.patch(fallback_random=True):
         got = grads(torch.compile(f))
     torch._dynamo.reset()
@@ -216,17 +232,23 @@ for lengths, heads, dim, dtype, p in [([5, 70, 130], 2, 16, torch.float32, 0.1),
     q, k, v = qkv.unbind(1)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     seed, longest = torch.tensor(123456789), max(lengths)
-    out, lse = ta.launch_forward(q, k, v, cu, longest, p, seed if p else None)
-    want, want_lse = ta.attention_torch(q, k, v, lengths, longest, p, seed)
+    out, lse, bits = ta.launch_forward(q, k, v, cu, longest, p, seed if p else None)
+    want, want_lse, want_bits = ta.attention_torch(q, k, v, lengths, longest, p, seed)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     case = (lengths, dim, str(dtype), p)
     if not torch.allclose(out.float(), want.float(), rtol=tol, atol=tol):
         bad.append(case + ("out", (out.float() - want.float()).abs().max().item()))
     if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5):
         bad.append(case + ("lse",))
+    start = 0
+    for n in lengths:  # the mask's bits of each sequence's own keys, bit for bit (the rest is never read)
+        rows = slice(start, start + n)
+        if p and not torch.equal(ta.unpack_bits(bits[:, rows], n), ta.unpack_bits(want_bits[:, rows], n)):
+            bad.append(case + ("bits", n))
+        start += n
     grad = torch.randn(q.shape, generator=g).to(dtype)
-    got = ta.launch_backward(grad, q, k, v, out, lse, cu, longest, p, seed if p else None)
-    wants = ta.backward_torch(grad, q, k, v, out, lengths, longest, p, seed)
+    got = ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p)
+    wants = ta.backward_torch(grad, q, k, v, out, want_bits, lengths, p)
     for name, a, b in zip(("dq", "dk", "dv"), got, wants):
         if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * (1 + b.float().abs().max().item())):
             bad.append(case + (name, (a.float() - b.float()).abs().max().item()))
@@ -262,22 +284,27 @@ for dtype in ("bf16", "fp16"):
     qkv = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
     grads = dict(DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32")
     kernels = [
-        (ta._forward, ta.FORWARD_BLOCKS, dict(**qkv, OUT=f"*{dtype}", LSE="*fp32", cu="*i32", seed="*i64", **scalars,
-                                              qk_scale="fp32", drop_scale="fp32", **strides, so_t="i32", so_h="i32")),
-        (ta._backward_kv, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, DK=f"*{dtype}", DV=f"*{dtype}", cu="*i32",
-                                                   seed="*i64", **scalars, qk_scale="fp32", sm_scale="fp32",
-                                                   drop_scale="fp32", **strides, sdo_t="i32", sdo_h="i32")),
-        (ta._backward_q, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, DQ=f"*{dtype}", cu="*i32", seed="*i64", **scalars,
-                                                  qk_scale="fp32", sm_scale="fp32", drop_scale="fp32", **strides,
-                                                  sdo_t="i32", sdo_h="i32")),
+        (ta._forward, ta.FORWARD_BLOCKS, dict(**qkv, OUT=f"*{dtype}", LSE="*fp32", BITS="*u8", cu="*i32",
+                                              seed="*i64", **scalars, qk_scale="fp32", drop_scale="fp32", **strides,
+                                              so_t="i32", so_h="i32")),
+        (ta._backward_kv, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, BITS="*u8", DK=f"*{dtype}", DV=f"*{dtype}",
+                                                   cu="*i32", tokens="i32", groups="i32", qk_scale="fp32",
+                                                   sm_scale="fp32", drop_scale="fp32", **strides, sdo_t="i32",
+                                                   sdo_h="i32")),
+        (ta._backward_q, ta.BACKWARD_BLOCKS, dict(**qkv, **grads, BITS="*u8", DQ=f"*{dtype}", cu="*i32",
+                                                  tokens="i32", groups="i32", qk_scale="fp32", sm_scale="fp32",
+                                                  drop_scale="fp32", **strides, sdo_t="i32", sdo_h="i32")),
     ]
     for kernel, (bm, bn), signature in kernels:
         for dim in (64, 128):
             for dropout in (True, False):
                 case = (kernel.fn.__name__, dtype, dim, dropout)
+                full = {**signature, **flags}  # pointers and strides divisible by 16, as Triton's launcher finds them
+                attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(full)
+                         if full[name].startswith("*") or name.startswith("s")}
                 try:
-                    compiled = triton.compile(ASTSource(kernel, {**signature, **flags},
-                                                       dict(D=dim, BM=bm, BN=bn, DROPOUT=dropout)),
+                    compiled = triton.compile(ASTSource(kernel, full, dict(D=dim, BM=bm, BN=bn, DROPOUT=dropout),
+                                                        attrs),
                                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=ta.WARPS))
                 except Exception as e:
                     bad.append(case + (repr(e)[:300],))
@@ -342,13 +369,18 @@ def test_cuda_the_kernels_match_the_torch_path(tokens_in_step, p, kernels_only):
     lengths = step_lengths(tokens_in_step)
     q, k, v = (t.cuda() for t in tokens(lengths, heads=16, dim=64, dtype=torch.bfloat16))
     cu, longest, seed = cu_of(lengths).cuda(), max(lengths), SEED.cuda()
-    out, lse = OP(q, k, v, cu, longest, p, seed if p else None)
-    want, want_lse = TORCH_PATHS[0](*(t.cpu().float() for t in (q, k, v)), lengths, longest, p, SEED)
+    out, lse, bits = OP(q, k, v, cu, longest, p, seed if p else None)
+    want, want_lse, want_bits = TORCH_PATHS[0](*(t.cpu().float() for t in (q, k, v)), lengths, longest, p, SEED)
     torch.testing.assert_close(out.cpu().float(), want, rtol=2**-7, atol=2**-7)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-3, atol=1e-3)
+    start = 0
+    for n in lengths:  # the same mask, bit for bit
+        assert not p or torch.equal(ta.unpack_bits(bits[:, start:start + n].cpu(), n),
+                                    ta.unpack_bits(want_bits[:, start:start + n], n))
+        start += n
     grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    got = torch.ops.bert.triton_attention_backward(grad, q, k, v, out, lse, cu, longest, p, seed if p else None)
-    wants = TORCH_PATHS[1](*(t.cpu().float() for t in (grad, q, k, v, out)), lengths, longest, p, SEED)
+    got = torch.ops.bert.triton_attention_backward(grad, q, k, v, out, lse, bits, cu, longest, p)
+    wants = TORCH_PATHS[1](*(t.cpu().float() for t in (grad, q, k, v, out)), want_bits, lengths, p)
     for a, b in zip(got, wants):
         torch.testing.assert_close(a.cpu().float(), b, rtol=2**-6, atol=2**-6 * (1 + b.abs().max().item()))
 

@@ -14,7 +14,9 @@ The kernels follow FlashAttention-2's algorithm (Dao, 2023) on the concatenated 
   online softmax in base 2, the kept probabilities times V; it writes the output and the log-sum-exp (base 2).
 - **backward**, two kernels, as Triton's fused-attention tutorial: one per key block (dK, dV, over the query blocks)
   and one per query block (dQ, over the key blocks), so no atomics; each recomputes the probabilities from the
-  log-sum-exp and the mask from the seed. delta = rowsum(dO * O) is torch's.
+  log-sum-exp, and reads the mask from the bits the forward wrote: (H, T, G) bytes, a bit an element (25 MB a
+  BERT-large layer at 24,576 tokens), where drawing it again cost each backward kernel more instructions than all the
+  rest of its work (SASS counted: 36 and 24 an element). delta = rowsum(dO * O) is torch's.
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
@@ -22,7 +24,8 @@ place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqle
 gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a 16-bit number u; the
 element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for 0.1). One Philox call
 serves eight elements. The CPU draws the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels
-(run in Triton's interpreter by the tests) equal the torch path's mask bit for bit.
+(run in Triton's interpreter by the tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
+end, and the bytes past its last key block, are never read.
 
 The torch path (the CPU, float64 anywhere) computes the same attention per sequence in torch's ops, and its backward
 by the kernels' formulas (checked against autograd through a float64 reference by the tests).
@@ -75,13 +78,29 @@ def keep_mask(seed: Tensor, heads: int, tokens: int, rows: Tensor, length: int, 
     return halves.flatten(2)[..., :length] >= drop_threshold(p)
 
 
+def pack_bits(keep: Tensor, groups: int) -> Tensor:
+    """(..., n) bool -> (..., groups) uint8: bit s of byte g is element 8g + s (elements past n: 0)."""
+    padded = torch.zeros(*keep.shape[:-1], groups * 8, dtype=torch.int32, device=keep.device)
+    padded[..., :keep.shape[-1]] = keep.int()
+    shifts = torch.arange(8, dtype=torch.int32, device=keep.device)
+    return (padded.unflatten(-1, (groups, 8)) << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(bits: Tensor, n: int) -> Tensor:
+    """`pack_bits` undone: (..., n) bool."""
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    return ((bits.int()[..., None] >> shifts) & 1).flatten(-2)[..., :n].bool()
+
+
 def attention_torch(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], max_seqlen: int, p: float,
-                    seed: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out (T, H, D) in q's dtype, log-sum-exp base 2 (H, T) in the compute dtype): the kernels' attention and mask,
-    per sequence in torch's ops (fp32 arithmetic, float64 for float64)."""
+                    seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(out (T, H, D) in q's dtype, log-sum-exp base 2 (H, T) in the compute dtype, the mask's bits (H, T, G) uint8,
+    none when p = 0): the kernels' attention and mask, per sequence in torch's ops (fp32 arithmetic, float64 for
+    float64)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     tokens, heads, dim = q.shape
     scale, groups = 1.0 / math.sqrt(dim), groups_per_row(max_seqlen)
+    bits = torch.zeros((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
     outs, lses, start = [], [], 0
     for n in lengths:
         qs, ks, vs = (t[start:start + n].to(compute).transpose(0, 1) for t in (q, k, v))  # (H, n, D)
@@ -89,21 +108,21 @@ def attention_torch(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], max_seq
         probs = torch.softmax(scores, -1)
         if p > 0:
             keep = keep_mask(seed, heads, tokens, torch.arange(start, start + n, device=q.device), n, groups, p)
+            bits[:, start:start + n] = pack_bits(keep, groups)
             probs = torch.where(keep, probs / (1.0 - p), 0.0)
         outs.append((probs @ vs).transpose(0, 1))
         lses.append(torch.logsumexp(scores, -1) * LOG2E)
         start += n
-    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1), bits
 
 
-def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lengths: list[int], max_seqlen: int,
-                   p: float, seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of `attention_torch`, by the kernels' formulas per sequence: P again from the scores, dV = P~^T dO,
-    dP = (dO V^T) with the mask and scale, dS = P * (dP - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D)
-    (P~: P with the mask and scale)."""
+def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bits: Tensor, lengths: list[int],
+                   p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of `attention_torch`, by the kernels' formulas per sequence, the mask from the forward's bits: P
+    again from the scores, dV = P~^T dO, dP = (dO V^T) with the mask and scale, dS = P * (dP - rowsum(dO * O)),
+    dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D) (P~: P with the mask and scale)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    tokens, heads, dim = q.shape
-    scale, groups = 1.0 / math.sqrt(dim), groups_per_row(max_seqlen)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     grads, start = [[], [], []], 0
     for n in lengths:
         qs, ks, vs, dos, outs = (t[start:start + n].to(compute).transpose(0, 1) for t in (q, k, v, grad, out))
@@ -111,7 +130,7 @@ def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         dprobs = dos @ vs.transpose(1, 2)
         kept = probs
         if p > 0:
-            keep = keep_mask(seed, heads, tokens, torch.arange(start, start + n, device=q.device), n, groups, p)
+            keep = unpack_bits(bits[:, start:start + n], n)
             kept = torch.where(keep, probs / (1.0 - p), 0.0)
             dprobs = torch.where(keep, dprobs / (1.0 - p), 0.0)
         ds = probs * (dprobs - (dos * outs).sum(-1, keepdim=True))
@@ -123,15 +142,41 @@ def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 if triton is not None:
     @triton.jit
-    def _keep_tile(seed, head, rows, n0, tokens, groups, threshold, BM: tl.constexpr, BN: tl.constexpr):
-        """(BM, BN) bool: kept elements of query tokens `rows` (their places in the T tokens) against keys
-        n0..n0+BN-1 of their sequence."""
+    def _draw(seed, head, rows, n0, tokens, groups, threshold, BM: tl.constexpr, BN: tl.constexpr):
+        """The mask of query tokens `rows` (their places in the T tokens) against keys n0..n0+BN-1 of their
+        sequence: (kept (BM, BN) bool, its bytes (BM, BN // 8) int32, bit s of byte g being key n0 + 8g + s). Key
+        n0 + 8g + s is kept iff half s % 2 of word s // 2 of Philox call g is at or above `threshold`."""
         g = n0 // 8 + tl.arange(0, BN // 8)
-        counters = (head * tokens + rows)[:, None] * groups + g[None, :]
-        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), counters)
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), (head * tokens + rows)[:, None] * groups + g[None, :])
+        # the (BM, BN) tile from a join and a reshape, not from the bytes: expanding the bytes let Triton lay the
+        # Philox calls out as the products' tile, each computed by four threads (SASS: 74 instructions an element)
         words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [..., a, b]: word 2a + b
         halves = tl.join(words & 0xFFFF, words >> 16)  # [..., a, b, c]: half c of word 2a + b
-        return tl.reshape(halves, (BM, BN)).to(tl.int32) >= threshold  # key 8g + 4a + 2b + c
+        kept = tl.reshape(halves, (BM, BN)).to(tl.int32) >= threshold  # key 8g + 4a + 2b + c
+        byte = (_two_bits(r0, threshold) | (_two_bits(r1, threshold) << 2) | (_two_bits(r2, threshold) << 4)
+                | (_two_bits(r3, threshold) << 6))
+        return kept, byte
+
+    @triton.jit
+    def _two_bits(word, threshold):
+        """Bit 0: the word's low 16 bits are kept; bit 1: its high 16 bits."""
+        low = ((word & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32)
+        return low | (((word >> 16).to(tl.int32) >= threshold).to(tl.int32) << 1)
+
+    @triton.jit
+    def _unpack(byte, BM: tl.constexpr, BN: tl.constexpr):
+        """(BM, BN // 8) bytes -> (BM, BN) bool: element 8g + s is bit s of byte g; by joins, as `_draw`."""
+        a0 = tl.join(_bit(byte, 0), _bit(byte, 4))  # [..., a]: bit 4a
+        a1 = tl.join(_bit(byte, 2), _bit(byte, 6))
+        b0 = tl.join(a0, a1)  # [..., a, b]: bit 4a + 2b
+        a0 = tl.join(_bit(byte, 1), _bit(byte, 5))
+        a1 = tl.join(_bit(byte, 3), _bit(byte, 7))
+        bits = tl.join(b0, tl.join(a0, a1))  # [..., a, b, c]: bit 4a + 2b + c
+        return tl.reshape(bits, (BM, BN)) != 0
+
+    @triton.jit
+    def _bit(byte, s: tl.constexpr):
+        return (byte >> s) & 1
 
     @triton.jit
     def _sequence(cu):
@@ -149,7 +194,40 @@ if triton is not None:
                                  offsets=(first, 0), block_shape=(B, D), order=(1, 0))
 
     @triton.jit
-    def _forward(Q, K, V, OUT, LSE, cu, seed, tokens, groups, threshold, qk_scale, drop_scale,
+    def _bits_at(BITS, head, tokens, groups, start, rows, n0, BN: tl.constexpr):
+        """Pointers to the mask's bytes of query tokens start + rows (local `rows`) and keys n0..n0+BN-1, and which
+        of the block's groups exist ((1, BN // 8): a row has G)."""
+        g = n0 // 8 + tl.arange(0, BN // 8)
+        return BITS + ((head * tokens + start + rows) * groups)[:, None] + g[None, :], g[None, :] < groups
+
+    @triton.jit
+    def _forward_tile(q, k_at, v_at, m_i, l_i, acc, n0, length, seed, BITS, head, start, rows, tokens, groups,
+                      threshold, qk_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                      MASKED: tl.constexpr):
+        """One key block of the online softmax; MASKED: the sequence's last, cut one (bounds checked, keys past the
+        end at -inf), else a full block with no per-element test. With dropout it draws the block's mask and writes
+        its bits for the backward."""
+        if MASKED:
+            k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
+            v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
+            s = tl.where((n0 + tl.arange(0, BN) < length)[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+        else:
+            k = tl.load(k_at)
+            v = tl.load(v_at)
+            s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        prob = tl.math.exp2(s * qk_scale - m_new[:, None])  # one FFMA an element
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        if DROPOUT:
+            kept, byte = _draw(seed, head, start + rows, n0, tokens, groups, threshold, BM, BN)
+            at, inside = _bits_at(BITS, head, tokens, groups, start, rows, n0, BN)
+            tl.store(at, byte.to(tl.uint8), mask=inside & (rows < length)[:, None])
+            prob = tl.where(kept, prob, 0.0)
+        return m_new, l_i, acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+
+    @triton.jit
+    def _forward(Q, K, V, OUT, LSE, BITS, cu, seed, tokens, groups, threshold, qk_scale, drop_scale,
                  sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         head = tl.program_id(2)
@@ -164,52 +242,43 @@ if triton is not None:
             m_i = tl.full((BM,), float("-inf"), tl.float32)
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
-            for n0 in tl.range(0, length, BN, num_stages=2):
-                k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
-                v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
-                cols = n0 + tl.arange(0, BN)
-                s = tl.where((cols < length)[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                prob = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(prob, 1)
-                if DROPOUT:
-                    prob = tl.where(_keep_tile(seed, head, start + rows, n0, tokens, groups, threshold, BM, BN),
-                                    prob, 0.0)
-                acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
-                m_i = m_new
+            full = length // BN * BN
+            for n0 in tl.range(0, full, BN, num_stages=2):
+                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, n0, length, seed, BITS, head, start, rows,
+                                              tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, False)
                 k_at = tl.advance(k_at, (BN, 0))
                 v_at = tl.advance(v_at, (BN, 0))
+            if full < length:
+                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, full, length, seed, BITS, head, start,
+                                              rows, tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, True)
             out = acc * (drop_scale / l_i)[:, None]
             tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out.to(OUT.dtype.element_ty),
                      boundary_check=(0,))
             tl.store(LSE + head * tokens + start + rows, m_i + tl.math.log2(l_i), mask=rows < length)
 
     @triton.jit
-    def _probabilities(q, k, do, v, lse, delta, rows, row_in, col_in, seed, head, n0, tokens, groups, threshold,
-                       qk_scale, drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
-        """(P with the mask and scale, dS) of a (BM, BN) tile: the backward kernels' shared part."""
+    def _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
+                       drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        """(P with the mask, dS) of a (BM, BN) tile: the backward kernels' shared part; dV's 1 / (1 - p) is applied
+        once, at its store. No bounds test an element: past the sequence's end q, k, v and dO are loaded as zeros and
+        the log-sum-exp and delta as zeros, so a query row past it contributes nothing (dO = 0), and a key past it
+        only to dK and dV rows that are not stored, or to dQ through a zero K row."""
         prob = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        prob = tl.where(row_in[:, None] & col_in[None, :], prob, 0.0)
         dprob = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            keep = _keep_tile(seed, head, rows, n0, tokens, groups, threshold, BM, BN)
-            dropped = tl.where(keep, prob * drop_scale, 0.0)
-            dprob = tl.where(keep, dprob * drop_scale, 0.0)
-        else:
-            dropped = prob
-        return dropped, prob * (dprob - delta[:, None])
+            at, inside = _bits_at(BITS, head, tokens, groups, start, rows, n0, BN)
+            keep = _unpack(tl.load(at, mask=inside & row_in[:, None], other=0).to(tl.int32), BM, BN)
+            return tl.where(keep, prob, 0.0), prob * (tl.where(keep, dprob, 0.0) * drop_scale - delta[:, None])
+        return prob, prob * (dprob - delta[:, None])
 
     @triton.jit
-    def _backward_kv(Q, K, V, DO, LSE, DELTA, DK, DV, cu, seed, tokens, groups, threshold, qk_scale, sm_scale,
-                     drop_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+    def _backward_kv(Q, K, V, DO, LSE, DELTA, BITS, DK, DV, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         head = tl.program_id(2)
         start, length = _sequence(cu)
         n0 = tl.program_id(0) * BN
         if n0 < length:
-            cols = n0 + tl.arange(0, BN)
-            col_in = cols < length
             k = tl.load(_rows_of(K, start, length, sk_t, head, sk_h, n0, BN, D), boundary_check=(0,),
                         padding_option="zero")
             v = tl.load(_rows_of(V, start, length, sv_t, head, sv_h, n0, BN, D), boundary_check=(0,),
@@ -225,21 +294,20 @@ if triton is not None:
                 do = tl.load(do_at, boundary_check=(0,), padding_option="zero")
                 lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
                 delta = tl.load(DELTA + head * tokens + start + rows, mask=row_in, other=0.0)
-                dropped, ds = _probabilities(q, k, do, v, lse, delta, start + rows, row_in, col_in, seed, head, n0,
-                                             tokens, groups, threshold, qk_scale, drop_scale, BM, BN, DROPOUT)
+                dropped, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in,
+                                             n0, qk_scale, drop_scale, BM, BN, DROPOUT)
                 dv += tl.dot(tl.trans(dropped.to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
                 q_at = tl.advance(q_at, (BM, 0))
                 do_at = tl.advance(do_at, (BM, 0))
-            # dk and dv are contiguous (T, H, D)
-            heads = tl.num_programs(2)
+            heads = tl.num_programs(2)  # dk and dv are contiguous (T, H, D)
             tl.store(_rows_of(DK, start, length, heads * D, head, D, n0, BN, D),
                      (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
-            tl.store(_rows_of(DV, start, length, heads * D, head, D, n0, BN, D), dv.to(DV.dtype.element_ty),
-                     boundary_check=(0,))
+            tl.store(_rows_of(DV, start, length, heads * D, head, D, n0, BN, D),
+                     (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
-    def _backward_q(Q, K, V, DO, LSE, DELTA, DQ, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
+    def _backward_q(Q, K, V, DO, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         head = tl.program_id(2)
@@ -260,9 +328,8 @@ if triton is not None:
             for n0 in tl.range(0, length, BN, num_stages=2):
                 k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
                 v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
-                col_in = n0 + tl.arange(0, BN) < length
-                _, ds = _probabilities(q, k, do, v, lse, delta, start + rows, row_in, col_in, seed, head, n0, tokens,
-                                       groups, threshold, qk_scale, drop_scale, BM, BN, DROPOUT)
+                _, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0,
+                                       qk_scale, drop_scale, BM, BN, DROPOUT)
                 dq += tl.dot(ds.to(k.dtype), k)
                 k_at = tl.advance(k_at, (BN, 0))
                 v_at = tl.advance(v_at, (BN, 0))
@@ -281,36 +348,40 @@ def _common(q: Tensor, max_seqlen: int, p: float) -> tuple[int, float, float, fl
 
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, p: float, seed: Tensor | None
-                   ) -> tuple[Tensor, Tensor]:
-    """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32); on q's device."""
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32, the mask's bits (H, T, G)
+    uint8, none when p = 0); on q's device."""
     tokens, heads, dim = q.shape
+    groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
     out = q.new_empty((tokens, heads, dim))
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
-    groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
+    # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
+    bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
     bm, bn = FORWARD_BLOCKS
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
-    _forward[grid](q, k, v, out, lse, cu, out if seed is None else seed, tokens, groups, threshold, qk_scale,
-                   drop_scale, *_strides(q, k, v, out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=WARPS)
-    return out, lse
+    # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null)
+    _forward[grid](q, k, v, out, lse, bits if p > 0 else out, cu, out if seed is None else seed, tokens, groups,
+                   threshold, qk_scale, drop_scale, *_strides(q, k, v, out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0,
+                   num_warps=WARPS)
+    return out, lse, bits
 
 
-def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu: Tensor,
-                    max_seqlen: int, p: float, seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
+                    cu: Tensor, max_seqlen: int, p: float) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype."""
     tokens, heads, dim = q.shape
     delta = (grad.float() * out.float()).sum(-1).t().contiguous()  # (H, T): rowsum(dO * O)
     dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
-    groups, sm_scale, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
+    groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
     bm, bn = BACKWARD_BLOCKS
     common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=WARPS)
-    seed = dq if seed is None else seed
+    bits = bits if p > 0 else dq
     strides = _strides(q, k, v, grad)
     _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
-        q, k, v, grad, lse, delta, dk, dv, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
-        *strides, **common)
+        q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
+        **common)
     _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](
-        q, k, v, grad, lse, delta, dq, cu, seed, tokens, groups, threshold, qk_scale, sm_scale, drop_scale,
-        *strides, **common)
+        q, k, v, grad, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides, **common)
     return dq, dk, dv
 
 
@@ -332,8 +403,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, p: float, seed: Tensor | None) -> No
 
 @torch.library.custom_op("bert::triton_attention", mutates_args=())
 def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
-                        seed: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out (T, H, D), log-sum-exp base 2 (H, T)) of the tokens within their sequences (module doc)."""
+                        seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(out (T, H, D), log-sum-exp base 2 (H, T), the mask's bits (H, T, G) uint8) of the tokens within their
+    sequences (module doc)."""
     _check(q, k, v, dropout_p, seed)
     if not _on_triton(q):
         lengths = cu_seqlens.diff().tolist()  # the torch path: the CPU (a copy costs nothing there), float64
@@ -345,40 +417,41 @@ def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max
 @triton_attention_op.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=compute)
+    tokens, heads = q.shape[0], q.shape[1]
+    return (q.new_empty(q.shape), q.new_empty((heads, tokens), dtype=compute),
+            q.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8))
 
 
 @torch.library.custom_op("bert::triton_attention_backward", mutates_args=())
-def triton_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor | None
-                              ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous, in q's dtype."""
+def triton_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
+                              cu_seqlens: Tensor, max_seqlen: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, in q's dtype; the mask from the forward's bits."""
     if not _on_triton(q):
-        return backward_torch(grad, q, k, v, out, cu_seqlens.diff().tolist(), max_seqlen, dropout_p, seed)
+        return backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p)
     with torch.cuda.device(q.device):
-        return launch_backward(grad.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, seed)
+        return launch_backward(grad.contiguous(), q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p)
 
 
 @triton_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, max_seqlen, dropout_p, seed):
+def _(grad, q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p):
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, seed = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
+    q, k, v, cu_seqlens, max_seqlen, dropout_p, _seed = inputs
+    out, lse, bits = output
+    ctx.mark_non_differentiable(lse, bits)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed)
+    ctx.save_for_backward(q, k, v, out, lse, bits, cu_seqlens)
     ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
 
 
-def _backward(ctx, grad_out: Tensor | None, _lse_grad: Tensor | None):
+def _backward(ctx, grad_out: Tensor | None, *_no_grads: Tensor | None):
     if grad_out is None:
         return (None,) * 7
-    q, k, v, out, lse, cu, seed = ctx.saved_tensors
-    dq, dk, dv = torch.ops.bert.triton_attention_backward(grad_out, q, k, v, out, lse, cu, ctx.max_seqlen,
-                                                          ctx.dropout_p, seed)
+    q, k, v, out, lse, bits, cu = ctx.saved_tensors
+    dq, dk, dv = torch.ops.bert.triton_attention_backward(grad_out, q, k, v, out, lse, bits, cu, ctx.max_seqlen,
+                                                          ctx.dropout_p)
     return dq, dk, dv, None, None, None, None
 
 
