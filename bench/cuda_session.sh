@@ -13,7 +13,8 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
-#   model-attention  bench/model.py at batch 96: flash varlen against the last layer on every token
+#   model-attention  bench/model.py at batch 96: flash varlen against our Triton attention and the last layer on
+#                    every token
 #                    (LAST_LAYER_SUBSET=0: the subset's gain) and grouped attention (one scatter per q, k, v since
 #                    2026-11-25; 232 samples/s before), with each variant's kernels timed by kind; cuDNN's
 #                    ragged attention needs torch >= 2.14 (bert.model.cudnn_varlen.MIN_TORCH), the machines have 2.11
@@ -85,6 +86,9 @@ declare -A DRIVERS=(
   # each sublayer's bias + dropout + residual + LayerNorm our Triton kernel each way (bert.model.dropout_add_norm),
   # against compiled-opt: Philox per four elements, no fp32 x_hat, the mask as bits (2026-11-27, not yet run)
   [compiled-opt-norm]="--compile default --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
+  # our flash attention with dropout in Triton (bert.model.triton_attention) against compiled-opt's FlashAttention-2
+  # (23.8 ms of the H100's step; 11-17 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)
+  [compiled-opt-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"
@@ -297,7 +301,8 @@ for name in "$@"; do
         compiled-master-fp8/varlen unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
     model-attention)
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
-        --variants unpadded/varlen full-last/varlen unpadded/grouped --profile --json "$WORK/model_cuda_attention.json" ;;
+        --variants unpadded/varlen unpadded/triton full-last/varlen unpadded/grouped --profile \
+        --json "$WORK/model_cuda_attention.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

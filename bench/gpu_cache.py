@@ -260,8 +260,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", nargs="+", default=["h100"], choices=["h100", "h200"])
     p.add_argument("--rows", nargs="+", default=["compiled-flat", "fp8-delayed-layers-flat", "compiled-opt",
-                                                 "compiled-opt-norm", "fp8-delayed", "compiled-layers",
-                                                 "fp8-delayed-layers"],
+                                                 "compiled-opt-norm", "compiled-opt-triton", "fp8-delayed",
+                                                 "compiled-layers", "fp8-delayed-layers"],
                    help="cuda_session.sh driver rows (driver-<row>)")
     p.add_argument("--caches", type=Path, default=CACHES, help="where the session's COMPILE_CACHE files live")
     p.add_argument("--flags", default="", help="bench/train_gpu.py flags after the row's (a test: --bert-config tiny)")

@@ -55,6 +55,8 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     # each sublayer's bias + dropout + residual + LayerNorm our kernels (bert.model.dropout_add_norm): opaque to
     # inductor, so their bytes are not in its estimate (the row's `our_op_gb` counts them)
     "fused-norm-layers-step": ({"compile": "default", "compile_scope": "layers", "residual_norm": "fused"}, "step"),
+    # attention through our Triton kernels (bert.model.triton_attention), opaque to inductor as flash's op is
+    "triton-attention-layers-step": ({"compile": "default", "compile_scope": "layers", "attention": "triton"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }

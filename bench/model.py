@@ -16,15 +16,16 @@ instead (one thread, so no OpenMP thread waits on a descheduled sibling), which 
 between variants meaningful.
 
     padded            our model, zero-padded to the batch maximum, key-padding mask, MLM head on masked rows
-    unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen and,
-                      on torch >= 2.14, cuDNN's ragged attention, `cudnn`, side by side); every unpadded row runs the
+    unpadded/<name>   our model on the concatenated tokens with attention backend <name> (on CUDA: flash varlen, our
+                      Triton kernels, `triton`, and on torch >= 2.14 cuDNN's ragged attention, `cudnn`, side by
+                      side); every unpadded row runs the
                       last layer on the [CLS] and masked rows only after its attention (LAST_LAYER_SUBSET=1, the
                       default)
     full-last/<name>  unpadded/<name> with the last layer on every token (LAST_LAYER_SUBSET=0): the subset's gain
     static<N>/<name>  unpadded/<name> on the batch padded to a multiple of N tokens (`--static-tokens N`,
                       bert.static_shapes), charged for the padding it computes
     compiled/<name>   unpadded/<name> under torch.compile (`--compile MODE`, bert.model.compile; compiled in
-                      the untimed warm-up step); compiled-static<N>/<name> with both
+                      the untimed warm-up step), for varlen and, on CUDA, triton; compiled-static<N>/<name> with both
     fp8/<name>        `--precision fp8` (CUDA, compute capability >= 8.9, torchao): the encoder linears in float8
                       (bert.model.fp8) on the batch padded to a multiple of N tokens (`--static-tokens`, else 16);
                       compiled-fp8/<name> also compiled. On the CPU these are skipped with a line saying why.
@@ -179,9 +180,10 @@ def hf_step_inputs(batch: Batch) -> dict:
 
 
 def attention_backends(device: str) -> list[str]:
-    """The unpadded/<name> rows: every backend the device runs (varlen and cudnn need CUDA; cudnn a torch whose
-    ragged backward works, `bert.model.cudnn_varlen.MIN_TORCH`)."""
-    cuda = ["varlen"] + (["cudnn"] if cudnn_backward_is_fixed() else [])
+    """The unpadded/<name> rows: every backend the device runs (varlen, triton and cudnn need CUDA (triton's torch
+    path is the CPU's reference, not a contender there); cudnn a torch whose ragged backward works,
+    `bert.model.cudnn_varlen.MIN_TORCH`)."""
+    cuda = ["varlen", "triton"] + (["cudnn"] if cudnn_backward_is_fixed() else [])
     return ["loop", "grouped", "padded"] + (cuda if device == "cuda" else [])
 
 
@@ -194,6 +196,7 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
     names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}", f"fused-norm/{fast}"]
     if compile != "off":
         names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}", f"compiled-fused-norm/{fast}"]
+        names += ["compiled/triton"] if device == "cuda" else []
         names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
     if fp8:
         names += [f"fp8/{fast}", f"master-fp8/{fast}"]
@@ -229,6 +232,8 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
     if compile != "off":
         specs[f"master-bf16-lamb-copt/{fast}"] = specs[f"unpadded/{fast}"]  # the optimizer compiled, not the model
         specs[f"compiled/{fast}"] = specs[f"compiled-fused-norm/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
+        if device == "cuda":
+            specs["compiled/triton"] = (*specs["unpadded/triton"][:-1], True)
         if static_tokens:
             specs[f"compiled-static{static_tokens}/{fast}"] = (*static_spec, True)
     fp8_names = set()

@@ -49,9 +49,11 @@ except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
     triton = None
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax is base 2
-FORWARD_BLOCKS = (128, 64)  # (BM queries, BN keys) a forward program takes; not tuned on a GPU
-BACKWARD_BLOCKS = (64, 64)  # the backward kernels' (BM, BN)
-WARPS = 8  # with 4, the forward spilled registers (sm_90 compile, cuobjdump: 304 bytes of stack a thread); 8: none
+# (BM queries, BN keys, warps) a program takes: chosen by what sm_90's compile gives (bench/attention_sass.py), not
+# timed on a GPU. The forward with 4 warps spilled 240 bytes a thread to the stack; the backward with 8 warps and 64
+# queries ran twice the instructions an element (25 and 17 with 4).
+FORWARD_TILE = (128, 64, 8)
+BACKWARD_TILE = (64, 64, 4)
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot's operands: a power of two, at least 16
 
 
@@ -357,12 +359,12 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
     # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
     bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
-    bm, bn = FORWARD_BLOCKS
+    bm, bn, warps = FORWARD_TILE
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
     # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null)
     _forward[grid](q, k, v, out, lse, bits if p > 0 else out, cu, out if seed is None else seed, tokens, groups,
                    threshold, qk_scale, drop_scale, *_strides(q, k, v, out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0,
-                   num_warps=WARPS)
+                   num_warps=warps)
     return out, lse, bits
 
 
@@ -373,8 +375,8 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     delta = (grad.float() * out.float()).sum(-1).t().contiguous()  # (H, T): rowsum(dO * O)
     dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
-    bm, bn = BACKWARD_BLOCKS
-    common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=WARPS)
+    bm, bn, warps = BACKWARD_TILE
+    common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
     bits = bits if p > 0 else dq
     strides = _strides(q, k, v, grad)
     _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](

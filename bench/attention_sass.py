@@ -1,0 +1,152 @@
+"""What `ATTENTION=triton`'s kernels cost an element, counted in their sm_90 machine code, and what that predicts for a
+BERT-large step against torch's FlashAttention-2 as the H100 ran it. No GPU: Triton compiles for a target.
+
+Each kernel (bert.model.triton_attention) is compiled for sm_90 with Triton's ptxas as its launcher would have it
+(pointers and strides divisible by 16, BERT's head dimension 64, bf16), disassembled with Triton's cuobjdump, and its
+inner loop (the longest backward branch) counted: instructions, Hopper's warpgroup MMAs (HGMMA), special-function ones
+(MUFU: exp2), and instructions an element of the (BM, BN) score tile, over the threads. The loop is the kernel: its
+prologue runs once a program.
+
+The estimate: an H100 SM issues 4 warp instructions a clock (128 thread instructions) and its tensor cores do 4,096
+bf16 FLOP a clock (989 TFLOP/s dense over 132 SMs at 1.83 GHz), so a score element costs at least
+max(ALU, MMA) clocks and at most their sum (no overlap); the loop's other instructions are all counted as ALU. Elements
+a step: the sum over a batch's sequences of L^2, times 16 heads and 24 layers, for 96 sequences of the phase-2 length
+mix (`bert.lengths.WIKI_PHASE2`), and the tiles each kernel computes, cut ones whole. FlashAttention-2 on the H100
+(2026-11-26, `driver-compiled-opt`'s profile): 6.72 ms forward, 17.09 ms backward a step. Not a measurement: latency,
+occupancy (255 registers a thread: one 8-warp forward program an SM, two 4-warp backward ones) and memory are outside
+it.
+
+    .venv-torch2.11.0-py3.12/bin/python bench/attention_sass.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+SM_CLOCK_HZ, SMS = 1.83e9, 132
+ALU_PER_CLOCK, MMA_FLOP_PER_CLOCK = 128, 4096
+FLASH2_H100_MS = {"forward": 6.72, "backward": 17.09}
+HEADS, LAYERS, HEAD_DIM, BATCH = 16, 24, 64, 96
+MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_backward_q": 3 * 2 * HEAD_DIM}
+
+
+def signatures(ta) -> list[tuple]:
+    """(kernel, (BM, BN, warps), its signature) for each of the three kernels, bf16."""
+    qkv = {"Q": "*bf16", "K": "*bf16", "V": "*bf16"}
+    strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
+    grads = {"DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8"}
+    scales = {"qk_scale": "fp32", "sm_scale": "fp32", "drop_scale": "fp32"}
+    sizes = {"tokens": "i32", "groups": "i32"}
+    flags = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "DROPOUT": "constexpr"}
+    return [
+        (ta._forward, ta.FORWARD_TILE, {**qkv, "OUT": "*bf16", "LSE": "*fp32", "BITS": "*u8", "cu": "*i32",
+                                          "seed": "*i64", **sizes, "threshold": "i32", "qk_scale": "fp32",
+                                          "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
+        (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, **grads, "DK": "*bf16", "DV": "*bf16", "cu": "*i32", **sizes,
+                                               **scales, **strides, "sdo_t": "i32", "sdo_h": "i32", **flags}),
+        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, **grads, "DQ": "*bf16", "cu": "*i32", **sizes, **scales,
+                                              **strides, "sdo_t": "i32", "sdo_h": "i32", **flags}),
+    ]
+
+
+def inner_loop(sass: str) -> list[str]:
+    """The opcodes of the longest loop: from a backward branch's target to the branch."""
+    ops = [(int(a, 16), op, rest) for a, op, rest in INSTRUCTION.findall(sass)]
+    loops = [(int(m.group(1), 16), a) for a, op, rest in ops if op.startswith("BRA")
+             for m in [re.search(r"0x([0-9a-f]+)", rest)] if m and int(m.group(1), 16) < a]
+    if not loops:
+        return []
+    low, high = max(loops, key=lambda span: span[1] - span[0])
+    return [op for a, op, _ in ops if low <= a <= high]
+
+
+def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, tools: Path) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    *blocks, warps = tile
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name].startswith("*") or name.startswith("s")}
+    source = ASTSource(kernel, signature, {"D": HEAD_DIM, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout}, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    body = inner_loop(sass)
+    per_thread = blocks[0] * blocks[1] / (32 * warps)  # score elements a thread holds each iteration
+    mma = sum(op.startswith("HGMMA") for op in body)
+    return {"kernel": kernel.fn.__name__, "dropout": dropout, "blocks": list(blocks), "warps": warps,
+            "loop_instructions": len(body), "hgmma": mma, "mufu": sum(op.startswith("MUFU") for op in body),
+            "per_element": round((len(body) - mma) / per_thread, 1),
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
+
+
+def elements(blocks: tuple[int, int], seed: int = 0) -> float:
+    """Score elements a step's kernels compute, whole tiles (cut ones too), for one batch of the phase-2 mix."""
+    from bert.lengths import WIKI_PHASE2
+
+    lengths = WIKI_PHASE2.sample(BATCH, np.random.default_rng(seed))
+    bm, bn = blocks
+    tiles = sum(-(-int(n) // bm) * bm * -(-int(n) // bn) * bn for n in lengths)
+    return float(tiles) * HEADS * LAYERS, float(np.square(lengths.astype(np.float64)).sum()) * HEADS * LAYERS
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=str(ROOT / "results" / "bench" / "attention_sass.json"))
+    args = p.parse_args()
+    try:
+        import triton
+    except ImportError:
+        print("attention_sass: needs Triton (torch's CUDA build: bash scripts/test_torch.sh 2.11.0)")
+        return 2
+    from bert.model import triton_attention as ta
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    rows = [count(kernel, tile, signature, dropout, tools)
+            for kernel, tile, signature in signatures(ta) for dropout in (False, True)]
+    print(f"{'kernel (sm_90, bf16, D 64)':26} {'dropout':>7} {'BM x BN':>8} {'loop':>5} {'HGMMA':>5} {'MUFU':>5} "
+          f"{'ALU/element':>11} {'regs':>4} {'stack':>5}")
+    for r in rows:
+        print(f"{r['kernel']:26} {r['dropout']!s:>7} {r['blocks'][0]:>3} x {r['blocks'][1]:<3} "
+              f"{r['loop_instructions']:5} {r['hgmma']:5} {r['mufu']:5} {r['per_element']:11} {r['registers']:4} "
+              f"{r['stack_bytes']:5}")
+    estimate = {}
+    for phase, kernels in (("forward", ("_forward",)), ("backward", ("_backward_kv", "_backward_q"))):
+        low = high = 0.0
+        for r in rows:
+            if r["dropout"] and r["kernel"] in kernels:
+                computed, useful = elements(tuple(r["blocks"]))
+                alu, mma = r["per_element"] / ALU_PER_CLOCK, MMA_FLOP[r["kernel"]] / MMA_FLOP_PER_CLOCK
+                low += computed * max(alu, mma) / (SM_CLOCK_HZ * SMS) * 1e3
+                high += computed * (alu + mma) / (SM_CLOCK_HZ * SMS) * 1e3
+        estimate[phase] = {"issue_bound_ms": round(low, 2), "no_overlap_ms": round(high, 2),
+                           "flash2_h100_ms": FLASH2_H100_MS[phase]}
+        print(f"{phase:9} with dropout, a BERT-large step of 96 sequences: {low:5.2f}-{high:5.2f} ms by issue rate "
+              f"(FlashAttention-2 on the H100: {FLASH2_H100_MS[phase]} ms)")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows,
+                                           "step_estimate": estimate}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
