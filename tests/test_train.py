@@ -45,8 +45,8 @@ def checker(path: Path, tmp: Path) -> subprocess.CompletedProcess:
 
 
 def common_args(data: Path, out: Path, **kw) -> list[str]:
-    args = dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
-                output_dir=out, mlperf_log=out / "result_0.txt", attention="padded", log_freq=5, **kw)
+    args = {**dict(input_dir=data / "train_varlength", eval_dir=data / "eval_varlength", bert_config_path="tiny",
+                   output_dir=out, mlperf_log=out / "result_0.txt", attention="padded", log_freq=5), **kw}
     return [x for k, v in args.items() for x in (f"--{k}", str(v))]
 
 
@@ -92,13 +92,14 @@ def test_evaluate_counts_every_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("residual_norm", ["torch", "fused"])
-def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_data, residual_norm):
-    """Two ranks to the target; with RESIDUAL_NORM=fused the sublayers' dropout is bert.model.dropout_add_norm's."""
+@pytest.mark.parametrize("residual_norm,attention", [("torch", "padded"), ("fused", "padded"), ("torch", "triton")])
+def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_data, residual_norm, attention):
+    """Two ranks to the target; with RESIDUAL_NORM=fused the sublayers' dropout is bert.model.dropout_add_norm's, with
+    ATTENTION=triton the attention's is bert.model.triton_attention's (its torch path, the kernels' mask)."""
     data, out = synthetic_data, tmp_path / "run"
     run = torchrun(common_args(data, out, train_batch_size=16, learning_rate=1e-2, max_steps=300, warmup_steps=5,
                                eval_iter_samples=320, num_eval_examples=256, eval_batch_size=128,
-                               division="closed", seed=7, residual_norm=residual_norm))
+                               division="closed", seed=7, residual_norm=residual_norm, attention=attention))
     assert run.returncode == 0, run.stderr[-3000:]
     log = mllog(out / "result_0.txt")
     evals = [e for e in log if e["key"] == "eval_accuracy"]
@@ -120,7 +121,7 @@ def test_synthetic_run_reaches_target_and_passes_as_closed(tmp_path, synthetic_d
     assert record["config"]["model"]["residual_norm"] == residual_norm
     resolved = record["resolved"]
     assert (resolved["world_size"], resolved["nodes"], resolved["ranks_per_node"]) == (2, 1, 2)
-    assert resolved["attention_backend"] == "padded" and resolved["optimizer_class"] == "bert.optim.lamb.Lamb"
+    assert resolved["attention_backend"] == attention and resolved["optimizer_class"] == "bert.optim.lamb.Lamb"
     assert resolved["precision"] == "fp32" and resolved["global_batch_size"] == 32
     assert record["versions"]["torch"] == torch.__version__ and record["versions"]["cuda"] == torch.version.cuda
     assert run.stdout.count("resolved configuration") == 1
