@@ -13,7 +13,15 @@ from test_flash_varlen import compiles, stand_in
 from torch import nn
 
 from bert.batch import SeqLayout
-from bert.model import compile_keys, cuda_varlen, cudnn_varlen, dropout_add_norm, fp8_delayed, fp8_transpose
+from bert.model import (
+    compile_keys,
+    cuda_varlen,
+    cudnn_varlen,
+    dropout_add_norm,
+    fp8_delayed,
+    fp8_transpose,
+    triton_attention,
+)
 from bert.model.compile import compile_model
 from bert.model.cuda_varlen import flash_varlen_op
 from bert.model.fp8_delayed import DelayedFloat8Linear
@@ -40,6 +48,11 @@ def test_each_custom_op_is_keyed_on_its_modules_source():
     assert marked()["torch.ops.bert.fp8_transpose"] == compile_keys.source_hash(fp8_transpose.__file__)
     assert marked()["torch.ops.bert.lamb_bias_corrections"] == compile_keys.source_hash(bias_correction.__file__)
     assert marked()["torch.ops.bert.dropout_add_layer_norm"] == compile_keys.source_hash(dropout_add_norm.__file__)
+    assert marked()["torch.ops.bert.triton_attention"] == compile_keys.source_hash(triton_attention.__file__)
+    # and every op of ours the model can call, but a backward (keyed with its forward's module): a new op unkeyed
+    # would be served from a cache made before an edit of it
+    ours = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("bert::")}
+    assert {f"torch.ops.bert.{op}" for op in ours if not op.endswith("_backward")} <= set(marked())
     assert torch._functorch.config.autograd_cache_allow_custom_autograd_functions
     assert compile_keys.settings() == {"unsafe_marked_cacheable_functions": marked(),
                                        "autograd_cache_allow_custom_autograd_functions": True}
