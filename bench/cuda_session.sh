@@ -281,7 +281,7 @@ for name in "$@"; do
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
         tests/test_compile.py tests/test_fp8.py tests/test_fp8_delayed.py tests/test_fp8_transpose.py \
         tests/test_flash_varlen.py tests/test_optim_compiled.py tests/test_master_weights.py tests/test_flat_lamb.py \
-        tests/test_bias_correction.py tests/test_dropout_add_norm.py \
+        tests/test_bias_correction.py tests/test_dropout_add_norm.py tests/test_triton_attention.py \
         tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
         tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \

@@ -8,7 +8,7 @@ compiles `tl.dot` on sm_90 to Hopper's warpgroup MMA, and the tiles here are sma
 wastes less of its last tile. Not measured on a GPU yet: whether it beats FA2 is the question the bench answers
 (`bench/model.py --variants unpadded/varlen unpadded/triton`).
 
-The kernels follow FlashAttention-2's algorithm (Dao, 2023) on the concatenated tokens (`cu_seqlens`):
+The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the concatenated tokens (`cu_seqlens`):
 
 - **forward**, a program per (query block of BM, sequence, head): the keys of its own sequence in blocks of BN, an
   online softmax in base 2, the kept probabilities times V; it writes the output and the log-sum-exp (base 2).
