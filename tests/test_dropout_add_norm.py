@@ -4,15 +4,11 @@ given the op's mask; torch's `gradcheck` and `opcheck`; the binomial law for the
 (RESIDUAL_NORM=torch) for the swapped one. The Triton kernels the GPU runs are checked against the CPU path in
 Triton's interpreter (bit for bit on the mask) and, where there is one, on a GPU."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from script_modules import ROOT
 from torch import nn
+from triton_checks import needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
 from bert.model import BertConfig, BertForPreTraining
@@ -304,17 +300,13 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+@needs_triton
 def test_the_triton_kernels_match_the_cpu_path_in_the_interpreter():
     """The CUDA path's two kernels, run by Triton's interpreter: Triton's own Philox words equal bert.model.philox's,
     the mask's bits equal the CPU path's bit for bit (a row not a multiple of four, a word left unused, p = 0, mixed
     dtypes, BERT-large's width) and every output is within a rounding of the output dtype (the backward's in several
     programs of ROWS rows, the last one cut)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", KERNELS], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "bad []" in done.stdout
+    run_check(KERNELS, timeout=300, interpret=True)
 
 
 SM90 = """
@@ -353,32 +345,19 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+@needs_triton
 def test_the_kernels_compile_for_an_h100():
     """The interpreter runs what a GPU compile may refuse (a loop-carried sum changing dtype, found so in review):
     both kernels compiled for sm_90 with Triton's own ptxas, no GPU needed, for each dtype mix the driver meets
     (bf16 masters, fp32, autocast's bf16 h with an fp32 residual, fp16), a threshold typed i32 or i64 (p above 1/2),
     and rows of 4, 128 and 1,024 elements."""
-    done = subprocess.run([sys.executable, "-c", SM90], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "bad []" in done.stdout
-
-
-TORCH_PATHS = (dan.forward_torch, dan.backward_torch)
+    run_check(SM90, timeout=600)
 
 
 @pytest.fixture
 def kernels_only(monkeypatch):
     """The torch path refused on CUDA: a CUDA test that passes ran the Triton kernels."""
-    def only_off_cuda(path):
-        def run(first, *rest):
-            assert not first.is_cuda, "the torch path ran on CUDA"
-            return path(first, *rest)
-        return run
-
-    monkeypatch.setattr(dan, "forward_torch", only_off_cuda(TORCH_PATHS[0]))
-    monkeypatch.setattr(dan, "backward_torch", only_off_cuda(TORCH_PATHS[1]))
+    refuse_torch_path_on_cuda(monkeypatch, dan, "forward_torch", "backward_torch")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -4,15 +4,11 @@ per sequence without dropout; the mask's definition evaluated element by element
 `gradcheck` and `opcheck`. The Triton kernels the GPU runs are checked against the torch path in Triton's interpreter
 (fp32 and fp16: its bf16 `tl.dot` is wrong, found here), compiled for sm_90 (no register spills), and on a GPU."""
 
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from script_modules import ROOT
+from triton_checks import needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.batch import SeqLayout
 from bert.config import from_flat
@@ -257,16 +253,12 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+@needs_triton
 def test_the_triton_kernels_match_the_torch_path_in_the_interpreter():
     """The three CUDA kernels in Triton's interpreter against the torch path with the same seed: sequences of 1 and of
     lengths cut inside a tile, several query and key blocks, q, k, v as strided views of one fused QKV, dropout on and
     off, head dimensions 16-64; fp32 and fp16 (the interpreter's bf16 products are wrong)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", INTERPRETER], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "bad []" in done.stdout
+    run_check(INTERPRETER, timeout=600, interpret=True)
 
 
 SM90 = """
@@ -325,16 +317,13 @@ sys.exit(1 if bad else 0)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
+@needs_triton
 def test_the_kernels_compile_for_an_h100_without_spills():
     """The three kernels compiled for sm_90 with Triton's ptxas (no GPU needed), bf16 and fp16, head dimensions 64 and
     128, dropout on and off: each uses Hopper's warpgroup MMA, and at BERT's 64 none spills a register to the stack
     (cuobjdump's resource usage; the forward with 4 warps spilled 240 bytes a thread, with 64-bit pointers a tile
     1,328)."""
-    done = subprocess.run([sys.executable, "-c", SM90], capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "bad []" in done.stdout
+    run_check(SM90, timeout=900)
 
 
 TORCH_PATHS = (ta.attention_torch, ta.backward_torch)
@@ -343,14 +332,7 @@ TORCH_PATHS = (ta.attention_torch, ta.backward_torch)
 @pytest.fixture
 def kernels_only(monkeypatch):
     """The torch path refused on CUDA: a CUDA test that passes ran the Triton kernels."""
-    def only_off_cuda(path):
-        def run(first, *rest):
-            assert not first.is_cuda, "the torch path ran on CUDA"
-            return path(first, *rest)
-        return run
-
-    monkeypatch.setattr(ta, "attention_torch", only_off_cuda(TORCH_PATHS[0]))
-    monkeypatch.setattr(ta, "backward_torch", only_off_cuda(TORCH_PATHS[1]))
+    refuse_torch_path_on_cuda(monkeypatch, ta, "attention_torch", "backward_torch")
 
 
 def step_lengths(tokens: int, seed: int = 0) -> list[int]:
