@@ -87,7 +87,7 @@ declare -A DRIVERS=(
   # against compiled-opt: Philox per four elements, no fp32 x_hat, the mask as bits (2026-11-27, not yet run)
   [compiled-opt-norm]="--compile default --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
   # our flash attention with dropout in Triton (bert.model.triton_attention) against compiled-opt's FlashAttention-2
-  # (23.8 ms of the H100's step; 11-17 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)
+  # (23.8 ms of the H100's step; 10-16 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)
   [compiled-opt-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)

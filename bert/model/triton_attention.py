@@ -51,7 +51,7 @@ except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
 LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax is base 2
 # (BM queries, BN keys, warps) a program takes: chosen by what sm_90's compile gives (bench/attention_sass.py), not
 # timed on a GPU. The forward with 4 warps spilled 240 bytes a thread to the stack; the backward with 8 warps and 64
-# queries ran twice the instructions an element (25 and 17 with 4).
+# queries ran twice the instructions an element (22 and 15 with 4).
 FORWARD_TILE = (128, 64, 8)
 BACKWARD_TILE = (64, 64, 4)
 HEAD_DIMS = (16, 32, 64, 128)  # tl.dot's operands: a power of two, at least 16
@@ -263,8 +263,10 @@ if triton is not None:
                        drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         """(P with the mask, dS) of a (BM, BN) tile: the backward kernels' shared part; dV's 1 / (1 - p) is applied
         once, at its store. No bounds test an element: past the sequence's end q, k, v and dO are loaded as zeros and
-        the log-sum-exp and delta as zeros, so a query row past it contributes nothing (dO = 0), and a key past it
-        only to dK and dV rows that are not stored, or to dQ through a zero K row."""
+        the log-sum-exp and delta as zeros, so a query row past it gives P = 1 and dS = 0 (dO = 0). A key past it
+        scores 0, so its P is 2^-lse, unbounded (a row's scores may all sit far below 0: softmax does not see a
+        shift): in dK and dV that is a row never stored, but dQ's product with its zero K row would turn an inf
+        into NaN, so `_backward_q` zeroes dS past the end in the sequence's last key block."""
         prob = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         dprob = tl.dot(do, tl.trans(v))
         if DROPOUT:
@@ -309,6 +311,23 @@ if triton is not None:
                      (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
+    def _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, n0, length,
+                 qk_scale, drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                 MASKED: tl.constexpr):
+        """dQ's sum over one key block; MASKED: the sequence's last, cut one, its dS zeroed past the end."""
+        if MASKED:
+            k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
+            v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
+        else:
+            k = tl.load(k_at)
+            v = tl.load(v_at)
+        _, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
+                               drop_scale, BM, BN, DROPOUT)
+        if MASKED:
+            ds = tl.where((n0 + tl.arange(0, BN) < length)[None, :], ds, 0.0)
+        return dq + tl.dot(ds.to(k.dtype), k)
+
+    @triton.jit
     def _backward_q(Q, K, V, DO, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
@@ -327,14 +346,15 @@ if triton is not None:
             k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
             v_at = _rows_of(V, start, length, sv_t, head, sv_h, 0, BN, D)
             dq = tl.zeros((BM, D), tl.float32)
-            for n0 in tl.range(0, length, BN, num_stages=2):
-                k = tl.load(k_at, boundary_check=(0,), padding_option="zero")
-                v = tl.load(v_at, boundary_check=(0,), padding_option="zero")
-                _, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0,
-                                       qk_scale, drop_scale, BM, BN, DROPOUT)
-                dq += tl.dot(ds.to(k.dtype), k)
+            full = length // BN * BN
+            for n0 in tl.range(0, full, BN, num_stages=2):
+                dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, n0,
+                              length, qk_scale, drop_scale, BM, BN, DROPOUT, False)
                 k_at = tl.advance(k_at, (BN, 0))
                 v_at = tl.advance(v_at, (BN, 0))
+            if full < length:
+                dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, full,
+                              length, qk_scale, drop_scale, BM, BN, DROPOUT, True)
             tl.store(_rows_of(DQ, start, length, tl.num_programs(2) * D, head, D, m0, BM, D),
                      (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
@@ -393,13 +413,14 @@ def _on_triton(q: Tensor) -> bool:
         and q.shape[-1] in HEAD_DIMS
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, p: float, seed: Tensor | None) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, p: float, seed: Tensor | None = None, forward: bool = True) -> None:
+    """One (T, H, D) shape with unit last strides (the kernels' block pointers), p in [0, 1), a seed to drop with."""
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape or q.stride(-1) != 1 or k.stride(-1) != 1 \
             or v.stride(-1) != 1:
         raise ValueError(f"q, k, v must be one (T, H, D) shape with unit last strides, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     drop_threshold(p)
-    if p > 0 and seed is None:
+    if forward and p > 0 and seed is None:
         raise ValueError("attention dropout needs a seed")
 
 
@@ -428,6 +449,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
 def triton_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                               cu_seqlens: Tensor, max_seqlen: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, in q's dtype; the mask from the forward's bits."""
+    _check(q, k, v, dropout_p, forward=False)
     if not _on_triton(q):
         return backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p)
     with torch.cuda.device(q.device):
