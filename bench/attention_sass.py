@@ -58,8 +58,9 @@ def signatures(ta) -> list[tuple]:
                                           "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
         (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, **grads, "DK": "*bf16", "DV": "*bf16", "cu": "*i32", **sizes,
                                                **scales, **strides, "sdo_t": "i32", "sdo_h": "i32", **flags}),
-        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, **grads, "DQ": "*bf16", "cu": "*i32", **sizes, **scales,
-                                              **strides, "sdo_t": "i32", "sdo_h": "i32", **flags}),
+        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": "*bf16", "OUT": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
+                                              "BITS": "*u8", "DQ": "*bf16", "cu": "*i32", **sizes, **scales, **strides,
+                                              "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", **flags}),
     ]
 
 

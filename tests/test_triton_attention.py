@@ -300,9 +300,10 @@ for dtype in ("bf16", "fp16"):
                                                    cu="*i32", tokens="i32", groups="i32", qk_scale="fp32",
                                                    sm_scale="fp32", drop_scale="fp32", **strides, sdo_t="i32",
                                                    sdo_h="i32")),
-        (ta._backward_q, ta.BACKWARD_TILE, dict(**qkv, **grads, BITS="*u8", DQ=f"*{dtype}", cu="*i32",
-                                                  tokens="i32", groups="i32", qk_scale="fp32", sm_scale="fp32",
-                                                  drop_scale="fp32", **strides, sdo_t="i32", sdo_h="i32")),
+        (ta._backward_q, ta.BACKWARD_TILE, dict(**qkv, DO=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", DELTA="*fp32",
+                                                  BITS="*u8", DQ=f"*{dtype}", cu="*i32", tokens="i32", groups="i32",
+                                                  qk_scale="fp32", sm_scale="fp32", drop_scale="fp32", **strides,
+                                                  sdo_t="i32", sdo_h="i32", so_t="i32", so_h="i32")),
     ]
     for kernel, (bm, bn, warps), signature in kernels:
         for dim in (64, 128):

@@ -16,7 +16,8 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
   and one per query block (dQ, over the key blocks), so no atomics; each recomputes the probabilities from the
   log-sum-exp, and reads the mask from the bits the forward wrote: (H, T, G) bytes, a bit an element (25 MB a
   BERT-large layer at 24,576 tokens), where drawing it again cost each backward kernel more instructions than all the
-  rest of its work (SASS counted: 36 and 24 an element). delta = rowsum(dO * O) is torch's.
+  rest of its work (SASS counted: 36 and 24 an element). The dQ kernel, launched first, also computes
+  delta = rowsum(dO * O) for the dK/dV kernel, in its one pass over dO.
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
@@ -69,6 +70,11 @@ def groups_per_row(max_seqlen: int) -> int:
     return -(-max_seqlen // 8)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch path's arithmetic: fp32, float64 for float64 (gradcheck's)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def keep_mask(seed: Tensor, heads: int, tokens: int, rows: Tensor, length: int, groups: int, p: float) -> Tensor:
     """(heads, len(rows), length) bool: the elements kept for query tokens `rows` (their places in the T = `tokens`)
     and keys 0..length-1 of their sequence (module doc), in torch's arithmetic."""
@@ -99,7 +105,7 @@ def attention_torch(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], max_seq
     """(out (T, H, D) in q's dtype, log-sum-exp base 2 (H, T) in the compute dtype, the mask's bits (H, T, G) uint8,
     none when p = 0): the kernels' attention and mask, per sequence in torch's ops (fp32 arithmetic, float64 for
     float64)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(q.dtype)
     tokens, heads, dim = q.shape
     scale, groups = 1.0 / math.sqrt(dim), groups_per_row(max_seqlen)
     bits = torch.zeros((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
@@ -123,7 +129,7 @@ def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, b
     """(dq, dk, dv) of `attention_torch`, by the kernels' formulas per sequence, the mask from the forward's bits: P
     again from the scores, dV = P~^T dO, dP = (dO V^T) with the mask and scale, dS = P * (dP - rowsum(dO * O)),
     dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D) (P~: P with the mask and scale)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
     grads, start = [[], [], []], 0
     for n in lengths:
@@ -328,9 +334,11 @@ if triton is not None:
         return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit
-    def _backward_q(Q, K, V, DO, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+    def _backward_q(Q, K, V, DO, OUT, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
+        after it): each (row, head) has one program here, and O is read once, in the one pass over dO."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
         m0 = tl.program_id(0) * BM
@@ -341,8 +349,11 @@ if triton is not None:
                         padding_option="zero")
             do = tl.load(_rows_of(DO, start, length, sdo_t, head, sdo_h, m0, BM, D), boundary_check=(0,),
                          padding_option="zero")
+            o = tl.load(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), boundary_check=(0,),
+                        padding_option="zero")
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # 0 past the end (dO and O loaded as 0)
+            tl.store(DELTA + head * tokens + start + rows, delta, mask=row_in)
             lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
-            delta = tl.load(DELTA + head * tokens + start + rows, mask=row_in, other=0.0)
             k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
             v_at = _rows_of(V, start, length, sv_t, head, sv_h, 0, BN, D)
             dq = tl.zeros((BM, D), tl.float32)
@@ -392,18 +403,19 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     cu: Tensor, max_seqlen: int, p: float) -> tuple[Tensor, Tensor, Tensor]:
     """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype."""
     tokens, heads, dim = q.shape
-    delta = (grad.float() * out.float()).sum(-1).t().contiguous()  # (H, T): rowsum(dO * O)
+    delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
     dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
     bm, bn, warps = BACKWARD_TILE
     common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
     bits = bits if p > 0 else dq
     strides = _strides(q, k, v, grad)
+    _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](  # first: it writes delta
+        q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
+        *_strides(out), **common)
     _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
         **common)
-    _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](
-        q, k, v, grad, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides, **common)
     return dq, dk, dv
 
 
@@ -439,7 +451,7 @@ def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max
 
 @triton_attention_op.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(q.dtype)
     tokens, heads = q.shape[0], q.shape[1]
     return (q.new_empty(q.shape), q.new_empty((heads, tokens), dtype=compute),
             q.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8))
