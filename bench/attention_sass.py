@@ -24,15 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # sass_count
+
+from sass_count import sm90  # noqa: E402
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 SM_CLOCK_HZ, SMS = 1.83e9, 132
@@ -44,23 +45,24 @@ DIVISIBLE = {"sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h", "sd
 MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_backward_q": 3 * 2 * HEAD_DIM}
 
 
-def signatures(ta) -> list[tuple]:
-    """(kernel, (BM, BN, warps), its signature) for each of the three kernels, bf16."""
-    qkv = {"Q": "*bf16", "K": "*bf16", "V": "*bf16"}
+def signatures(ta, dtype: str = "bf16") -> list[tuple]:
+    """(kernel, (BM, BN, warps), its signature) for each of the three kernels, q, k, v in `dtype` (Triton's name)."""
+    half = f"*{dtype}"
+    qkv = {"Q": half, "K": half, "V": half}
     strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
-    grads = {"DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8"}
     scales = {"qk_scale": "fp32", "sm_scale": "fp32", "drop_scale": "fp32"}
     sizes = {"tokens": "i32", "groups": "i32"}
     flags = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "DROPOUT": "constexpr"}
     return [
-        (ta._forward, ta.FORWARD_TILE, {**qkv, "OUT": "*bf16", "LSE": "*fp32", "BITS": "*u8", "cu": "*i32",
-                                          "seed": "*i64", **sizes, "threshold": "i32", "qk_scale": "fp32",
-                                          "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
-        (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, **grads, "DK": "*bf16", "DV": "*bf16", "cu": "*i32", **sizes,
-                                               **scales, **strides, "sdo_t": "i32", "sdo_h": "i32", **flags}),
-        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": "*bf16", "OUT": "*bf16", "LSE": "*fp32", "DELTA": "*fp32",
-                                              "BITS": "*u8", "DQ": "*bf16", "cu": "*i32", **sizes, **scales, **strides,
-                                              "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", **flags}),
+        (ta._forward, ta.FORWARD_TILE, {**qkv, "OUT": half, "LSE": "*fp32", "BITS": "*u8", "cu": "*i32",
+                                        "seed": "*i64", **sizes, "threshold": "i32", "qk_scale": "fp32",
+                                        "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
+        (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, "DO": half, "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8",
+                                             "DK": half, "DV": half, "cu": "*i32", **sizes, **scales, **strides,
+                                             "sdo_t": "i32", "sdo_h": "i32", **flags}),
+        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": half, "OUT": half, "LSE": "*fp32", "DELTA": "*fp32",
+                                            "BITS": "*u8", "DQ": half, "cu": "*i32", **sizes, **scales, **strides,
+                                            "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", **flags}),
     ]
 
 
@@ -75,23 +77,13 @@ def inner_loop(sass: str) -> list[str]:
     return [op for a, op, _ in ops if low <= a <= high]
 
 
-def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, tools: Path) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, dim: int = HEAD_DIM) -> dict:
+    """One kernel compiled for sm_90 as its launcher would have it: its inner loop's counts, registers, stack."""
     *blocks, warps = tile
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name].startswith("*") or name in DIVISIBLE}
-    source = ASTSource(kernel, signature, {"D": HEAD_DIM, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout}, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+    sass, usage = sm90(kernel, signature, {"D": dim, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout},
+                       warps, attrs)
     body = inner_loop(sass)
     per_thread = blocks[0] * blocks[1] / (32 * warps)  # score elements a thread holds each iteration
     mma = sum(op.startswith("HGMMA") for op in body)
@@ -124,8 +116,7 @@ def main() -> int:
         return 2
     from bert.model import triton_attention as ta
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    rows = [count(kernel, tile, signature, dropout, tools)
+    rows = [count(kernel, tile, signature, dropout)
             for kernel, tile, signature in signatures(ta) for dropout in (False, True)]
     print(f"{'kernel (sm_90, bf16, D 64)':26} {'dropout':>7} {'BM x BN':>8} {'loop':>5} {'HGMMA':>5} {'MUFU':>5} "
           f"{'ALU/element':>11} {'regs':>4} {'stack':>5}")

@@ -93,33 +93,41 @@ def count(sass: str) -> dict:
             "subroutine_float64": sum(bool(FLOAT64.match(op)) for op in subroutine)}
 
 
+def sm90(kernel, signature: dict, constexprs: dict, warps: int, attrs: dict | None = None) -> tuple[str, str]:
+    """`kernel` compiled for sm_90 with the ptxas Triton ships (no GPU), and its cubin read back by Triton's cuobjdump:
+    (the disassembly, the resource usage: registers, stack). Needs Triton."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return tuple(subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-sass", "-res-usage"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=str(ROOT / "results" / "bench" / "sass_count.json"))
     args = p.parse_args()
     try:
         import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
     except ImportError:
         print("sass_count: needs Triton (torch's CUDA build: bash scripts/test_torch.sh 2.11.0)")
         return 2
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in kernels().items():
-            first = {"inlined": ("t_ptr", "*fp32"), "loaded": ("c_ptr", "*fp32")}.get(name, ("seed", "i32"))
-            source = ASTSource(fn, signature={first[0]: first[1], "m_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
-                                              "XBLOCK": "constexpr"}, constexprs={"XBLOCK": XBLOCK})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
-            cubin = Path(tmp) / f"{name}.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
-            row = count(sass)
-            # what a thread runs, over the elements it holds: the subroutine run once a call
-            run = row["instructions"] - row["subroutine_instructions"] + row["calls"] * row["subroutine_instructions"]
-            rows.append({"kernel": name, **row, "per_element": round(run / PER_THREAD, 1)})
+    for name, fn in kernels().items():
+        first = {"inlined": ("t_ptr", "*fp32"), "loaded": ("c_ptr", "*fp32")}.get(name, ("seed", "i32"))
+        signature = {first[0]: first[1], "m_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "XBLOCK": "constexpr"}
+        sass, _ = sm90(fn, signature, {"XBLOCK": XBLOCK}, WARPS)
+        row = count(sass)
+        # what a thread runs, over the elements it holds: the subroutine run once a call
+        run = row["instructions"] - row["subroutine_instructions"] + row["calls"] * row["subroutine_instructions"]
+        rows.append({"kernel": name, **row, "per_element": round(run / PER_THREAD, 1)})
     print(f"{'kernel (sm_90, XBLOCK 1024, 4 warps)':38} {'SASS':>5} {'float64':>7} {'calls':>5} "
           f"{'subroutine':>10} {'its float64':>11} {'run per element':>15}")
     for r in rows:

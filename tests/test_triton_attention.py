@@ -278,57 +278,26 @@ def test_the_triton_kernels_match_the_torch_path_in_the_interpreter():
 
 
 SM90 = """
-import os, re, subprocess, sys, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sys
+sys.path.insert(0, "bench")
+import attention_sass
 from bert.model import triton_attention as ta
 
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
-STRIDES = {*strides, "so_t", "so_h", "sdo_t", "sdo_h", "groups"}  # tokens (T) varies: not
-scalars = dict(tokens="i32", groups="i32", threshold="i32")
-flags = dict(D="constexpr", BM="constexpr", BN="constexpr", DROPOUT="constexpr")
 bad, seen = [], []
 for dtype in ("bf16", "fp16"):
-    qkv = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}")
-    grads = dict(DO=f"*{dtype}", LSE="*fp32", DELTA="*fp32")
-    kernels = [
-        (ta._forward, ta.FORWARD_TILE, dict(**qkv, OUT=f"*{dtype}", LSE="*fp32", BITS="*u8", cu="*i32",
-                                              seed="*i64", **scalars, qk_scale="fp32", drop_scale="fp32", **strides,
-                                              so_t="i32", so_h="i32")),
-        (ta._backward_kv, ta.BACKWARD_TILE, dict(**qkv, **grads, BITS="*u8", DK=f"*{dtype}", DV=f"*{dtype}",
-                                                   cu="*i32", tokens="i32", groups="i32", qk_scale="fp32",
-                                                   sm_scale="fp32", drop_scale="fp32", **strides, sdo_t="i32",
-                                                   sdo_h="i32")),
-        (ta._backward_q, ta.BACKWARD_TILE, dict(**qkv, DO=f"*{dtype}", OUT=f"*{dtype}", LSE="*fp32", DELTA="*fp32",
-                                                  BITS="*u8", DQ=f"*{dtype}", cu="*i32", tokens="i32", groups="i32",
-                                                  qk_scale="fp32", sm_scale="fp32", drop_scale="fp32", **strides,
-                                                  sdo_t="i32", sdo_h="i32", so_t="i32", so_h="i32")),
-    ]
-    for kernel, (bm, bn, warps), signature in kernels:
+    for kernel, tile, signature in attention_sass.signatures(ta, dtype):
         for dim in (64, 128):
             for dropout in (True, False):
                 case = (kernel.fn.__name__, dtype, dim, dropout)
-                full = {**signature, **flags}  # pointers, strides, G divisible by 16, as Triton's launcher has them
-                attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(full)
-                         if full[name].startswith("*") or name in STRIDES}
                 try:
-                    compiled = triton.compile(ASTSource(kernel, full, dict(D=dim, BM=bm, BN=bn, DROPOUT=dropout),
-                                                        attrs),
-                                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                    row = attention_sass.count(kernel, tile, signature, dropout, dim)
                 except Exception as e:
                     bad.append(case + (repr(e)[:300],))
                     continue
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(compiled.asm["cubin"])
-                    f.flush()
-                    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name],
-                                           capture_output=True, text=True, check=True).stdout
-                stack = int(re.search(r"STACK:(\\d+)", usage).group(1))
-                wgmma = compiled.asm["ptx"].count("wgmma.mma_async")
-                seen.append(case + (stack, wgmma))
-                if (dim == 64 and stack) or not wgmma:  # BERT's heads: nothing spilled; Hopper's MMA in every kernel
-                    bad.append(case + (f"stack {stack}", f"wgmma {wgmma}"))
+                seen.append(case + (row["stack_bytes"], row["hgmma"]))
+                # BERT's heads: nothing spilled; Hopper's MMA in every kernel's loop
+                if (dim == 64 and row["stack_bytes"]) or not row["hgmma"]:
+                    bad.append(case + (row,))
 print("seen", seen)
 print("bad", bad)
 sys.exit(1 if bad else 0)
