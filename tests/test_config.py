@@ -372,3 +372,21 @@ def test_check_device_refuses_the_fused_residual_norm_on_a_gpu_without_triton(mo
     with pytest.raises(ValueError, match="RESIDUAL_NORM=fused needs Triton"):
         train_config.check_device(cfg)
     train_config.check_device(from_env_and_args([], {**BASE, "PRECISION": "bf16"}))
+
+
+def test_check_device_refuses_a_head_dimension_the_triton_attention_lacks(monkeypatch, tmp_path):
+    """ATTENTION=triton's kernels take head dimensions of 16 to 128 in powers of two: a model of another width stops at
+    the device check (the GPU simulated, Triton present), not at its first forward inside the warm-up."""
+    from bert.model import triton_attention
+    from bert.train import config as train_config
+
+    monkeypatch.setattr("bert.dist.env.device_type", lambda want: "cuda")
+    monkeypatch.setattr(triton_attention, "triton", object())
+    odd = tmp_path / "bert_config.json"
+    odd.write_text(json.dumps({"vocab_size": 30528, "hidden_size": 96, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "intermediate_size": 384}))
+    env = {**BASE, "PRECISION": "bf16", "ATTENTION": "triton"}
+    train_config.check_device(from_env_and_args([], env))  # tiny: 128 / 2 heads = 64
+    with pytest.raises(ValueError, match=r"ATTENTION=triton on CUDA takes a head dimension .* not 48"):
+        train_config.check_device(from_env_and_args([], {**env, "BERT_CONFIG": str(odd)}))
+    train_config.check_device(from_env_and_args([], {**env, "BERT_CONFIG": str(odd), "ATTENTION": "varlen"}))

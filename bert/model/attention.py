@@ -150,15 +150,17 @@ HALF_ONLY = CUDA_ONLY  # the same fused kernels take fp16/bf16 q, k, v only (cud
 HALF_ON_CUDA = ("triton",)  # its kernels take fp16/bf16 (its torch path, the CPU's, any dtype)
 
 
-def check_attention(name: str, device: torch.device, precision: str | None = None) -> None:
+def check_attention(name: str, device: torch.device, precision: str | None = None,
+                    head_dim: int | None = None) -> None:
     """Raise a one-line ValueError naming ATTENTION when the backend cannot run on `device`, or, given PRECISION,
-    in its compute dtype (before any work, not at the first forward, which may be inside the timed run)."""
+    in its compute dtype, or, given the model's head dimension, at that width (before any work, not at the first
+    forward, which may be inside the timed run)."""
     if name in CUDA_ONLY and device.type != "cuda":
         raise ValueError(f"ATTENTION={name} needs a CUDA device (this run's is {device.type}): use ATTENTION=auto")
     if name == "cudnn":
         check_cudnn_torch()
     if name == "triton":
-        check_triton(device)
+        check_triton(device, head_dim)
     backend = resolve_backend(name, device)
     half_only = backend in HALF_ONLY or (backend in HALF_ON_CUDA and device.type == "cuda")
     if precision is not None and half_only and compute_dtype(precision) == torch.float32:

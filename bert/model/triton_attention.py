@@ -496,11 +496,17 @@ triton_attention_op.register_autograd(_backward, setup_context=_setup_context)
 key_on_source("bert::triton_attention", __file__)
 
 
-def check_triton(device: torch.device) -> None:
-    """ATTENTION=triton on a GPU needs Triton (it ships with torch's CUDA wheels)."""
-    if device.type == "cuda" and triton is None:
+def check_triton(device: torch.device, head_dim: int | None = None) -> None:
+    """ATTENTION=triton on a GPU needs Triton (it ships with torch's CUDA wheels) and, given the model's head
+    dimension, one its kernels take (checked when the config is read, not at the first forward)."""
+    if device.type != "cuda":
+        return
+    if triton is None:
         raise ValueError("ATTENTION=triton needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
                          "installed here: use ATTENTION=varlen")
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        raise ValueError(f"ATTENTION=triton on CUDA takes a head dimension (hidden_size / num_attention_heads) in "
+                         f"{HEAD_DIMS}, not {head_dim}: use ATTENTION=varlen")
 
 
 def triton_varlen(seq: SeqLayout):

@@ -56,9 +56,10 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
     check_compile(cfg.compile, device)  # before any work: COMPILE or PRECISION that cannot run here is a config error
     check_fp8(cfg.precision, device, cfg.fp8_recipe)
-    check_attention(cfg.attention, device, cfg.precision)
+    bert_config = BertConfig.load(cfg.bert_config_path)
+    check_attention(cfg.attention, device, cfg.precision, bert_config.head_dim)
     check_residual_norm(cfg.residual_norm, device)
-    model = BertForPreTraining(BertConfig.load(cfg.bert_config_path), attention=cfg.attention, device=device,
+    model = BertForPreTraining(bert_config, attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)
     apply_residual_norm(model, cfg.residual_norm)
     if cfg.init_checkpoint:

@@ -59,7 +59,11 @@ def check_device(cfg: TrainConfig) -> None:
     device = torch.device(device_type(cfg.run.device))
     check_compile(cfg.model.compile, device)
     check_fp8(cfg.model.precision, device, cfg.model.fp8_recipe)
-    check_attention(cfg.model.attention, device, cfg.model.precision)
+    head_dim = None
+    if cfg.model.attention == "triton":  # its kernels' widths; the config file is read here only for this
+        from bert.model.config import BertConfig
+        head_dim = BertConfig.load(cfg.model.bert_config_path).head_dim
+    check_attention(cfg.model.attention, device, cfg.model.precision, head_dim)
     check_residual_norm(cfg.model.residual_norm, device)
 
 
