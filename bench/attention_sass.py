@@ -17,6 +17,9 @@ occupancy (255 registers a thread: one 8-warp forward program an SM, two 4-warp 
 it.
 
     .venv-torch2.11.0-py3.12/bin/python bench/attention_sass.py
+
+`--candidates` counts instead every candidate tile bench/attention_tiles.py times on a GPU, with dropout (what the
+machine code says of each before the GPU's timings; results/bench/attention_sass_candidates.json).
 """
 
 from __future__ import annotations
@@ -105,9 +108,19 @@ def elements(blocks: tuple[int, int], seed: int = 0) -> tuple[float, float]:
     return float(tiles) * HEADS * LAYERS, float(np.square(lengths.astype(np.float64)).sum()) * HEADS * LAYERS
 
 
+def candidates(ta) -> list[dict]:
+    """bench/attention_tiles.py's candidate tiles of each kernel, counted with dropout (bf16, D 64)."""
+    from attention_tiles import DKDV, DQ, FORWARD
+
+    tiles = {"_forward": FORWARD, "_backward_q": DQ, "_backward_kv": DKDV}
+    return [count(kernel, tile, signature, True)
+            for kernel, _, signature in signatures(ta) for tile in tiles[kernel.fn.__name__]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=str(ROOT / "results" / "bench" / "attention_sass.json"))
+    p.add_argument("--json", default=None, help="default: results/bench/attention_sass.json (_candidates.json)")
+    p.add_argument("--candidates", action="store_true", help="count bench/attention_tiles.py's candidate tiles")
     args = p.parse_args()
     try:
         import triton
@@ -116,6 +129,18 @@ def main() -> int:
         return 2
     from bert.model import triton_attention as ta
 
+    if args.candidates:
+        rows = candidates(ta)
+        print(f"{'kernel (sm_90, bf16, D 64, dropout)':36} {'BM x BN, warps':>14} {'HGMMA':>5} {'ALU/element':>11} "
+              f"{'regs':>4} {'stack':>5}")
+        for r in rows:
+            shape = f"{r['blocks'][0]}x{r['blocks'][1]},{r['warps']}"
+            print(f"{r['kernel']:36} {shape:>14} {r['hgmma']:5} {r['per_element']:11} {r['registers']:4} "
+                  f"{r['stack_bytes']:5}")
+        out = Path(args.json or ROOT / "results" / "bench" / "attention_sass_candidates.json")
+        out.write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows}, indent=1)
+                       + "\n")
+        return 0
     rows = [count(kernel, tile, signature, dropout)
             for kernel, tile, signature in signatures(ta) for dropout in (False, True)]
     print(f"{'kernel (sm_90, bf16, D 64)':26} {'dropout':>7} {'BM x BN':>8} {'loop':>5} {'HGMMA':>5} {'MUFU':>5} "
@@ -138,8 +163,9 @@ def main() -> int:
                            "tiles_computed_over_useful": round(computed / useful, 3)}
         print(f"{phase:9} with dropout, a BERT-large step of 96 sequences: {low:5.2f}-{high:5.2f} ms by issue rate "
               f"(FlashAttention-2 on the H100: {FLASH2_H100_MS[phase]} ms)")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows,
+    out = Path(args.json or ROOT / "results" / "bench" / "attention_sass.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows,
                                            "step_estimate": estimate}, indent=1) + "\n")
     return 0
 

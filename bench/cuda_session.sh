@@ -18,6 +18,8 @@
 #                    (LAST_LAYER_SUBSET=0: the subset's gain) and grouped attention (one scatter per q, k, v since
 #                    2026-11-25; 232 samples/s before), with each variant's kernels timed by kind; cuDNN's
 #                    ragged attention needs torch >= 2.14 (bert.model.cudnn_varlen.MIN_TORCH), the machines have 2.11
+#   attention-tiles  bench/attention_tiles.py: the Triton attention's candidate tiles a kernel at a time, beside
+#                    FlashAttention-2, at one BERT-large layer's attention (96 sequences)
 #   model-graphs     the same under reduce-overhead: do CUDA graphs pay on one fixed token count?
 #   model-optimizer  bench/model.py's master-weight rows: fused AdamW, eager LAMB, compiled LAMB (COMPILE_OPTIMIZER=1
 #                    over the fp32 masters, inductor, no CUDA graphs), the model eager in all three
@@ -241,7 +243,7 @@ skip() {  # name why
 }
 
 # Every name checked before the first step: a typo found at its turn would come after device time spent on the rest.
-STEPS=(setup shards tests host-syncs model model-compiled model-attention model-graphs model-optimizer fp8-linear)
+STEPS=(setup shards tests host-syncs model model-compiled model-attention attention-tiles model-graphs model-optimizer fp8-linear)
 for name in "$@"; do
   if [[ $name == driver-* ]]; then
     [[ -v DRIVERS[${name#driver-}] ]] ||
@@ -303,6 +305,8 @@ for name in "$@"; do
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
         --variants unpadded/varlen unpadded/triton full-last/varlen unpadded/grouped --profile \
         --json "$WORK/model_cuda_attention.json" ;;
+    attention-tiles)
+      step attention-tiles 180 python3 bench/attention_tiles.py --device cuda --json "$WORK/attention_tiles_cuda.json" ;;
     model-graphs)
       step model-graphs 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --compile reduce-overhead --variants compiled/varlen compiled-static512/varlen unpadded/varlen \

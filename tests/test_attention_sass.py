@@ -54,3 +54,20 @@ def test_every_kernel_compiles_without_spills_and_the_estimate_is_bounded(tmp_pa
     for phase in ("forward", "backward"):
         e = report["step_estimate"][phase]
         assert 0 < e["issue_bound_ms"] <= e["no_overlap_ms"]
+
+
+def test_the_candidates_are_every_tile_the_gpu_bench_times(monkeypatch):
+    """--candidates counts each kernel at each of bench/attention_tiles.py's tiles, with dropout (the count itself,
+    which needs Triton, is replaced by its arguments)."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    tiles = load_script("bench/attention_tiles.py")
+    kernel = {name: types.SimpleNamespace(fn=types.SimpleNamespace(__name__=name))
+              for name in ("_forward", "_backward_kv", "_backward_q")}
+    ta = types.SimpleNamespace(FORWARD_TILE=tiles.FORWARD[0], BACKWARD_TILE=tiles.DQ[0], **kernel)
+    monkeypatch.setattr(bench, "count", lambda k, tile, signature, dropout: (k.fn.__name__, tile, dropout))
+    monkeypatch.setitem(sys.modules, "attention_tiles", tiles)
+    want = [("_forward", t, True) for t in tiles.FORWARD] + [("_backward_kv", t, True) for t in tiles.DKDV] \
+        + [("_backward_q", t, True) for t in tiles.DQ]
+    assert bench.candidates(ta) == want

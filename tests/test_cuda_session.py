@@ -39,10 +39,11 @@ train_gpu = load_script("bench/train_gpu.py")
 shards = load_script("data/make_random_shards.py")
 host_syncs = load_script("bench/host_syncs.py")
 fp8_linear = load_script("bench/fp8_linear.py")
+attention_tiles = load_script("bench/attention_tiles.py")
 
 SCRIPT = ROOT / "bench" / "cuda_session.sh"
-STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-attention", "model-graphs", "model-optimizer",
-         "host-syncs", "fp8-linear"]
+STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-attention", "attention-tiles", "model-graphs",
+         "model-optimizer", "host-syncs", "fp8-linear"]
 
 
 def brought_back(out: Path) -> dict[str, bytes]:
@@ -126,6 +127,8 @@ def test_every_step_is_accepted_by_the_program_it_runs(tmp_path, random_shards):
             assert host_syncs.parse_args(words[2:]).device == "cuda", name
         elif words[:2] == ["python3", "bench/fp8_linear.py"]:
             assert fp8_linear.parse_args(words[2:]).compile == "default", name
+        elif words[:2] == ["python3", "bench/attention_tiles.py"]:
+            assert attention_tiles.parse_args(words[2:]).device == "cuda", name
         else:
             assert name == "setup" and words[:2] == ["bash", "-c"], name
 

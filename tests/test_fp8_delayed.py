@@ -189,7 +189,7 @@ def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synth
 
     torch._dynamo.reset()
     run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
-                   static_tokens=128, attention="loop", **build)  # the CPU run, on a machine with a GPU too
+                   static_tokens=128, attention="padded", **build)  # the CPU run, on a machine with a GPU too
     model = run.ddp.module
     swapped = [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
     assert len(swapped) == 4 * model.config.num_hidden_layers and isinstance(run.optimizer, MasterWeights)

@@ -8,7 +8,7 @@ per sequence without dropout; the mask's definition evaluated element by element
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_checks import needs_triton, refuse_torch_path_on_cuda, run_check
+from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.batch import SeqLayout
 from bert.config import from_flat
@@ -210,17 +210,9 @@ def test_the_config_and_the_device_check_take_it(monkeypatch):
         check_attention("triton", torch.device("cuda"), "bf16")
 
 
-INTERPRETER = """
+INTERPRETER = LOOP_BOUND_PATCH + """
 import sys, torch
-import triton.runtime.interpreter as interpreter
 from bert.model import triton_attention as ta
-
-# Triton 3.6's interpreter reads a loop bound with int() of a one-element array, which numpy 2.5 refuses
-patch = interpreter._patch_lang_tensor
-def patched(tensor, scope):
-    patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = patched
 
 bad = []
 # (lengths, heads, head dim, dtype, p, a shift of every score, max_seqlen above the longest by)

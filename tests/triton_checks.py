@@ -14,6 +14,17 @@ from types import ModuleType
 import pytest
 from script_modules import ROOT
 
+# The head of a script for Triton's interpreter: Triton 3.6's interpreter reads a loop bound with int() of a
+# one-element array, which numpy 2.5 refuses
+LOOP_BOUND_PATCH = """
+import triton.runtime.interpreter as interpreter
+patch = interpreter._patch_lang_tensor
+def patched(tensor, scope):
+    patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interpreter._patch_lang_tensor = patched
+"""
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton (torch's CUDA build) not installed")
 

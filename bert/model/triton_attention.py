@@ -370,6 +370,16 @@ if triton is not None:
                      (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
 
+def check_tile(tile: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(BM, BN, warps) the kernels take: blocks of 16 to 256 rows in powers of two (tl.dot's operands; BN a whole
+    number of mask bytes), 1 to 8 warps in powers of two."""
+    bm, bn, warps = tile
+    if not all(16 <= b <= 256 and b & (b - 1) == 0 for b in (bm, bn)) or warps not in (1, 2, 4, 8):
+        raise ValueError(f"a tile is (BM, BN, warps) with BM and BN powers of two in 16..256 and 1, 2, 4 or 8 warps, "
+                         f"not {tile}")
+    return bm, bn, warps
+
+
 def _strides(*tensors: Tensor) -> list[int]:
     return [s for t in tensors for s in (t.stride(0), t.stride(1))]
 
@@ -380,17 +390,18 @@ def _common(q: Tensor, max_seqlen: int, p: float) -> tuple[int, float, float, fl
     return groups_per_row(max_seqlen), scale, scale * LOG2E, 1.0 / (1.0 - p), drop_threshold(p)
 
 
-def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, p: float, seed: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, p: float, seed: Tensor | None,
+                   tile: tuple[int, int, int] = FORWARD_TILE) -> tuple[Tensor, Tensor, Tensor]:
     """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32, the mask's bits (H, T, G)
-    uint8, none when p = 0); on q's device."""
+    uint8, none when p = 0); on q's device. `tile`: (BM, BN, warps), other than the default for
+    bench/attention_tiles.py."""
     tokens, heads, dim = q.shape
     groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
     out = q.new_empty((tokens, heads, dim))
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
     # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
     bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
-    bm, bn, warps = FORWARD_TILE
+    bm, bn, warps = check_tile(tile)
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
     # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null)
     _forward[grid](q, k, v, out, lse, bits if p > 0 else out, cu, out if seed is None else seed, tokens, groups,
@@ -400,22 +411,24 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
 
 
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
-                    cu: Tensor, max_seqlen: int, p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype."""
+                    cu: Tensor, max_seqlen: int, p: float, q_tile: tuple[int, int, int] = BACKWARD_TILE,
+                    kv_tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype. `q_tile`, `kv_tile`: the dQ and the
+    dK/dV kernel's (BM, BN, warps)."""
     tokens, heads, dim = q.shape
     delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
     dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
-    bm, bn, warps = BACKWARD_TILE
-    common = dict(D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
     bits = bits if p > 0 else dq
     strides = _strides(q, k, v, grad)
+    bm, bn, warps = check_tile(q_tile)
     _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](  # first: it writes delta
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        *_strides(out), **common)
+        *_strides(out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
+    bm, bn, warps = check_tile(kv_tile)
     _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        **common)
+        D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
     return dq, dk, dv
 
 
