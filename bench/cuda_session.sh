@@ -91,6 +91,8 @@ declare -A DRIVERS=(
   # our flash attention with dropout in Triton (bert.model.triton_attention) against compiled-opt's FlashAttention-2
   # (23.8 ms of the H100's step; 10-16 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)
   [compiled-opt-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
+  # both of our kernels' rows at once: the candidate fastest bf16 run if each gains on its own
+  [compiled-opt-norm-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"

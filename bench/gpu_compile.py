@@ -57,6 +57,9 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     "fused-norm-layers-step": ({"compile": "default", "compile_scope": "layers", "residual_norm": "fused"}, "step"),
     # attention through our Triton kernels (bert.model.triton_attention), opaque to inductor as flash's op is
     "triton-attention-layers-step": ({"compile": "default", "compile_scope": "layers", "attention": "triton"}, "step"),
+    # both: the candidate fastest bf16 layer (driver-compiled-opt-norm-triton)
+    "fused-norm-triton-attention-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                 "residual_norm": "fused", "attention": "triton"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }
