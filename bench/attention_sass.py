@@ -138,6 +138,7 @@ def main() -> int:
             print(f"{r['kernel']:36} {shape:>14} {r['hgmma']:5} {r['per_element']:11} {r['registers']:4} "
                   f"{r['stack_bytes']:5}")
         out = Path(args.json or ROOT / "results" / "bench" / "attention_sass_candidates.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows}, indent=1)
                        + "\n")
         return 0

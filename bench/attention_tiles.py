@@ -8,9 +8,9 @@ their defaults), and the best of each kernel together, beside FlashAttention-2 (
 mask bits (the mask does not depend on the tiles), the output, log-sum-exp and gradients within bf16's rounding of a
 different summation order. A candidate that fails to compile or run becomes a row with its error.
 
-Times are CUDA events' medians over `--repeats` calls after `--warmup` (2) untimed ones; "step ms" scales one layer's
-time to a step's 24 layers, beside the H100's FlashAttention-2 in `driver-compiled-opt`'s profile (6.72 ms forward,
-17.09 ms backward a step).
+Times are CUDA events' medians over `--repeats` samples of `--calls` (10) calls back to back, after `--warmup` (2)
+untimed ones; "step ms" scales one layer's time to a step's 24 layers, beside the H100's FlashAttention-2 in
+`driver-compiled-opt`'s profile (6.72 ms forward, 17.09 ms backward a step).
 
     python bench/attention_tiles.py --device cuda     # writes results/bench/attention_tiles_cuda.json
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -56,8 +57,10 @@ def batch(sequences: int, heads: int, dim: int, longest: int, dtype: torch.dtype
     return (*qkv.unbind(1), grad, cu, int(lengths.max()), lengths)
 
 
-def timer(device: str, repeats: int, warmup: int = 2):
-    """median seconds of `fn()` over `repeats` calls after `warmup` calls (CUDA events on a GPU)."""
+def timer(device: str, repeats: int, warmup: int = 2, calls: int = 1):
+    """median seconds a call of `fn()` over `repeats` samples after `warmup` calls; a sample times `calls` calls back
+    to back (CUDA events on a GPU: the launches of the next queue behind the kernels, so the host's share of a call
+    hides behind the GPU's, as in a training step)."""
     def measure(fn) -> float:
         for _ in range(warmup):
             fn()
@@ -66,29 +69,44 @@ def timer(device: str, repeats: int, warmup: int = 2):
             if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                for _ in range(calls):
+                    fn()
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
+                times.append(start.elapsed_time(end) / 1e3 / calls)
             else:
                 t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - t0) / calls)
         return statistics.median(times)
     return measure
 
 
 def largest_gap(got, want) -> float:
-    """max |got - want| over the pairs of tensors, relative to each wanted tensor's largest magnitude."""
-    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(got, want))
+    """max |got - want| over the pairs of tensors, relative to each wanted tensor's largest magnitude; inf where a
+    result is not finite (a NaN would otherwise drop out of the max)."""
+    gaps = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(got, want)]
+    return max(gaps) if all(math.isfinite(g) for g in gaps) else math.inf
+
+
+def one_line(e: Exception) -> str:
+    """The exception's type and the first line of its message (a compiler's can run to pages)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def best(rows: list[dict], kernel: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The tile of `kernel`'s fastest row whose results were right; `default` when none ran right."""
+    timed = [r for r in rows if r["kernel"] == kernel and r.get("ok") and "layer_ms" in r]
+    return tuple(min(timed, key=lambda r: r["layer_ms"])["tile"]) if timed else default
 
 
 def sweep(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
     q, k, v, grad, cu, longest, lengths = batch(args.sequences, args.heads, args.dim, args.max_length, dtype, device)
     seed = torch.tensor(20261127, device=device)
-    p, measure, rows = args.dropout, timer(device, args.repeats, args.warmup), []
+    p, measure, rows = args.dropout, timer(device, args.repeats, args.warmup, args.calls), []
     flops = 2 * 2 * args.heads * args.dim * float(np.square(lengths.astype(np.float64)).sum())  # the forward's products
 
     def forward(tile):
@@ -111,7 +129,7 @@ def sweep(args) -> dict:
             r.update(check(got))
             seconds = measure(fn)
         except Exception as e:  # a tile that does not compile or run: its row says why, the rest go on
-            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            r["error"] = one_line(e)
             print(f"{phase:8} {kernel:10} {tile}: {r['error']}", file=sys.stderr)
             return r
         r["layer_ms"] = round(seconds * 1e3, 4)
@@ -137,21 +155,17 @@ def sweep(args) -> dict:
     for tile in DKDV:
         row("backward", "dkdv", tile, lambda t=tile: backward(ta.BACKWARD_TILE, t), backward_check)
 
-    def best(kernel):
-        timed = [r for r in rows if r["kernel"] == kernel and r.get("ok") and "layer_ms" in r]
-        default = ta.FORWARD_TILE if kernel == "forward" else ta.BACKWARD_TILE
-        return tuple(min(timed, key=lambda r: r["layer_ms"])["tile"]) if timed else default
-
-    pair = (best("dq"), best("dkdv"))
+    pair = (best(rows, "dq", ta.BACKWARD_TILE), best(rows, "dkdv", ta.BACKWARD_TILE))
     row("backward", "dq+dkdv", None, lambda: backward(*pair), backward_check)["tiles"] = [list(t) for t in pair]
     if device == "cuda":  # FlashAttention-2 on the same tokens: what ATTENTION=varlen runs
         fa = {}
         row("forward", "flash2", None, lambda: fa.update(r=torch.ops.bert.flash_varlen(q, k, v, cu, longest, p)),
             lambda _: {})
-        out, lse, rng, unused = fa["r"]
-        row("backward", "flash2", None, lambda: torch.ops.bert.flash_varlen_backward(
-            grad, q, k, v, out, lse, rng, unused, cu, longest, p), lambda _: {})
-    return {"rows": rows, "tokens": int(lengths.sum()), "best_forward": list(best("forward")),
+        if "r" in fa:  # its backward replays the forward's dropout state
+            out, lse, rng, unused = fa["r"]
+            row("backward", "flash2", None, lambda: torch.ops.bert.flash_varlen_backward(
+                grad, q, k, v, out, lse, rng, unused, cu, longest, p), lambda _: {})
+    return {"rows": rows, "tokens": int(lengths.sum()), "best_forward": list(best(rows, "forward", ta.FORWARD_TILE)),
             "best_dq": list(pair[0]), "best_dkdv": list(pair[1])}
 
 
@@ -181,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones")
+    p.add_argument("--calls", type=int, default=10, help="calls back to back in one timed sample")
     p.add_argument("--tolerance", type=float, default=2e-2, help="largest gap to the default tiles' results, relative")
     p.add_argument("--json", default=None, help="default: results/bench/attention_tiles_<device>.json")
     return p.parse_args(argv)
@@ -198,15 +213,21 @@ def main(argv: list[str] | None = None) -> int:
         print("attention_tiles: --device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1",
               file=sys.stderr)
         return 2
-    result = sweep(args)
-    print(table(result))
-    print(f"FlashAttention-2 in the H100's driver step: {FLASH2_H100_MS['forward']} ms forward, "
-          f"{FLASH2_H100_MS['backward']} ms backward")
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or 'cpu'} (interpreter)"
     out = Path(args.json or ROOT / "results" / "bench" / f"attention_tiles_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": name, "torch": torch.__version__, "triton": ta.triton.__version__,
-                               "args": vars(args), **result}, indent=1) + "\n")
+    head = {"device": name, "torch": torch.__version__, "triton": ta.triton.__version__, "args": vars(args)}
+    try:
+        result = sweep(args)
+    except Exception as e:  # the default tiles' run, the reference of every row, failed: nothing to compare with
+        error = one_line(e)
+        out.write_text(json.dumps({**head, "error": error}, indent=1) + "\n")
+        print(f"attention_tiles: the default tiles failed: {error}", file=sys.stderr)
+        return 1
+    print(table(result))
+    print(f"FlashAttention-2 in the H100's driver step: {FLASH2_H100_MS['forward']} ms forward, "
+          f"{FLASH2_H100_MS['backward']} ms backward")
+    out.write_text(json.dumps({**head, **result}, indent=1) + "\n")
     # a wrong result is a fault of the kernels (an error row, a tile this GPU cannot take, is not)
     return 1 if any(r.get("ok") is False for r in result["rows"]) else 0
 

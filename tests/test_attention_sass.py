@@ -61,7 +61,7 @@ def test_the_candidates_are_every_tile_the_gpu_bench_times(monkeypatch):
     which needs Triton, is replaced by its arguments)."""
     import types
 
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     tiles = load_script("bench/attention_tiles.py")
     kernel = {name: types.SimpleNamespace(fn=types.SimpleNamespace(__name__=name))
               for name in ("_forward", "_backward_kv", "_backward_q")}

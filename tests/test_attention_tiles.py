@@ -47,7 +47,7 @@ import attention_tiles as at
 from bert.model import triton_attention as ta
 
 ARGS = ["--device", "cpu", "--sequences", "3", "--heads", "1", "--dim", "16", "--max-length", "80", "--dtype",
-        "float16", "--repeats", "1", "--warmup", "0"]
+        "float16", "--repeats", "1", "--warmup", "0", "--calls", "1"]
 bad = []
 with tempfile.TemporaryDirectory() as tmp:
     rc = at.main(ARGS + ["--json", f"{tmp}/a.json"])
@@ -57,25 +57,36 @@ with tempfile.TemporaryDirectory() as tmp:
     want = {("forward", t) for t in at.FORWARD} | {("dq", t) for t in at.DQ} | {("dkdv", t) for t in at.DKDV}
     if rc != 0 or ran != want or not all(r["same_mask"] for r in rows if r["kernel"] == "forward"):
         bad.append(("sweep", rc, want - ran, rows))
-    if [r["kernel"] for r in rows][-1] != "dq+dkdv" or rows[-1]["tiles"] != [result["best_dq"], result["best_dkdv"]]:
+    if [r["kernel"] for r in rows][-1] != "dq+dkdv" or not rows[-1].get("ok"):  # the pair: best() has its own test
         bad.append(("best pair", rows[-1]))
 
-    # one candidate's output off by half, another's mask with a bit flipped: both flagged, nothing else
-    real = ta.launch_forward
-    def wrong(q, k, v, cu, longest, p, seed, tile=ta.FORWARD_TILE):
-        out, lse, bits = real(q, k, v, cu, longest, p, seed, tile)
+    # one forward candidate's output off by half, another's mask with a bit flipped; one dK/dV candidate's dK off by
+    # half, another's NaN: each flagged (a NaN is an infinite gap), nothing else, and neither dK/dV in the best pair
+    real_forward, real_backward = ta.launch_forward, ta.launch_backward
+    def wrong_forward(q, k, v, cu, longest, p, seed, tile=ta.FORWARD_TILE):
+        out, lse, bits = real_forward(q, k, v, cu, longest, p, seed, tile)
         if tile == at.FORWARD[1]:
             out = out * 1.5
         if tile == at.FORWARD[2]:
             bits = bits ^ 1
         return out, lse, bits
-    ta.launch_forward = wrong
-    at.DQ, at.DKDV = at.DQ[:1], at.DKDV[:1]  # the backward's candidates ran above
+    def wrong_backward(*args):
+        dq, dk, dv = real_backward(*args)
+        if args[-1] == at.DKDV[1]:
+            dk = dk * 1.5
+        if args[-1] == at.DKDV[2]:
+            dk = dk.clone()
+            dk[0, 0, 0] = float("nan")
+        return dq, dk, dv
+    ta.launch_forward, ta.launch_backward = wrong_forward, wrong_backward
+    at.DQ, at.DKDV = at.DQ[:1], at.DKDV[:3]
     rc = at.main(ARGS + ["--json", f"{tmp}/b.json"])
-    rows = json.load(open(f"{tmp}/b.json"))["rows"]
-    flagged = [(tuple(r["tile"]), r["same_mask"]) for r in rows if r.get("ok") is False]
-    if rc != 1 or flagged != [(at.FORWARD[1], True), (at.FORWARD[2], False)]:
-        bad.append(("wrong", rc, flagged))
+    result = json.load(open(f"{tmp}/b.json"))
+    flagged = [(r["kernel"], tuple(r["tile"]), r.get("same_mask")) for r in result["rows"] if r.get("ok") is False]
+    want = [("forward", at.FORWARD[1], True), ("forward", at.FORWARD[2], False), ("dkdv", at.DKDV[1], None),
+            ("dkdv", at.DKDV[2], None)]
+    if rc != 1 or flagged != want or tuple(result["best_dkdv"]) in at.DKDV[1:3]:
+        bad.append(("wrong", rc, flagged, result["best_dkdv"]))
 print("bad", bad)
 sys.exit(1 if bad else 0)
 """
@@ -87,6 +98,27 @@ def test_in_the_interpreter_every_candidate_matches_the_default_and_a_wrong_one_
     kernel runs and matches the default tiles (the forward's mask bit for bit), the best pair is timed last; a
     candidate whose output is off, or whose mask differs, is flagged and the bench exits 1."""
     run_check(SWEEP, timeout=900, interpret=True)
+
+
+def test_the_best_tile_is_the_fastest_that_ran_right():
+    rows = [{"kernel": "dq", "tile": [64, 64, 4], "layer_ms": 0.30, "ok": True},
+            {"kernel": "dq", "tile": [128, 64, 8], "layer_ms": 0.20, "ok": True},
+            {"kernel": "dq", "tile": [64, 32, 4], "layer_ms": 0.10, "ok": False},  # fastest, wrong
+            {"kernel": "dq", "tile": [32, 64, 4], "error": "OutOfResources: x"},
+            {"kernel": "dkdv", "tile": [32, 64, 4], "layer_ms": 0.05, "ok": True}]
+    assert tiles.best(rows, "dq", (64, 64, 4)) == (128, 64, 8)
+    assert tiles.best(rows[2:4], "dq", (64, 64, 4)) == (64, 64, 4)  # none ran right: the default
+
+
+def test_a_nan_is_an_infinite_gap_wherever_it_is():
+    import torch
+
+    want = [torch.ones(3), torch.ones(2)]
+    assert tiles.largest_gap([torch.ones(3), torch.tensor([1.0, 1.5])], want) == pytest.approx(0.5)
+    for at in (0, 1):
+        got = [w.clone() for w in want]
+        got[at][0] = float("nan")
+        assert tiles.largest_gap(got, want) == float("inf")
 
 
 def test_the_table_lists_every_row():

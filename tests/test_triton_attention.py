@@ -210,6 +210,23 @@ def test_the_config_and_the_device_check_take_it(monkeypatch):
         check_attention("triton", torch.device("cuda"), "bf16")
 
 
+def test_build_model_refuses_a_head_dimension_its_kernels_lack(monkeypatch, tmp_path):
+    """build_model's own check (the driver's, after run_and_time.sh's): on CUDA, with Triton, a model whose heads are
+    48 wide stops before the model is made (no GPU here: the check comes first)."""
+    import json
+
+    from bert.config import ModelConfig
+    from bert.train.build import build_model
+
+    monkeypatch.setattr(ta, "triton", object())
+    odd = tmp_path / "bert_config.json"
+    odd.write_text(json.dumps({"vocab_size": 30528, "hidden_size": 96, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "intermediate_size": 384}))
+    cfg = ModelConfig(bert_config_path=str(odd), attention="triton", precision="bf16")
+    with pytest.raises(ValueError, match="ATTENTION=triton on CUDA takes a head dimension .* not 48"):
+        build_model(cfg, torch.device("cuda"))
+
+
 INTERPRETER = LOOP_BOUND_PATCH + """
 import sys, torch
 from bert.model import triton_attention as ta
