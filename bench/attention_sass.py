@@ -117,6 +117,12 @@ def candidates(ta) -> list[dict]:
             for kernel, _, signature in signatures(ta) for tile in tiles[kernel.fn.__name__]]
 
 
+def write(path: str | Path, triton, rows: list[dict], **more) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows, **more},
+                                     indent=1) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="default: results/bench/attention_sass.json (_candidates.json)")
@@ -137,10 +143,7 @@ def main() -> int:
             shape = f"{r['blocks'][0]}x{r['blocks'][1]},{r['warps']}"
             print(f"{r['kernel']:36} {shape:>14} {r['hgmma']:5} {r['per_element']:11} {r['registers']:4} "
                   f"{r['stack_bytes']:5}")
-        out = Path(args.json or ROOT / "results" / "bench" / "attention_sass_candidates.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows}, indent=1)
-                       + "\n")
+        write(args.json or ROOT / "results" / "bench" / "attention_sass_candidates.json", triton, rows)
         return 0
     rows = [count(kernel, tile, signature, dropout)
             for kernel, tile, signature in signatures(ta) for dropout in (False, True)]
@@ -164,10 +167,7 @@ def main() -> int:
                            "tiles_computed_over_useful": round(computed / useful, 3)}
         print(f"{phase:9} with dropout, a BERT-large step of 96 sequences: {low:5.2f}-{high:5.2f} ms by issue rate "
               f"(FlashAttention-2 on the H100: {FLASH2_H100_MS[phase]} ms)")
-    out = Path(args.json or ROOT / "results" / "bench" / "attention_sass.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"triton": triton.__version__, "target": "cuda sm_90", "rows": rows,
-                                           "step_estimate": estimate}, indent=1) + "\n")
+    write(args.json or ROOT / "results" / "bench" / "attention_sass.json", triton, rows, step_estimate=estimate)
     return 0
 
 

@@ -8,9 +8,9 @@ their defaults), and the best of each kernel together, beside FlashAttention-2 (
 mask bits (the mask does not depend on the tiles), the output, log-sum-exp and gradients within bf16's rounding of a
 different summation order. A candidate that fails to compile or run becomes a row with its error.
 
-Times are CUDA events' medians over `--repeats` samples of `--calls` (10) calls back to back, after `--warmup` (2)
-untimed ones; "step ms" scales one layer's time to a step's 24 layers, beside the H100's FlashAttention-2 in
-`driver-compiled-opt`'s profile (6.72 ms forward, 17.09 ms backward a step).
+Times are medians over `--repeats` samples of `--calls` (10) calls back to back, after one untimed call; "step ms"
+scales one layer's time to a step's 24 layers, beside the H100's FlashAttention-2 in `driver-compiled-opt`'s profile
+(6.72 ms forward, 17.09 ms backward a step).
 
     python bench/attention_tiles.py --device cuda     # writes results/bench/attention_tiles_cuda.json
 
@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from model import time_steps  # noqa: E402  (bench/model.py, beside this file)
 
 from bert.lengths import WIKI_PHASE2  # noqa: E402
 from bert.model import triton_attention as ta  # noqa: E402
@@ -57,30 +58,12 @@ def batch(sequences: int, heads: int, dim: int, longest: int, dtype: torch.dtype
     return (*qkv.unbind(1), grad, cu, int(lengths.max()), lengths)
 
 
-def timer(device: str, repeats: int, warmup: int = 2, calls: int = 1):
-    """median seconds a call of `fn()` over `repeats` samples after `warmup` calls; a sample times `calls` calls back
-    to back (CUDA events on a GPU: the launches of the next queue behind the kernels, so the host's share of a call
-    hides behind the GPU's, as in a training step)."""
-    def measure(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(calls):
-                    fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / calls)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times.append((time.perf_counter() - t0) / calls)
-        return statistics.median(times)
-    return measure
+def per_call(fn, device: str, repeats: int, calls: int) -> float:
+    """Median seconds a call of `fn()`, each of `repeats` samples timing `calls` calls back to back (bench/model.py's
+    timing, its warm-up call first): the launches of the next queue behind the kernels, so the host's share of a
+    call hides behind the GPU's, as in a training step."""
+    many = {"calls": lambda: [fn() for _ in range(calls)]}
+    return statistics.median(time_steps(many, repeats, device, quiet=True)["calls"]) / calls
 
 
 def largest_gap(got, want) -> float:
@@ -106,7 +89,7 @@ def sweep(args) -> dict:
     device, dtype = args.device, getattr(torch, args.dtype)
     q, k, v, grad, cu, longest, lengths = batch(args.sequences, args.heads, args.dim, args.max_length, dtype, device)
     seed = torch.tensor(20261127, device=device)
-    p, measure, rows = args.dropout, timer(device, args.repeats, args.warmup, args.calls), []
+    p, rows = args.dropout, []
     flops = 2 * 2 * args.heads * args.dim * float(np.square(lengths.astype(np.float64)).sum())  # the forward's products
 
     def forward(tile):
@@ -127,7 +110,7 @@ def sweep(args) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             r.update(check(got))
-            seconds = measure(fn)
+            seconds = per_call(fn, device, args.repeats, args.calls)
         except Exception as e:  # a tile that does not compile or run: its row says why, the rest go on
             r["error"] = one_line(e)
             print(f"{phase:8} {kernel:10} {tile}: {r['error']}", file=sys.stderr)
@@ -194,7 +177,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the timed ones")
     p.add_argument("--calls", type=int, default=10, help="calls back to back in one timed sample")
     p.add_argument("--tolerance", type=float, default=2e-2, help="largest gap to the default tiles' results, relative")
     p.add_argument("--json", default=None, help="default: results/bench/attention_tiles_<device>.json")

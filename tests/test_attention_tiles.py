@@ -47,7 +47,7 @@ import attention_tiles as at
 from bert.model import triton_attention as ta
 
 ARGS = ["--device", "cpu", "--sequences", "3", "--heads", "1", "--dim", "16", "--max-length", "80", "--dtype",
-        "float16", "--repeats", "1", "--warmup", "0", "--calls", "1"]
+        "float16", "--repeats", "1", "--calls", "1"]
 bad = []
 with tempfile.TemporaryDirectory() as tmp:
     rc = at.main(ARGS + ["--json", f"{tmp}/a.json"])
