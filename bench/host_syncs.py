@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -80,16 +80,18 @@ def cases() -> Iterator[Case]:
                    dict(optimizer=optimizer, precision=precision, optimizer_sharding=True))
 
 
-def write_random_shards(out: Path, train_samples: int = 96, eval_samples: int = 8) -> Path:
+def write_random_shards(out: Path, train_samples: int = 96, eval_samples: int = 8, max_length: int = 512) -> Path:
     """A training shard and an eval shard of random tokens with the phase-2 length mix (data/make_random_shards),
-    and the micro BERT's config."""
+    its strata scaled to end at `max_length` (their shares kept), and the micro BERT's config."""
     sys.path.insert(0, str(ROOT / "data"))
     from make_random_shards import length_mix, random_samples
 
+    mix = length_mix(5)
+    mix = replace(mix, edges=tuple(edge * max_length // mix.edges[-1] for edge in mix.edges))
     rng = np.random.default_rng(0)
     for sub, n in (("train_varlength", train_samples), ("eval_varlength", eval_samples)):
         (out / sub).mkdir(parents=True, exist_ok=True)
-        samples = random_samples(length_mix(5).sample(n, rng), rng)
+        samples = random_samples(mix.sample(n, rng), rng)
         write_varlength_shard(out / sub / "part_00000.hdf5", [
             s._replace(input_ids=s.input_ids % VOCAB, masked_labels=s.masked_labels % VOCAB) for s in samples])
     micro_bert_config(out / "bert_config.json")
@@ -165,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="steps before counting (default: warmup_steps(device))")
     p.add_argument("--steps", type=int, default=3, help="steps counted")
     p.add_argument("--only", nargs="*", help="cases whose name contains one of these")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="the longest sequence, the phase-2 mix scaled to it (shorter: cheaper attention, same syncs)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "host_syncs.json")
     return p.parse_args(argv)
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         init_world_of_one(Path(tmp) / "store")
-        data = write_random_shards(Path(tmp) / "data")
+        data = write_random_shards(Path(tmp) / "data", max_length=args.max_length)
         cuda = f" {'cuda':>8}" if device.type == "cuda" else ""
         print(f"{'case':<44} {'per_step':>8}{cuda} {'per_interval':>12}  where (per-step syncs)")
         for case in cases():

@@ -39,7 +39,8 @@ MiB = 2**20
 
 def shapes(name: str) -> tuple[int, int]:
     """(trainable elements, tensors with weight decay) of a named BERT, built on the meta device."""
-    model = BertForPreTraining(BertConfig.load(name), attention="padded", device="meta")
+    with torch.device("meta"):  # `device` only picks the attention backend: this allocates nothing
+        model = BertForPreTraining(BertConfig.load(name), attention="padded", device="meta")
     decay, _ = decay_groups(model, 0.01)
     return sum(p.numel() for p in model.parameters() if p.requires_grad), len(decay["params"])
 

@@ -18,6 +18,7 @@ Two parts:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import tempfile
@@ -101,9 +102,9 @@ def worker(rank: int, world: int, node_size: int, steps: int, store: str, out: s
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rows = []
     originals = shard_plan.reduce_scatter_single, shard_plan.all_gather_single, shard_plan.dist
+    initial = initial_model()
     for name in SHARD_PLANS:
-        torch.manual_seed(0)
-        model = BertForPreTraining(BertConfig.load("tiny"), attention="padded")
+        model = copy.deepcopy(initial)
         cfg = from_flat(learning_rate=1e-3, max_steps=10, optimizer_sharding=True, master_weights=True,
                         precision="bf16", optimizer_layout="flat", optimizer_shard_plan=name).optim
         plan = build_shard_plan(name, node_size)
@@ -132,7 +133,7 @@ def worker(rank: int, world: int, node_size: int, steps: int, store: str, out: s
                                                                     opt.exp_avg_sq)),
                      "gradient_bytes": opt.low_grad.numel() * BF16,
                      "step_ms_median": round(sorted(seconds)[len(seconds) // 2] * 1e3, 2), "masters": masters})
-    rows.append(unsharded_row(rank, world, steps))
+    rows.append(unsharded_row(initial, rank, world, steps))
     flat = rows[0]["masters"]
     for row in rows:
         row["max_master_diff_vs_flat"] = (row.pop("masters") - flat).abs().max().item()
@@ -140,11 +141,16 @@ def worker(rank: int, world: int, node_size: int, steps: int, store: str, out: s
     dist.destroy_process_group()
 
 
-def unsharded_row(rank: int, world: int, steps: int) -> dict:
+def initial_model() -> BertForPreTraining:
+    """BERT tiny as every run starts it: each takes a copy (initialising it costs more host time than the steps)."""
+    torch.manual_seed(0)
+    return BertForPreTraining(BertConfig.load("tiny"), attention="padded")
+
+
+def unsharded_row(initial: BertForPreTraining, rank: int, world: int, steps: int) -> dict:
     """The yardstick for the masters' differences: no sharding, each bf16 gradient all-reduced (another summation
     order again) and divided, then the unsharded flat update (MasterWeights over FlatLamb)."""
-    torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig.load("tiny"), attention="padded")
+    model = copy.deepcopy(initial)
     cfg = from_flat(learning_rate=1e-3, max_steps=10, master_weights=True, precision="bf16",
                     optimizer_layout="flat").optim
     opt = build_optimizer(model, cfg, torch.bfloat16)
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "results" / "bench" / "shard_plans.json"))
     args = parser.parse_args(argv)
 
-    model = BertForPreTraining(BertConfig.load("large"), attention="padded", device="meta")
+    with torch.device("meta"):  # shapes only: initialising 1.3 GB of weights took most of a CPU-minute
+        model = BertForPreTraining(BertConfig.load("large"), attention="padded", device="meta")
     params = sum(p.numel() for g in decay_groups(model, 0.01) for p in g["params"])
     table = [computed(params, nodes, 8, plan) for nodes in args.nodes for plan in SHARD_PLANS]
     print(f"BERT-large, {params:,} parameters, bf16 gradients; nodes of 8 GPUs; per step")

@@ -214,7 +214,8 @@ def bench_step(env: Mapping[str, str], device: str, repeats: int, seed: int) -> 
     backend = resolve_backend(cfg.model.attention, device)
     name = bench_variant(backend, device, cfg.model.compile, cfg.model.static_tokens, cfg.model.precision)
     lengths = draw_lengths(cfg.data.train_batch_size, "representative", np.random.default_rng(seed), 1000)
-    batch = random_batch(lengths, seed=seed).to(device)
+    # words of the model's vocabulary: MLPerf's 30522 overflowed the embedding of a config with fewer
+    batch = random_batch(lengths, seed=seed, vocab_size=model_cfg.real_vocab_size).to(device)
     model, loss_fn, flops = build_variants(model_cfg, batch, device, [name], cfg.model.compile,
                                            cfg.model.static_tokens, fp8=cfg.model.precision == "fp8",
                                            last_layer_subset=cfg.model.last_layer_subset,

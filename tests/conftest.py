@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fcntl
+import os
+import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -78,3 +80,20 @@ def one_slurm_module_at_a_time(request: pytest.FixtureRequest, tmp_path_factory)
     with open(tmp_path_factory.getbasetemp().parent / "slurm-tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """SUITE_CPU_DIR set: each test's CPU seconds, in its own process and in the subprocesses it waited for (the
+    driver runs, the bench scripts), appended to a file per worker there; bench/suite_cpu.py sums them. Wall time
+    misleads on the 2-core VM, where four workers share two cores."""
+    out = os.environ.get("SUITE_CPU_DIR")
+    if not out:
+        yield
+        return
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    yield
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    own, children = (a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
+    with open(Path(out) / f"worker-{os.getpid()}.tsv", "a") as f:
+        f.write(f"{item.nodeid}\t{own:.2f}\t{children:.2f}\n")

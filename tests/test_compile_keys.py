@@ -143,8 +143,9 @@ def test_compiling_the_optimizers_step_configures_the_caches():
 
 FINGERPRINT = """
 import sys, torch
-{imports}
 from bert.model import compile_keys
+print(compile_keys.fingerprint())
+import bert.train.build, bert.train.warmup
 print(compile_keys.fingerprint())
 print(" ".join(sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("bert::"))))
 """
@@ -153,22 +154,20 @@ print(" ".join(sorted(n for n in torch._C._dispatch_get_all_op_names() if n.star
 def test_a_process_that_imported_no_model_keys_every_custom_op_as_the_driver_does():
     """bench/gpu_cache.py --key (the device session's setup check) compares a fresh process's fingerprint with the
     one the caches were made under, in a driver that had imported every op's module: the two must agree (without
-    the update's op, every carried file would have been called a miss). Every op registered under `bert::` is keyed
-    (a backward op with its forward, from the same module)."""
+    the update's op, every carried file would have been called a miss). One process, bare first: its fingerprint
+    before and after it imports the driver's modules (what a bare and a driver process would print, for one torch
+    import less). Every op registered under `bert::` is keyed (a backward op with its forward, from the same
+    module)."""
     import os
     import subprocess
     import sys
 
     from script_modules import ROOT
 
-    def run(imports: str) -> list[str]:
-        done = subprocess.run([sys.executable, "-c", FINGERPRINT.format(imports=imports)], capture_output=True,
-                              text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.split("\n")[:2]
-
-    bare = run("")
-    driver = run("import bert.train.build, bert.train.warmup")
-    assert bare[0] == driver[0]
-    ops = {name.removeprefix("bert::").removesuffix("_backward") for name in driver[1].split()}
+    done = subprocess.run([sys.executable, "-c", FINGERPRINT], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    bare, driver, ops = done.stdout.split("\n")[:3]
+    assert bare == driver
+    ops = {name.removeprefix("bert::").removesuffix("_backward") for name in ops.split()}
     assert {f"torch.ops.bert.{op}" for op in ops} == set(compile_keys.SOURCES)

@@ -90,17 +90,22 @@ def test_a_layout_off_the_contract_fails_naming_the_setting(monkeypatch):
 
 
 class AsFunction(torch.autograd.Function):
-    """The op's former form: an autograd Function (here around the float64 reference), which AOT autograd does not
-    cache."""
+    """The op's former form: an autograd Function around the flash kernels (here the op and its backward op, over
+    the stand-ins), which AOT autograd does not cache. Opaque calls, as the aten kernels were: the float64 reference
+    traced into the graph instead made inductor compile its every einsum, four fifths of this test's time."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_seqlen, dropout_p):
-        ctx.save_for_backward(q, k, v)
-        return reference_attention(q, k, v, LENGTHS)
+        out, lse, rng_state, unused = flash_varlen_op(q, k, v, cu, max_seqlen, dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, unused, cu)
+        ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (*reference_attention_backward(grad.contiguous(), *ctx.saved_tensors, LENGTHS), None, None, None)
+        q, k, v, out, lse, rng_state, unused, cu = ctx.saved_tensors
+        return (*cuda_varlen.flash_varlen_backward(grad, q, k, v, out, lse, rng_state, unused, cu, ctx.max_seqlen,
+                                                   ctx.dropout_p), None, None, None)
 
 
 def compiles(step, inputs, edits, before=lambda: None) -> list[dict]:

@@ -16,7 +16,7 @@ from script_modules import ROOT
 def test_the_bench_times_both_gathers_for_each_block_count(tmp_path):
     out = tmp_path / "gather.json"  # a process of its own: the ranks it spawns import the script by its path
     run = subprocess.run([sys.executable, str(ROOT / "bench/shard_gather.py"), "--config", "tiny", "--blocks", "2",
-                          "3", "--steps", "1", "--sequences", "2", "--json", str(out)],
+                          "3", "--steps", "1", "--sequences", "1", "--json", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
