@@ -6,7 +6,7 @@ workers' time; its CPU seconds are what cutting it would save. tests/conftest.py
 is set; this runs the suite that way (or reads a folder of an earlier run) and prints the files and tests that cost
 most, in CPU-minutes.
 
-    .venv/bin/python bench/suite_cpu.py --run                # the README's test command; results/bench/suite_cpu.json
+    python3 bench/suite_cpu.py --run      # the README's test command (it installs .venv); results/bench/suite_cpu.json
     .venv/bin/python bench/suite_cpu.py --dir DIR --top 20   # a folder an earlier run wrote
 """
 
