@@ -130,7 +130,11 @@ def backward_order(scope: str, buckets: str, warm_world: int | None = None, fp8:
     """The second backward of a 2-layer tiny BERT compiled with COMPILE=debug at `scope` under the driver's wrapper
     `buckets` (world of one, 1 MB buckets: several): the order in which the compiled backward functions run (C)
     and the comm hook receives buckets (B). `warm_world`: compiled first by the driver's warm-up, as a run of that
-    many ranks makes it (`training_entry`). `fp8`: the encoder's linears swapped for torchao's (emulated)."""
+    many ranks makes it (`training_entry`). `fp8`: the encoder's linears swapped for torchao's (emulated).
+    Where the graphs are cut is the point, not the attention kernel: one graph for the model traces padded
+    attention (one SDPA per layer) in about two thirds of the time of `loop` (one per sequence). Per layer, the
+    padded layout's key mask enters every layer's graph, and batch 0's width, 128, is the hidden size: a first
+    trace takes it for a constant and batch 1 recompiles, which costs more than `loop` saves."""
     from types import SimpleNamespace
 
     from bert.config import DistConfig
@@ -139,7 +143,7 @@ def backward_order(scope: str, buckets: str, warm_world: int | None = None, fp8:
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = BertForPreTraining(small_config(layers=2), attention="loop")
+    model = BertForPreTraining(small_config(layers=2), attention="padded" if scope == "model" else "loop")
     if fp8:
         from bert.model.fp8 import convert_to_fp8
 

@@ -22,14 +22,20 @@ def test_driver_compiles_before_run_start_and_trains_on_static_shapes(tmp_path, 
     """One rank, COMPILE=debug and STATIC_TOKENS=128: the compile time is printed and logged inside the
     untimed init, the run trains on padded batches and evaluates, and the official checker accepts the log. With
     COMPILE_CACHE the file is read before the warm-up compiles and written after it (tests/test_compile_cache.py:
-    COMPILE=debug runs its graphs eagerly, so there is nothing to write)."""
+    COMPILE=debug runs its graphs eagerly, so there is nothing to write). BERT-tiny with one layer: what is checked
+    is the driver's order of events, and a second layer was about a quarter of the run's CPU time, in tracing."""
+    from dataclasses import replace
+
     from ports import free_port
     from test_train import PY, ROOT, checker, common_args, mllog
 
     out = tmp_path / "run"
+    one_layer = tmp_path / "bert_config.json"
+    one_layer.write_text(json.dumps(replace(BertConfig.load("tiny"), num_hidden_layers=1).to_dict()))
     args = common_args(synthetic_data, out, train_batch_size=8, learning_rate=1e-3, max_steps=4,
                        eval_iter_samples=32, num_eval_examples=32, eval_batch_size=32, compile="debug",
-                       static_tokens=128, skip_checkpoint=1, compile_cache=tmp_path / "cache.bin")
+                       static_tokens=128, skip_checkpoint=1, compile_cache=tmp_path / "cache.bin",
+                       bert_config_path=one_layer)
     run = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                           str(free_port()), str(ROOT / "run_pretraining.py"), *args],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -76,7 +82,8 @@ def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(worl
     no sample: the rules' clock starts before any part of the system touches the dataset (bert.data.eval_set).
     After run_start the first evaluation reads the eval set once and compiles nothing (before the eval warm-up it
     compiled the whole forward again: grad mode and the training flag are guarded), and neither does a training
-    step or a second evaluation."""
+    step or a second evaluation. Training batches of 2 sequences, not 4: the CPU's `loop` attention traces one
+    SDPA per sequence, and what is checked here does not depend on how many there are."""
     from script_modules import load_script
     from torch._dynamo.utils import counters
 
@@ -92,7 +99,8 @@ def test_warm_up_compiles_the_eval_too_and_reads_no_sample_before_run_start(worl
     read = SampleReader.read
     monkeypatch.setattr(SampleReader, "read", lambda self, ids: reads.append(len(ids)) or read(self, ids))
     torch._dynamo.reset()
-    settings = dict(compile="debug", num_eval_examples=10, eval_iter_start_samples=16)  # an eval within 4 steps
+    settings = dict(compile="debug", num_eval_examples=10, train_batch_size=2,
+                    eval_iter_start_samples=8)  # an eval within 4 steps
     run = hs.build(hs.config(data, tmp_path / "out", settings, max_steps=4))
     assert run.eval_set.batch_sizes == [4, 4, 2] and run.eval_samples == 10
     compile_before_run(run, MLPerfLog("", enabled=False), CPU)
@@ -244,6 +252,8 @@ def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant()
     """A warm-up batch with as many masked rows as the hidden size made the heads' graph static in the masked count:
     the first training step after run_start compiled it again (seen on the CPU, COMPILE=default, SEED=20504). The
     warm-up draws again when a size coincides with the model's dimensions (`model_sizes`) or another size."""
+    from dataclasses import replace
+
     from test_last_layer import CFG
 
     from bert.train.warmup import coincides, model_sizes
@@ -260,7 +270,8 @@ def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant()
 
     def graphs_after_a_training_step(warm) -> int:
         torch.manual_seed(0)
-        model = BertForPreTraining(CFG, attention="padded")  # the heads' sizes are the point: the cheapest trace
+        # the heads' sizes are the point: the cheapest trace, padded attention and one layer (no `model_sizes` entry)
+        model = BertForPreTraining(replace(CFG, num_hidden_layers=1), attention="padded")
         compile_model(model, "debug", CPU)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
