@@ -51,8 +51,8 @@ from bert.dist.ddp import GRAD_BUCKETS, apply_ddp
 from bert.dist.env import DistEnv
 from bert.dist.fusion import MB, balanced_bounds, bucket_count, ddp_bucket_bytes
 from bert.dist.reduce import REDUCTIONS, build_reduce
-from bert.model import BertForPreTraining
 from bert.model.config import NAMED, pad_vocab
+from bert.model.pretraining import BertForPreTraining, shapes_only
 from bert.synthetic import random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def meta_model(cfg) -> nn.Module:
-    with torch.device("meta"):  # shapes only: no 1.3 GB allocation, no initialisation
-        return BertForPreTraining(cfg, device="meta")
-
-
 def ready_order_names(model: nn.Module) -> list[str]:
     """`model`'s parameter names in the order the backward pass produces their gradients. Measured on a
     2-layer BERT of the same structure (on the CPU, in a second), then repeated for every layer."""
@@ -102,7 +97,7 @@ def ready_order_names(model: nn.Module) -> list[str]:
 def bucket_report(cap_mb: float) -> dict:
     """DDP's buckets (as `apply_ddp` builds them: cap `cap_mb`, after its rebuild in gradient-ready order)
     against balanced fusion buffers, for the real BERT-large in fp32."""
-    model = meta_model(LARGE)
+    model = shapes_only(LARGE)
     shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
     order = ready_order_names(model)
     ddp = ddp_bucket_bytes([shapes[n] for n in order], 4, cap_mb)
@@ -301,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--only: unknown variant(s) {', '.join(sorted(unknown))}; "
                          f"choose from {', '.join(variant_key(*v) for v in timed_variants())}")
     report = bucket_report(args.bucket_cap_mb)
-    scaled = meta_model(scaled_config(args.scale))
+    scaled = shapes_only(scaled_config(args.scale))
     shapes = [tuple(p.shape) for p in scaled.parameters()]
     params = sum(p.numel() for p in scaled.parameters())
     cap_mb = args.bucket_cap_mb * params / report["params"]  # as many buckets as BERT-large has

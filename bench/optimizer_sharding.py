@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from bert.config import from_flat
 from bert.model import BertConfig, BertForPreTraining
+from bert.model.pretraining import shapes_only
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.param_groups import decay_groups
 from bert.optim.sharded import ShardedOptimizer
@@ -39,8 +40,7 @@ MiB = 2**20
 
 def shapes(name: str) -> tuple[int, int]:
     """(trainable elements, tensors with weight decay) of a named BERT, built on the meta device."""
-    with torch.device("meta"):  # `device` only picks the attention backend: this allocates nothing
-        model = BertForPreTraining(BertConfig.load(name), attention="padded", device="meta")
+    model = shapes_only(BertConfig.load(name))
     decay, _ = decay_groups(model, 0.01)
     return sum(p.numel() for p in model.parameters() if p.requires_grad), len(decay["params"])
 

@@ -33,6 +33,7 @@ import bert.dist.shard_plan as shard_plan
 from bert.config import from_flat
 from bert.dist.shard_plan import SHARD_PLANS, build_shard_plan
 from bert.model import BertConfig, BertForPreTraining
+from bert.model.pretraining import shapes_only
 from bert.optim import build_optimizer, build_schedule
 from bert.optim.master import fp32_weights
 from bert.optim.param_groups import decay_groups
@@ -183,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=str(ROOT / "results" / "bench" / "shard_plans.json"))
     args = parser.parse_args(argv)
 
-    with torch.device("meta"):  # shapes only: initialising 1.3 GB of weights took most of a CPU-minute
-        model = BertForPreTraining(BertConfig.load("large"), attention="padded", device="meta")
+    model = shapes_only(BertConfig.load("large"))
     params = sum(p.numel() for g in decay_groups(model, 0.01) for p in g["params"])
     table = [computed(params, nodes, 8, plan) for nodes in args.nodes for plan in SHARD_PLANS]
     print(f"BERT-large, {params:,} parameters, bf16 gradients; nodes of 8 GPUs; per step")

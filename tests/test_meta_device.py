@@ -125,3 +125,17 @@ def test_the_float8_step_on_master_weights_stays_on_the_device(recipe):
     model = BertForPreTraining(BertConfig.load("tiny"), attention="loop", device=META)
     assert convert_to_fp8(model, recipe=recipe)
     lamb_steps(model.to(META), "fp8", master_weights=True, static_tokens=128)
+
+
+def test_shapes_only_builds_every_parameter_on_meta_and_draws_no_weights():
+    """The benches' BERT-large for counting and planning: the CPU model's names and shapes, no storage, and no
+    random draw (drawing BERT-large's weights took most of a CPU-minute of the shard benches)."""
+    from bert.model.pretraining import shapes_only
+
+    cfg = BertConfig.load("tiny")
+    rng = torch.get_rng_state()
+    model = shapes_only(cfg)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert {p.device for p in model.parameters()} == {META}
+    cpu = BertForPreTraining(cfg, attention="padded")
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in cpu.named_parameters()]

@@ -137,6 +137,14 @@ class BertForPreTraining(nn.Module):
         return PretrainOutput(mlm_loss + nsp_loss, mlm_loss, nsp_loss, correct, total, mlm_logits, nsp_logits)
 
 
+def shapes_only(cfg: BertConfig, attention: str = "padded") -> BertForPreTraining:
+    """The model with every parameter on the meta device: names and shapes, no storage, no initialisation, for
+    counting and planning (`device=` of the constructor only picks the attention backend; drawing BERT-large's
+    weights on the CPU takes most of a CPU-minute)."""
+    with torch.device("meta"):
+        return BertForPreTraining(cfg, attention=attention, device="meta")
+
+
 def _at_least_fp32(logits: Tensor) -> Tensor:
     # Softmax over 30k classes in bf16 loses the loss's precision; float64 (tests) stays float64.
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
