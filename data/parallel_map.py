@@ -28,20 +28,17 @@ def parallel_imap(
     a queue's lock hangs the pool for ever (cpython#96995, #78178): a prepare.py that never exits.
     """
     total = len(items) if isinstance(items, list) else None
-    bar = tqdm(total=total, desc=desc, unit=unit)
     if workers <= 1 or (total is not None and total <= 1):  # no fork for one item or none
-        with bar:
-            for x in items:
-                yield fn(x)
-                bar.update()
+        yield from map(fn, tqdm(items, total=total, desc=desc, unit=unit))
         return
-    # fork: workers inherit sys.path (data/ modules are imported as top-level scripts) without re-importing.
+    # fork: workers inherit sys.path (data/ modules are imported as top-level scripts) without re-importing. All
+    # fork at the first submit, before the bar starts its monitor thread.
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-    rest = iter(items)
-    chunks = iter(lambda: list(islice(rest, chunksize)), [])
-    in_flight: deque[Future] = deque(pool.submit(_map_chunk, fn, c) for c in islice(chunks, 2 * workers))
     try:
-        with bar:
+        rest = iter(items)
+        chunks = iter(lambda: list(islice(rest, chunksize)), [])
+        in_flight: deque[Future] = deque(pool.submit(_map_chunk, fn, c) for c in islice(chunks, 2 * workers))
+        with tqdm(total=total, desc=desc, unit=unit) as bar:
             while in_flight:
                 results = in_flight.popleft().result()
                 for c in islice(chunks, 1):
@@ -49,7 +46,7 @@ def parallel_imap(
                 for r in results:
                     yield r
                     bar.update()
-    finally:  # also when the caller stops early: nothing more is started
+    finally:  # also when the caller stops early or the items raise: nothing more is started
         pool.shutdown(wait=True, cancel_futures=True)
 
 
