@@ -171,7 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the longest sequence, the phase-2 mix scaled to it (shorter: cheaper attention, same syncs)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "host_syncs.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 32 <= args.max_length <= 512:  # the shortest stratum, a quarter of it, must hold 5-token samples
+        p.error(f"--max-length must be in 32..512 (the phase-2 mix scaled down), got {args.max_length}")
+    return args
 
 
 def init_world_of_one(store: Path) -> None:

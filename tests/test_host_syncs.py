@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from script_modules import load_script
@@ -85,6 +86,20 @@ def data(world_of_one, one_thread, tmp_path_factory):
     half its lengths: per-sequence attention over up to 512 tokens was a third of the module's time, no sync depends
     on a length, and the batches still span two of grouped attention's length groups."""
     return hs.write_random_shards(tmp_path_factory.mktemp("data"), max_length=256)
+
+
+def test_the_scaled_mix_ends_at_max_length_and_keeps_its_strata(data):
+    """The reference: the mix's own strata (bert.lengths.WIKI_PHASE2), halved."""
+    from bert.data.format import VarlenShard
+    from bert.lengths import WIKI_PHASE2
+
+    with VarlenShard(data / "train_varlength" / "part_00000.hdf5") as shard:
+        lengths = np.array([len(s.input_ids) for s in shard])
+    assert lengths.max() == 256  # the mix's share at exactly its longest, scaled
+    halved = np.array(WIKI_PHASE2.edges) // 2
+    assert len(np.unique(np.searchsorted(halved, lengths))) >= 3  # several strata, not one
+    with pytest.raises(SystemExit):
+        hs.parse_args(["--max-length", "16"])
 
 
 def measure(data, tmp_path, name: str, device: str = "cpu") -> dict:
