@@ -248,6 +248,38 @@ def test_what_compiles_after_run_start_is_reported(tmp_path):
     assert records(compile="off", during=lambda x: x.cos()) == []
 
 
+def test_a_warm_up_batch_whose_longest_sequence_is_the_hidden_size_is_drawn_again():
+    """Per-layer graphs with padded attention take the key mask's width, the batch's longest sequence, as an input:
+    a warm-up batch whose longest sequence was the hidden size made the layers' graph static in it, and the first
+    training step after run_start compiled it again. Model scope builds the mask inside its one graph (not
+    affected)."""
+    from dataclasses import replace
+
+    from test_last_layer import CFG
+
+    from bert.train.warmup import coincides, model_sizes
+
+    cfg = replace(CFG, num_hidden_layers=1)
+    avoid = model_sizes(cfg)
+    wide = random_batch((cfg.hidden_size, 20, 25, 30, 12, 18, 22, 9), seed=0, vocab_size=cfg.real_vocab_size)
+    narrow = random_batch((cfg.hidden_size - 1, 20, 25, 30, 12, 18, 22, 9), seed=0, vocab_size=cfg.real_vocab_size)
+    assert coincides(wide, avoid) and not coincides(narrow, avoid)  # their other sizes are clear
+    later = random_batch((30, 70, 55, 90, 44, 20, 33, 61), seed=5, vocab_size=cfg.real_vocab_size)
+
+    def graphs_after_a_training_step(warm) -> int:
+        torch.manual_seed(0)
+        model = compile_model(BertForPreTraining(cfg, attention="padded"), "debug", CPU, "layers")
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model(later).loss.backward()
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+    assert graphs_after_a_training_step(wide) == 1  # the layer's graph, again, as in the timed run
+    assert graphs_after_a_training_step(narrow) == 0
+
+
 def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant():
     """A warm-up batch with as many masked rows as the hidden size made the heads' graph static in the masked count:
     the first training step after run_start compiled it again (seen on the CPU, COMPILE=default, SEED=20504). The

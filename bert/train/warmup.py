@@ -61,11 +61,13 @@ def model_sizes(config: BertConfig) -> frozenset[int]:
 
 
 def coincides(batch: Batch, avoid: Collection[int] = ()) -> bool:
-    """Whether a dynamic size of `batch` (tokens, masked rows, the last layer's kept rows) equals another of them,
-    the number of sequences (or one more: `cu_seqlens`), or one of `avoid`: sizes a first trace would tie together."""
+    """Whether a dynamic size of `batch` (tokens, masked rows, the last layer's kept rows, the longest sequence)
+    equals another of them, the number of sequences (or one more: `cu_seqlens`), or one of `avoid`: sizes a first
+    trace would tie together. The longest sequence is the padded attention's key-mask width: per layer, a warm-up
+    batch whose longest sequence was the hidden size made the layers' graph static in it."""
     b, m = batch.num_sequences, batch.masked_positions.numel()
-    sizes = {batch.num_tokens, m, kept_row_count(b, m)}
-    return len(sizes) < 3 or bool(sizes & {b, b + 1, *avoid})
+    sizes = {batch.num_tokens, m, kept_row_count(b, m), batch.seq.max_seqlen}
+    return len(sizes) < 4 or bool(sizes & {b, b + 1, *avoid})
 
 
 def warmup_batch(sequences: int, max_len: int, device: torch.device, vocab_size: int, seed: int = 0,
