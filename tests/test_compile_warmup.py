@@ -248,6 +248,19 @@ def test_what_compiles_after_run_start_is_reported(tmp_path):
     assert records(compile="off", during=lambda x: x.cos()) == []
 
 
+def graphs_after_a_training_step(cfg: BertConfig, scope: str, warm, later) -> int:
+    """New dynamo graphs in a training step on `later` after the warm-up on `warm` (COMPILE=debug, padded
+    attention, compiled at `scope`): a graph compiled inside the timed run."""
+    torch.manual_seed(0)
+    model = compile_model(BertForPreTraining(cfg, attention="padded"), "debug", CPU, scope)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model(later).loss.backward()
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
 def test_a_warm_up_batch_whose_longest_sequence_is_the_hidden_size_is_drawn_again():
     """Per-layer graphs with padded attention take the key mask's width, the batch's longest sequence, as an input:
     a warm-up batch whose longest sequence was the hidden size made the layers' graph static in it, and the first
@@ -265,19 +278,8 @@ def test_a_warm_up_batch_whose_longest_sequence_is_the_hidden_size_is_drawn_agai
     narrow = random_batch((cfg.hidden_size - 1, 20, 25, 30, 12, 18, 22, 9), seed=0, vocab_size=cfg.real_vocab_size)
     assert coincides(wide, avoid) and not coincides(narrow, avoid)  # their other sizes are clear
     later = random_batch((30, 70, 55, 90, 44, 20, 33, 61), seed=5, vocab_size=cfg.real_vocab_size)
-
-    def graphs_after_a_training_step(warm) -> int:
-        torch.manual_seed(0)
-        model = compile_model(BertForPreTraining(cfg, attention="padded"), "debug", CPU, "layers")
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model(later).loss.backward()
-        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-
-    assert graphs_after_a_training_step(wide) == 1  # the layer's graph, again, as in the timed run
-    assert graphs_after_a_training_step(narrow) == 0
+    assert graphs_after_a_training_step(cfg, "layers", wide, later) == 1  # the layer's graph, again
+    assert graphs_after_a_training_step(cfg, "layers", narrow, later) == 0
 
 
 def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant():
@@ -299,18 +301,7 @@ def test_the_warm_up_batch_has_no_size_a_first_trace_would_take_for_a_constant()
     assert not coincides(chosen, avoid) and chosen.num_sequences == 4
     later = random_batch((30, 70, 55, 90), seed=5, vocab_size=CFG.real_vocab_size)
     assert not coincides(later, avoid)
-
-    def graphs_after_a_training_step(warm) -> int:
-        torch.manual_seed(0)
-        # the heads' sizes are the point: the cheapest trace, padded attention and one layer (no `model_sizes` entry)
-        model = BertForPreTraining(replace(CFG, num_hidden_layers=1), attention="padded")
-        compile_model(model, "debug", CPU)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        warm_up(model, warm, lambda: torch.autocast("cpu", enabled=False))
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model(later).loss.backward()
-        return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-
-    assert graphs_after_a_training_step(plain) == 1  # the heads' graph, again, as in the timed run
-    assert graphs_after_a_training_step(chosen) == 0
+    # the heads' sizes are the point: the cheapest trace, padded attention and one layer (no `model_sizes` entry)
+    one_layer = replace(CFG, num_hidden_layers=1)
+    assert graphs_after_a_training_step(one_layer, "model", plain, later) == 1  # the heads' graph, again
+    assert graphs_after_a_training_step(one_layer, "model", chosen, later) == 0
