@@ -6,7 +6,7 @@
 #
 #   bash bench/cuda_session.sh setup shards model driver-bf16 driver-autocast tests
 #
-# Steps (seconds each took on one H100: README, "On one H100"):
+# Steps (seconds each took on one H100: docs/journal.md, "On one H100"):
 #   setup            install the carried wheels (.whl/: mlperf-logging, torchao), print the GPU and versions
 #   shards           random-token shards with the phase-2 length mix (data/make_random_shards.py), SHARD_SAMPLES (200,000) samples:
 #                    a driver step reads 150 x 96 = 14,400 of them, so a short call can make fewer
