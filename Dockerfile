@@ -21,5 +21,5 @@ COPY . .
 # --build-arg TORCHAO=x.y.z overrides it. Not in requirements.txt: the CPU install has no float8 hardware.
 ARG TORCHAO=
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e . \
- && python -c "from bert.train.config import check_torch; check_torch()" \
- && pip install --no-cache-dir --no-deps "torchao==${TORCHAO:-$(python -c 'from bert.model.fp8 import torchao_release; print(torchao_release())')}"
+ && python3 -c "from bert.train.config import check_torch; check_torch()" \
+ && pip install --no-cache-dir --no-deps "torchao==${TORCHAO:-$(python3 -c 'from bert.model.fp8 import torchao_release; print(torchao_release())')}"
