@@ -8,7 +8,10 @@
 # through `run_and_time.sh`, and the official compliance checker (ruleset 5.0.0) judges the run's log.
 # It shows that the image builds and trains. It does not show NGC's torch (2.10 in 25.12) or CUDA at work.
 # Needs root, dockerd (Debian's docker.io; started here if it is not running) and debootstrap.
-# Writes $OUT (results/docker_cpu): result_0.txt, the run's console, the checker's log, build.log and summary.json.
+# Then $TESTS run in the image (pytest added to a throwaway container): by default the float8 tests, which need the
+# torchao the image installs and the CPU venv leaves out (TESTS= skips them).
+# Writes $OUT (results/docker_cpu): result_0.txt, the run's console, the checker's log, build.log, tests.txt and
+# summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +21,7 @@ BASE=mlperf-bert-base:debian  # debootstrap's system, cached between calls
 BASE_TORCH=mlperf-bert-base:cpu-torch-$TORCH
 IMAGE=${IMAGE:-mlperf-bert:cpu}
 OUT=${OUT:-results/docker_cpu}
+TESTS=${TESTS-tests/test_fp8.py tests/test_fp8_delayed.py tests/test_fp8_transpose.py tests/test_meta_device.py}
 
 fail() {
   echo "docker_cpu.sh: $*" >&2
@@ -93,17 +97,24 @@ docker run --rm --shm-size=1g -v "$PWD/$OUT:/results" -v "$work/run.sh:/run.sh:r
   >"$OUT/run.txt" 2>&1 || status=$?
 run_s=$(seconds "$t")
 
+tests="not run"
+if [ -n "$TESTS" ]; then
+  docker run --rm --shm-size=1g "$IMAGE" bash -c "pip install -q --no-cache-dir pytest pytest-xdist 2>/dev/null &&
+    python3 -m pytest -q -n 2 -p no:cacheprovider $TESTS" >"$OUT/tests.txt" 2>&1 || status=$?
+  tests=$(grep -E '^[0-9]+ (passed|failed)' "$OUT/tests.txt" | tail -1 | sed 's/ in [0-9.]*s.*//' || true)
+fi
+
 torch_line=$(grep -m1 '^torch ' "$OUT/run.txt" || true)
 result=$(grep -m1 '^RESULT,bert,' "$OUT/run.txt" || true)
 checker=$(grep -qx 'INFO - SUCCESS' "$OUT/cc.log" 2>/dev/null && echo SUCCESS || echo FAILED)
-python3 - "$OUT/summary.json" "$build_s" "$run_s" "$status" "$torch_line" "$result" "$checker" <<'EOF'
+python3 - "$OUT/summary.json" "$build_s" "$run_s" "$status" "$torch_line" "$result" "$checker" "$tests" <<'EOF'
 import json, sys
-path, build_s, run_s, status, torch_line, result, checker = sys.argv[1:]
+path, build_s, run_s, status, torch_line, result, checker, tests = sys.argv[1:]
 summary = {"base": "Debian bookworm (debootstrap minbase) + " + torch_line, "build_s": int(build_s),
            "run_s": int(run_s), "exit_status": int(status), "result_line": result,
-           "compliance_checker_5.0.0": checker}
+           "compliance_checker_5.0.0": checker, "tests_in_the_image": tests}
 json.dump(summary, open(path, "w"), indent=1)
 print("| " + " | ".join(summary) + " |\n|" + "---|" * len(summary) + "\n| " +
       " | ".join(str(v) for v in summary.values()) + " |")
 EOF
-[ "$status" = 0 ] && [ "$checker" = SUCCESS ] || fail "the run in the image failed (exit $status, checker $checker): $OUT/run.txt"
+[ "$status" = 0 ] && [ "$checker" = SUCCESS ] || fail "the run or the tests in the image failed (exit $status, checker $checker): $OUT/run.txt, $OUT/tests.txt"
