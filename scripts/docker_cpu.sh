@@ -71,7 +71,7 @@ if ! docker image inspect "$BASE_TORCH" >/dev/null 2>&1; then
 fi
 
 mkdir -p "$OUT"
-rm -f "$OUT"/result_0.txt "$OUT"/cc.log
+rm -f "$OUT"/result_0.txt "$OUT"/cc.log "$OUT"/tests.txt
 t=$(date +%s)
 docker build --build-arg BASE_IMAGE="$BASE_TORCH" -t "$IMAGE" . >"$OUT/build.log" 2>&1 \
   || { tail -20 "$OUT/build.log" >&2; fail "the image did not build ($OUT/build.log)"; }
