@@ -22,21 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-
-class Sample(NamedTuple):
-    """One pre-training example as stored in a varlength shard (positions are per sequence)."""
-
-    input_ids: np.ndarray  # (L,) token ids, [CLS] A [SEP] B [SEP]
-    segment_ids: np.ndarray  # (L,)
-    masked_positions: np.ndarray  # (m,) positions inside this sequence
-    masked_labels: np.ndarray  # (m,)
-    nsp_label: int
+from bert.sample import Sample  # noqa: F401  (re-exported: collate's input type)
 
 
 @dataclass(frozen=True)

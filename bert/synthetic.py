@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bert.batch import Batch, Sample, collate
+from bert.sample import Sample
+
+if TYPE_CHECKING:
+    from bert.batch import Batch
 
 CLS, SEP, MASK = 101, 102, 103  # ids in the MLPerf (bert-base-uncased) vocab
 FIRST_WORD_ID = 999  # ids below are [PAD], [unusedN], [UNK], [CLS], [SEP], [MASK]
@@ -43,4 +47,6 @@ def random_sample(
 
 def random_batch(lengths: Sequence[int], seed: int = 0, vocab_size: int = 30522) -> Batch:
     rng = np.random.default_rng(seed)
+    from bert.batch import collate  # torch: not needed by the data tools that draw samples
+
     return collate([random_sample(int(n), rng, vocab_size=vocab_size) for n in lengths])

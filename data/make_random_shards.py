@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 from md5_list import write_md5_list
 
-from bert.batch import Sample
 from bert.data.format import MAX_PREDICTIONS, predictions_per_sequence, write_varlength_shard
 from bert.lengths import WIKI_PHASE2, LengthMix
+from bert.sample import Sample
 from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP
 
 VOCAB_SIZE = 30522  # the MLPerf (bert-base-uncased) vocab

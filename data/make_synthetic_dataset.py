@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bert.batch import Sample
 from bert.data.format import write_varlength_shard
+from bert.sample import Sample
 from bert.synthetic import CLS, FIRST_WORD_ID, MASK, SEP
 
 

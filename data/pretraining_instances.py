@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bert.batch import Sample
+from bert.sample import Sample
 
 Document = list[list[int]]  # sentences of token ids
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bert.batch import Sample
 from bert.data.format import FixedShard, VarlenShard, fixed_slices_to_varlength, write_varlength_shard
+from bert.sample import Sample
 
 MLPERF_NUM_SHARDS = 4320
 MIN_SAMPLES_PER_SHARD = 1024  # small corpora get fewer shards rather than tiny ones

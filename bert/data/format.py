@@ -32,7 +32,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from bert.batch import Sample
+from bert.sample import Sample
 
 VARLEN_DTYPES: dict[str, np.dtype] = {
     "input_ids": np.dtype(np.int16),

@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from bert.batch import Sample
 from bert.data.format import ShardError, VarlenShard
 from bert.data.index import LengthIndex
+from bert.sample import Sample
 
 
 def open_file_budget(num_shards: int, soft_limit: int | None = None) -> int:
