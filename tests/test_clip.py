@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -165,7 +165,7 @@ CASES = list(CASE_SETUP)
 def test_clip_modes_match_hand_references(tmp_path):
     world = 3  # an odd world: averaging is a division by 3, not a power of two
     out = str(tmp_path / "grads")
-    mp.spawn(worker, args=(world, str(tmp_path / "store"), CASES, out), nprocs=world)
+    start_ranks(worker, args=(world, str(tmp_path / "store"), CASES, out), nprocs=world)
     results = [torch.load(f"{out}.{r}") for r in range(world)]
     for case in CASES:
         seen: set[bool] = set()  # whether each clip the reference made was active

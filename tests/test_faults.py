@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ports import free_port
+from ranks import start_ranks
 
 from bert.config import from_flat
 from bert.dist.clip import install_clipping
@@ -206,14 +206,14 @@ def test_a_loss_non_finite_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     """The progress line's loss is the mean over the ranks, so a NaN on rank 1 alone (its batch, the window's last
     step, before the all-reduce spreads it into everyone's weights) stops both ranks there, not rank 1 alone while
     rank 0 waits in its next all-reduce for a rank that has left."""
-    mp.spawn(_window_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    start_ranks(_window_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
     for rank in range(2):
         assert json.loads((tmp_path / f"out.{rank}").read_text()) == [2.0, [False, True]]  # (6 + 2) / 2 ranks / 2
 
 
 def test_fp16_non_finite_step_is_skipped_by_the_loss_scaler(tmp_path):
     out = tmp_path / "results.json"
-    mp.spawn(_fp16_worker, args=(str(tmp_path / "store"), str(out)), nprocs=1)
+    start_ranks(_fp16_worker, args=(str(tmp_path / "store"), str(out)), nprocs=1)
     # (inf step skipped and scale halved, next finite step applied, weights finite) per clip mode
     assert json.loads(out.read_text()) == {"after": [True, True, True], "bucket": [True, True, True]}
 

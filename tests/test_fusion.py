@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -151,7 +152,7 @@ def test_balanced_bounds_are_equal_to_one_element():
 @pytest.mark.slow
 def test_balanced_fusion_buffers_match_ddp_and_references(tmp_path):
     out = str(tmp_path / "grads")
-    mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
+    start_ranks(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     numels = [math.prod(s) for s in SHAPES]
     for case in CASES:

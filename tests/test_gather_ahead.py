@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from test_loop import BATCH, finish, make_run
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -155,7 +155,7 @@ def worker(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("gather_ahead")
-    mp.spawn(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
+    start_ranks(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
     return [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(WORLD)]
 
 

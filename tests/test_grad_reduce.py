@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
+from ranks import start_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -137,7 +138,7 @@ def mean_abs(step: int) -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_strategies_match_flat_allreduce_for_every_clip_mode(tmp_path):
     out = str(tmp_path / "grads")
-    mp.spawn(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
+    start_ranks(worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}")[0] for r in range(WORLD)]
     sizes = torch.load(f"{out}.0")[1]
     # fp16 communication, 1/W on the bucket: divided before the node sum (2 x 40000 > 65504, fp16's max)
@@ -350,7 +351,7 @@ def rank_buffer(rank: int, n: int, k: int) -> torch.Tensor:
 
 def test_hierarchical_sums_buffers_handed_over_at_once_one_by_one_or_interleaved(tmp_path):
     out = str(tmp_path / "sums")
-    context = mp.spawn(sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False)
+    context = start_ranks(sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD, join=False)
     deadline = 120  # a rank waiting on a peer that issued in another order would hang: fail instead
     while not context.join(timeout=1):
         deadline -= 1
@@ -419,7 +420,7 @@ def test_hierarchical_sum_adds_every_peers_chunk_for_any_node_size(tmp_path):
     """The sum over the world, by hand, for a node of 4 ranks as well as 2: with one peer per node (the test
     above) a node sum that kept only the first peer's chunk would still be right."""
     out = str(tmp_path / "sums")
-    mp.spawn(_node_sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
+    start_ranks(_node_sum_worker, args=(str(tmp_path / "store"), out), nprocs=WORLD)
     for rank in range(WORLD):
         results = torch.load(f"{out}.{rank}")
         assert len(results) == 2 * len(ISSUES) * 3

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from multiproc.id_shards import write_id_shards
+from ranks import start_ranks
 
 from bert.data.index import LengthIndex
 from bert.data.index_agreement import check_index_agreement, disagreeing_ranks, index_digest
@@ -46,7 +46,7 @@ def _worker(rank: int, store: str, data: str, out: str) -> None:
 
 
 def test_a_rank_with_a_partial_copy_stops_every_rank_naming_it(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(tmp_path / "out")), nprocs=3)
+    start_ranks(_worker, args=(str(tmp_path / "store"), str(tmp_path), str(tmp_path / "out")), nprocs=3)
     results = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
     assert all("rank(s) 2 of 3 see other shards or sample lengths than rank 0" in r for r in results), results
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks import start_ranks
 
 from bert.config import TrainConfig, from_env_and_args, from_flat
 from bert.train.mlperf_log import MLPerfLog
@@ -146,10 +147,8 @@ def _start_run_worker(rank: int, store: str, log_path: str, times: str) -> None:
 def test_the_clock_starts_after_every_ranks_init_and_no_rank_trains_before_run_start(tmp_path):
     """Without the barrier before, init_stop would be stamped while rank 1 still initialised (its compile time then
     counted in the timed run); without the one after, rank 1 could start (and fail) before run_start is written."""
-    import torch.multiprocessing as mp
-
     log_path = tmp_path / "result_0.txt"
-    mp.spawn(_start_run_worker, args=(str(tmp_path / "store"), str(log_path), str(tmp_path / "times")), nprocs=2)
+    start_ranks(_start_run_worker, args=(str(tmp_path / "store"), str(log_path), str(tmp_path / "times")), nprocs=2)
     events = {e["key"]: e["time_ms"] / 1000 for e in lines(log_path)}
     assert list(events) == ["init_stop", "run_start", "block_start"]
     rank1_entered, rank1_left = json.loads((tmp_path / "times.1").read_text())

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -150,7 +150,7 @@ def close(a: dict, b: dict) -> None:
 def test_sharded_update_matches_unsharded(tmp_path):
     world = 3
     out = str(tmp_path / "result")
-    mp.spawn(worker, args=(world, str(tmp_path / "store"), out), nprocs=world)
+    start_ranks(worker, args=(world, str(tmp_path / "store"), out), nprocs=world)
     results = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     worst: dict = {}
     for key in CASES:

@@ -14,7 +14,6 @@ The whole driver under torchrun (2 workers + 1 server) is checked against a flat
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import signal
@@ -118,15 +117,13 @@ def process(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_ps_equals_flat_allreduce_for_raw_buffers_and_every_clip_mode(tmp_path):
     from ports import free_port
+    from ranks import start_ranks
 
     world = WORKERS + SERVERS
     out = str(tmp_path / "r")
-    # forkserver, preloaded: one fresh interpreter imports torch and this module, then forks the 5 processes.
-    # Not spawn (5 fresh interpreters importing torch on a loaded 2-core machine took 50 s), nor a fork of the
-    # pytest worker: after earlier tests its threads may hold a lock at the fork, and a child stuck on it left
-    # the others waiting for its address in the gloo rendezvous (CI, 2026-11-24).
-    multiprocessing.set_forkserver_preload(["torch", __name__])
-    mp.start_processes(process, args=(world, free_port(), out), nprocs=world, start_method="forkserver")
+    # forked from a preloaded server (tests/ranks.py): 5 fresh interpreters importing torch on a loaded 2-core
+    # machine took 50 s
+    start_ranks(process, args=(world, free_port(), out), nprocs=world)
     results = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
     workers, servers = results[:WORKERS], results[WORKERS:]
     assert [w["env"].rank for w in workers] == [0, 1, 2] and {w["env"].world_size for w in workers} == {WORKERS}

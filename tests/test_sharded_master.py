@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ports import free_port
+from ranks import start_ranks
 from script_modules import load_script
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -344,7 +344,7 @@ def close(a: dict, b: dict, rtol: float = 2e-6, atol: float = 1e-7) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("sharded_master")
-    mp.spawn(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
+    start_ranks(worker, args=(str(tmp / "store"), str(tmp / "out")), nprocs=WORLD)
     return [torch.load(tmp / f"out.{r}", weights_only=False) for r in range(WORLD)]
 
 
