@@ -57,6 +57,19 @@ def world_of_one(tmp_path_factory) -> Iterator[None]:
     dist.destroy_process_group()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker gets its share of the cores for torch's OpenMP threads, not all of them: four workers
+    of two threads each on the 2-core VM kept a thread spinning for a sibling that waited for a core. The
+    in-process heavy files (test_checkpoint, test_model, test_last_layer and five more, -n 4) took 73 s and 143
+    CPU-s so, 52 s and 94 CPU-s with one thread each. The subprocesses a test starts are not affected: the
+    driver sets its own (`bert.dist.env`)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny tensors: a second OpenMP thread only waits on its sibling (and spins on a busy machine)."""
