@@ -48,6 +48,8 @@ write_conf() {
   host=$(hostname)
   mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
   # RealMemory below the machine's total: slurmd refuses to register a node that claims more than it has.
+  # CPUs: every core this process may use; nproc alone obeys OMP_NUM_THREADS, and a 1-CPU node pends every job of
+  # two tasks per node for ever.
   cat >"$CONF" <<EOF
 ClusterName=local
 SlurmctldHost=$host
@@ -65,7 +67,7 @@ SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 SlurmUser=root
 ReturnToService=2
-NodeName=$host CPUs=$(nproc) RealMemory=$(($(free -m | awk '/^Mem:/{print $2}') * 8 / 10)) State=UNKNOWN
+NodeName=$host CPUs=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) RealMemory=$(($(free -m | awk '/^Mem:/{print $2}') * 8 / 10)) State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }

@@ -22,9 +22,9 @@ def pids() -> list[str]:
     return [Path(p).read_text().strip() for p in ("/run/slurmctld.pid", "/run/slurmd.pid")]
 
 
-def slurm_local(command: str) -> subprocess.CompletedProcess:
+def slurm_local(command: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "scripts/slurm_local.sh", command], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, **env})
 
 
 def daemons() -> dict[str, int]:
@@ -92,6 +92,11 @@ def test_stop_ends_exactly_the_daemons_start_started():
                 break
             time.sleep(0.1)
     finally:
-        restored = slurm_local("start")  # other tests in the session need the cluster
+        # other tests in the session need the cluster. With OMP_NUM_THREADS=1 (a shell set for one-thread CPU
+        # runs), which coreutils' nproc obeys: the node must still offer every core, or a job of two tasks per node
+        # pends for ever ("PartitionConfig": the suite hung so, a worker having set it for its subprocesses)
+        restored = slurm_local("start", OMP_NUM_THREADS="1")
     assert restored.returncode == 0 and "idle" in restored.stdout, restored.stderr
     assert set(daemons()) == {"munged", "slurmctld", "slurmd"}
+    node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, check=True).stdout
+    assert f"CPUTot={len(os.sched_getaffinity(0))} " in node, node
