@@ -176,6 +176,9 @@ def test_submission_at_the_reference_convergence_point(tmp_path):
     org = tmp_path / "sub" / "TestOrg"
     system = json.loads((org / "systems" / "test_box.json").read_text())
     assert system["division"] == "closed" and system["submitter"] == "TestOrg"
+    import torch
+
+    assert system["framework"] == f"PyTorch {torch.__version__}"  # the driver's torch, which the script does not import
     results = org / "results" / "test_box" / "bert"  # the rules' names, result_0 .. result_9, in the order given
     assert sorted(p.name for p in results.iterdir()) == sorted(f"result_{k}.txt" for k in range(10))
     assert all((results / f"result_{k}.txt").read_text() == log.read_text() for k, log in enumerate(logs))
