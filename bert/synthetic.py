@@ -46,7 +46,7 @@ def random_sample(
 
 
 def random_batch(lengths: Sequence[int], seed: int = 0, vocab_size: int = 30522) -> Batch:
-    rng = np.random.default_rng(seed)
-    from bert.batch import collate  # torch: not needed by the data tools that draw samples
+    from bert.batch import collate  # here: torch, which the data tools that draw samples do without
 
+    rng = np.random.default_rng(seed)
     return collate([random_sample(int(n), rng, vocab_size=vocab_size) for n in lengths])
