@@ -88,6 +88,9 @@ declare -A DRIVERS=(
   # each sublayer's bias + dropout + residual + LayerNorm our Triton kernel each way (bert.model.dropout_add_norm),
   # against compiled-opt: Philox per four elements, no fp32 x_hat, the mask as bits (2026-11-27, not yet run)
   [compiled-opt-norm]="--compile default --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
+  # GELU=rational (bert.model.gelu): erfc as a rational function of one exp2 in inductor's GELU kernels, 17 % fewer
+  # instructions an element forward and 30 % backward on the fake H100 (bench/gelu_sass.py; 2026-12-02, not yet run)
+  [compiled-opt-gelu]="--compile default --env COMPILE_OPTIMIZER=1 --env GELU=rational --bench-repeats 0"
   # our flash attention with dropout in Triton (bert.model.triton_attention) against compiled-opt's FlashAttention-2
   # (23.8 ms of the H100's step; 10-16 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)
   [compiled-opt-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
@@ -285,7 +288,7 @@ for name in "$@"; do
       step tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs tests/test_attention.py tests/test_loader.py \
         tests/test_compile.py tests/test_fp8.py tests/test_fp8_delayed.py tests/test_fp8_transpose.py \
         tests/test_flash_varlen.py tests/test_optim_compiled.py tests/test_master_weights.py tests/test_flat_lamb.py \
-        tests/test_bias_correction.py tests/test_dropout_add_norm.py tests/test_triton_attention.py \
+        tests/test_bias_correction.py tests/test_dropout_add_norm.py tests/test_triton_attention.py tests/test_gelu.py \
         tests/test_host_syncs.py tests/test_profile.py tests/test_cudnn_varlen.py tests/test_fusion.py \
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
         tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \

@@ -37,6 +37,8 @@ between variants meaningful.
                       LayerNorm one Triton kernel each way (bert.model.dropout_add_norm; on the CPU its torch path,
                       there to check that it runs); compiled-fused-norm/<name> (with `--compile MODE`) against
                       compiled/<name>, where inductor fuses the same chain itself
+    compiled-rational-gelu/<name>  compiled/<name> with GELU=rational: erfc as a rational function of one exp2
+                      (bert.model.gelu), fewer instructions an element in inductor's GELU kernels (bench/gelu_sass.py)
     master-bf16-lamb/<name>  the same with the driver's LAMB (`build_optimizer`: decay groups, the schedule's
                       device LR, `after` clip in the step; foreach LAMB, or apex FusedLAMB when installed);
                       master-bf16-lamb-copt/<name> (with `--compile MODE`) with that update compiled
@@ -91,6 +93,7 @@ from bert.model.cudnn_varlen import backward_is_fixed as cudnn_backward_is_fixed
 from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
 from bert.model.flops import StepShape, train_flops
 from bert.model.fp8 import check_fp8, convert_to_fp8
+from bert.model.gelu import apply_gelu
 from bert.model.last_layer import kept_row_count
 from bert.model.padding import PadLayout, pad
 from bert.model.precision import autocast_dtype  # the driver's rule (fp8: bf16 outside the float8 GEMMs)
@@ -195,7 +198,8 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
     names += [f"static{static_tokens}/{fast}"] if static_tokens else []
     names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}", f"fused-norm/{fast}"]
     if compile != "off":
-        names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}", f"compiled-fused-norm/{fast}"]
+        names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}", f"compiled-fused-norm/{fast}",
+                  f"compiled-rational-gelu/{fast}"]
         names += ["compiled/triton"] if device == "cuda" else []
         names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
     if fp8:
@@ -232,6 +236,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
     if compile != "off":
         specs[f"master-bf16-lamb-copt/{fast}"] = specs[f"unpadded/{fast}"]  # the optimizer compiled, not the model
         specs[f"compiled/{fast}"] = specs[f"compiled-fused-norm/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
+        specs[f"compiled-rational-gelu/{fast}"] = specs[f"compiled/{fast}"]
         if device == "cuda":
             specs["compiled/triton"] = (*specs["unpadded/triton"][:-1], True)
         if static_tokens:
@@ -262,6 +267,8 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
             if "fused-norm/" in name:
                 check_residual_norm("fused", torch.device(device))
                 apply_residual_norm(model, "fused")
+            if "rational-gelu/" in name:
+                apply_gelu(model, "rational")
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
         shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows,

@@ -92,6 +92,9 @@ class ModelConfig:
                              "each way with a Philox call per four elements and the mask kept as bits "
                              "(bert.model.dropout_add_norm)", env="RESIDUAL_NORM",
                              registry="bert.model.dropout_add_norm:RESIDUAL_NORMS")
+    gelu: str = opt("torch", "the FFN's and MLM head's exact GELU: torch's (erf), or rational: erfc as a rational "
+                    "function of one exp, fewer instructions an element in the compiled GELU kernels, within 6e-8 |x| "
+                    "(bert.model.gelu)", env="GELU", registry="bert.model.gelu:GELUS")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")

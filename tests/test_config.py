@@ -30,6 +30,7 @@ from bert.dist.ddp import GRAD_BUCKETS
 from bert.dist.reduce import REDUCTIONS
 from bert.model.attention import BACKENDS
 from bert.model.dropout_add_norm import RESIDUAL_NORMS
+from bert.model.gelu import GELUS
 from bert.optim import OPTIMIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,7 @@ def test_selector_choices_are_the_registries():
     assert set(registry_names(by_env["GRAD_BUCKETS"].metadata["registry"])) == set(GRAD_BUCKETS)
     assert set(registry_names(by_env["GRAD_COMM_DTYPE"].metadata["registry"])) == set(COMM_DTYPES)
     assert set(registry_names(by_env["RESIDUAL_NORM"].metadata["registry"])) == set(RESIDUAL_NORMS)
+    assert set(registry_names(by_env["GELU"].metadata["registry"])) == set(GELUS)
     for name in [*STRATEGIES]:
         assert parse(BALANCE=name).data.balance == name
 
@@ -95,6 +97,7 @@ def test_selector_choices_are_the_registries():
     ({"OPTIMIZER_LAYOUT": "flt"}, "$OPTIMIZER_LAYOUT"),
     ({"LOADER_WORKER": "procces"}, "$LOADER_WORKER"),
     ({"RESIDUAL_NORM": "fusd"}, "$RESIDUAL_NORM"),
+    ({"GELU": "tanh"}, "$GELU"),  # the approximation BERT does not use
     ({"OPTIMIZER_LAYOUT": "flat"}, "$OPTIMIZER_LAYOUT"),  # needs the masters
     ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"},
      "$OPTIMIZER_LAYOUT"),

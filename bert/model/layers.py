@@ -12,7 +12,6 @@ and from the separate `query`/`key`/`value` tensors of every other BERT.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bert.model.attention import Attend
@@ -85,9 +84,10 @@ class BertIntermediate(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.activation = nn.GELU()  # exact (erf) GELU, as in Google's BERT; a module, so GELU=rational can swap it
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.dense(x))  # exact (erf) GELU, as in Google's BERT
+        return self.activation(self.dense(x))
 
 
 class BertLayer(nn.Module):

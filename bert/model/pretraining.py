@@ -38,10 +38,11 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.activation = nn.GELU()
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.LayerNorm(F.gelu(self.dense(x)))
+        return self.LayerNorm(self.activation(self.dense(x)))
 
 
 class BertLMPredictionHead(nn.Module):

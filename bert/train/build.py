@@ -24,6 +24,7 @@ from bert.model.attention import check_attention
 from bert.model.compile import check_compile, compile_model
 from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
 from bert.model.fp8 import apply_precision, check_fp8
+from bert.model.gelu import apply_gelu
 from bert.model.init_checkpoint import load_init_checkpoint
 from bert.model.precision import autocast_dtype, compute_dtype
 from bert.optim import build_optimizer, build_schedule, hook_clip_mode
@@ -50,7 +51,8 @@ def seed_everything(seed: int) -> None:
 def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights in fp32; bf16/fp16 come from autocast, or, with MASTER_WEIGHTS=1, from the optimizer casting
     the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`), RESIDUAL_NORM=fused
-    each sublayer's dropout + add + LayerNorm for one kernel (`bert.model.dropout_add_norm`). The same
+    each sublayer's dropout + add + LayerNorm for one kernel (`bert.model.dropout_add_norm`), GELU=rational
+    each GELU for one with fewer instructions (`bert.model.gelu`). The same
     seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway), which is also
     what a bare-encoder INIT_CHECKPOINT leaves in the heads. COMPILE compiles
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
@@ -62,6 +64,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     model = BertForPreTraining(bert_config, attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)
     apply_residual_norm(model, cfg.residual_norm)
+    apply_gelu(model, cfg.gelu)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
     model = apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears, cfg.fp8_recipe)
