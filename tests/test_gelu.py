@@ -4,6 +4,7 @@ must not exceed; torch's `gradcheck`; the model with torch's GELU for the swappe
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,26 @@ def slope(x: torch.Tensor) -> torch.Tensor:
     x = x.clone().requires_grad_()
     rational_gelu(x).sum().backward()
     return x.grad
+
+
+def test_its_coefficients_are_numerical_recipes_in_base_2():
+    """The module's literals against erfcc's as printed (Numerical Recipes in C, 2nd ed., section 6.2), each times
+    log2 e, the constant term less 1 (the halving), to the double's last digits."""
+    import inspect
+
+    from bert.model import gelu
+
+    book = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+            0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+    log2e = 1.0 / math.log(2.0)
+    source = inspect.getsource(gelu._half_erfc)
+    body = "".join(source[source.index("p = "):source.index("minus_a2 =")].split())
+    # Horner's order, the highest power first; each coefficient's sign is the operator before it
+    ours = [float(sign + digits) for sign, digits in re.findall(r"([-+]?)(\d+\.\d+)", body)]
+    want = [c * log2e for c in reversed(book[1:])] + [book[0] * log2e - 1.0]
+    assert len(ours) == len(want)
+    for a, b in zip(ours, want):
+        assert a == pytest.approx(b, rel=1e-15)
 
 
 def test_in_float64_it_is_within_the_approximations_bound():
@@ -76,15 +97,20 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(rational_gelu, (x,))
 
 
-def test_the_swapped_model_keeps_its_names_and_trains_as_torchs():
-    """float64, dropout 0: loss and every gradient within the approximation's error of the exact model's (per
-    tensor, against its largest element: the error is GELU's, 6e-8 |x|, passed on through the layers)."""
+def model_pair() -> tuple[BertForPreTraining, BertForPreTraining]:
     cfg = BertConfig(vocab_size=1064, real_vocab_size=1061, hidden_size=32, num_hidden_layers=2,
                      num_attention_heads=4, intermediate_size=64).with_dropout(0.0)
     torch.manual_seed(0)
     plain = BertForPreTraining(cfg, attention="loop").double()
     swapped = BertForPreTraining(cfg, attention="loop").double()
     swapped.load_state_dict(plain.state_dict())
+    return plain, swapped
+
+
+def test_the_swapped_model_keeps_its_names_and_trains_as_torchs():
+    """float64, dropout 0: loss and every gradient within the approximation's error of the exact model's (per
+    tensor, against its largest element: the error is GELU's, 6e-8 |x|, passed on through the layers)."""
+    plain, swapped = model_pair()
     names = apply_gelu(swapped, "rational")
     assert names == ["bert.encoder.layer.0.intermediate.activation", "bert.encoder.layer.1.intermediate.activation",
                      "cls.predictions.transform.activation"]
@@ -96,6 +122,23 @@ def test_the_swapped_model_keeps_its_names_and_trains_as_torchs():
     grads = [torch.autograd.grad(loss, list(m.parameters())) for loss, m in zip(losses, (plain, swapped))]
     for (name, _), a, b in zip(plain.named_parameters(), *grads):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6 * a.abs().max().item(), msg=name)
+
+
+def test_the_swapped_model_compiles_dynamic_as_the_driver_does():
+    """The Function inside the model under dynamic=True (COMPILE's setting): dynamo lifts no float into its graph
+    (a module-level constant there failed: "lift_tracked_freevar_to_input should not be called on root"), and the
+    compiled loss and gradients are eager's. AOT autograd without inductor: the trace is what is checked."""
+    _, swapped = model_pair()
+    apply_gelu(swapped, "rational")
+    batch = random_batch((5, 17, 30), seed=4, vocab_size=1061)
+    torch._dynamo.reset()
+    compiled = torch.compile(swapped, backend="aot_eager", dynamic=True)
+    losses = [m(batch).loss for m in (swapped, compiled)]
+    torch._dynamo.reset()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    grads = [torch.autograd.grad(loss, list(swapped.parameters())) for loss in losses]
+    for (name, _), a, b in zip(swapped.named_parameters(), *grads):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_the_config_selects_it_and_refuses_a_typo():
@@ -112,9 +155,10 @@ def test_the_config_selects_it_and_refuses_a_typo():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_it_is_one_graph_and_matches_eager(dtype):
-    """Dynamo traces the Function whole (fullgraph: no break), and inductor's fused code, forward and backward,
-    gives eager's values within the dtype's rounding. (Under torch 2.11 a no-op cast at the forward's end made every
-    compiled gradient 0: bert.model.gelu's `_cast`.)"""
+    """Dynamo traces the Function whole (fullgraph: no break), dynamic over the shape as the driver compiles, and
+    inductor's fused code, forward and backward, gives eager's values within the dtype's rounding. (Under torch 2.11
+    a no-op cast at the forward's end made every compiled gradient 0: bert.model.gelu's `_cast`; a module-level
+    float in the Function failed to lift under dynamic=True.)"""
     from bert.model.compile_keys import configure_caches
 
     x = (4 * torch.randn(3, 1000)).to(dtype).requires_grad_()
@@ -122,7 +166,7 @@ def test_compiled_it_is_one_graph_and_matches_eager(dtype):
     want = rational_gelu(x), torch.autograd.grad(rational_gelu(x), x, dy)[0]
     torch._dynamo.reset()
     configure_caches()
-    compiled = torch.compile(rational_gelu, fullgraph=True)
+    compiled = torch.compile(rational_gelu, fullgraph=True, dynamic=True)
     y = compiled(x)
     (g,) = torch.autograd.grad(y, x, dy)
     torch._dynamo.reset()
