@@ -60,6 +60,8 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     # both: the candidate fastest bf16 layer (driver-compiled-opt-norm-triton)
     "fused-norm-triton-attention-layers-step": ({"compile": "default", "compile_scope": "layers",
                                                  "residual_norm": "fused", "attention": "triton"}, "step"),
+    # GELU=rational (bert.model.gelu): its autograd Function inside the driver's one graph, dynamic over the tokens
+    "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }
