@@ -88,8 +88,9 @@ declare -A DRIVERS=(
   # each sublayer's bias + dropout + residual + LayerNorm our Triton kernel each way (bert.model.dropout_add_norm),
   # against compiled-opt: Philox per four elements, no fp32 x_hat, the mask as bits (2026-11-27, not yet run)
   [compiled-opt-norm]="--compile default --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
-  # GELU=rational (bert.model.gelu): erfc as a rational function of one exp2 in inductor's GELU kernels, 17 % fewer
-  # instructions an element forward and 30 % backward on the fake H100 (bench/gelu_sass.py; 2026-12-02, not yet run)
+  # GELU=rational (bert.model.gelu): erfc as a rational function of one exp2 in inductor's GELU kernels, a third
+  # fewer instructions an element forward and 42 % backward on the fake H100 (bench/gelu_sass.py; 2026-12-02, not
+  # yet run)
   [compiled-opt-gelu]="--compile default --env COMPILE_OPTIMIZER=1 --env GELU=rational --bench-repeats 0"
   # our flash attention with dropout in Triton (bert.model.triton_attention) against compiled-opt's FlashAttention-2
   # (23.8 ms of the H100's step; 10-16 ms predicted by SASS, bench/attention_sass.py; 2026-11-27, not yet run)

@@ -201,8 +201,8 @@ def test_cuda_compiled_it_keeps_the_bound_and_torchs_rounding():
 @pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
 def test_for_an_h100_its_kernels_run_fewer_instructions_an_element(tmp_path):
     """bench/gelu_sass.py on the fake H100: inductor's code for the FFN's GELU, one kernel each way with either GELU,
-    and the rational one's SASS shorter by at least 10 % forward and 20 % backward (libdevice's erf against one
-    exp2 and a division; measured 38.6 -> 32.1 and 53.1 -> 37.4, torch 2.11)."""
+    and the rational one's SASS shorter by at least 25 % forward and 35 % backward (libdevice's erf against one
+    exp2 and an rsqrt; measured 38.6 -> 26.0 and 53.1 -> 31.0, torch 2.11; with a division, 32.1 and 37.4)."""
     out = tmp_path / "gelu_sass.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench/gelu_sass.py"), "--json", str(out)], capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
@@ -211,5 +211,5 @@ def test_for_an_h100_its_kernels_run_fewer_instructions_an_element(tmp_path):
     by = {(r["kind"], r["pass"]): r["per_element"] for r in rows}
     assert sorted(by) == [("rational", "backward"), ("rational", "forward"), ("torch", "backward"),
                           ("torch", "forward")], rows  # one pointwise kernel each
-    assert by["rational", "forward"] <= 0.9 * by["torch", "forward"], by
-    assert by["rational", "backward"] <= 0.8 * by["torch", "backward"], by
+    assert by["rational", "forward"] <= 0.75 * by["torch", "forward"], by
+    assert by["rational", "backward"] <= 0.65 * by["torch", "backward"], by

@@ -3,10 +3,10 @@ an element in the compiled step's GELU kernels.
 
 On the H200 the FFN's GELU kernels moved their bytes at 53 and 57 % of the card's bandwidth, forward and backward:
 libdevice's erf (and the backward's exp) bound them at the issue rate, not at memory. Compiled for an H100 they run
-38.6 and 53.1 SASS instructions an element, this module's 32.1 and 37.4 (bench/gelu_sass.py). Here
+38.6 and 53.1 SASS instructions an element, this module's 26.0 and 31.0 (bench/gelu_sass.py). Here
 
     GELU(x) = x Phi(x),  Phi(x) = 1 - erfc(a) / 2 for x >= 0, erfc(a) / 2 below,  a = |x| / sqrt(2),
-    erfc(a) = t exp(-a^2 + P(t)),  t = 1 / (1 + a / 2),
+    erfc(a) = t exp(-a^2 + P(t)),  t = 1 / (1 + a / 2) = rsqrt((1 + a / 2)^2),
 
 P a polynomial of degree 9 (Numerical Recipes' erfcc: fractional error under 1.2e-7 for every a >= 0), so
 |GELU - exact| <= 6e-8 |x|, below float32's rounding of x itself; the fp32 F.gelu, 1 + erf of a negative argument,
@@ -45,7 +45,11 @@ def _half_erfc(x: Tensor) -> tuple[Tensor, Tensor]:
     Every number is a literal: a module-level float read inside an autograd Function became a symbolic input under
     `dynamic=True` (the driver's compile), which dynamo could not lift into the Function's graph ("lift_tracked_
     freevar_to_input should not be called on root SubgraphTracer", torch 2.11 and 2.13)."""
-    t = 1.0 / (1.0 + 0.35355339059327373 * x.abs())  # 1 / (1 + a / 2), a = |x| / sqrt 2
+    d = 1.0 + 0.35355339059327373 * x.abs()  # 1 + a / 2, a = |x| / sqrt 2
+    # t = 1 / d as rsqrt(d^2): on a GPU one MUFU.RSQ and a multiply, where a division is the reciprocal, its
+    # refinement and range checks (6 SASS instructions an element more); rsqrt's error, 2^-22.9, moves GELU by
+    # under 6e-8 |x| (docs/journal.md, "GELU's instructions"); d^2 overflows only where t is 0 to fp32 anyway
+    t = torch.rsqrt(d * d)
     # Numerical Recipes' erfcc, erfc(a) = t exp(-a^2 + P(t)), in base 2 for libdevice's exp2 (one MUFU.EX2; its exp
     # is a range reduction more): P's coefficients times log2 e, and 1 off the constant term to halve the power
     # (tests/test_gelu.py derives them from the book's). Horner's rule: one multiply-add a coefficient.
