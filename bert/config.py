@@ -93,8 +93,8 @@ class ModelConfig:
                              "(bert.model.dropout_add_norm)", env="RESIDUAL_NORM",
                              registry="bert.model.dropout_add_norm:RESIDUAL_NORMS")
     gelu: str = opt("torch", "the FFN's and MLM head's exact GELU: torch's (erf), or rational: erfc as a rational "
-                    "function of one exp, fewer instructions an element in the compiled GELU kernels, within 6e-8 |x| "
-                    "(bert.model.gelu)", env="GELU", registry="bert.model.gelu:GELUS")
+                    "function of one exp2, fewer instructions an element in the compiled GELU kernels, within 6e-8 |x| "
+                    "(bert.model.gelu); needs a COMPILE mode", env="GELU", registry="bert.model.gelu:GELUS")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")
@@ -264,6 +264,10 @@ class TrainConfig:
         if self.model.compile_cache and self.model.compile == "off":
             raise ConfigError("compile_cache", "COMPILE_CACHE", self.model.compile_cache, "has nothing to keep with "
                               "COMPILE=off: set a COMPILE mode, or leave COMPILE_CACHE empty")
+        if self.model.gelu == "rational" and self.model.compile == "off":
+            raise ConfigError("gelu", "GELU", "rational", "is written for inductor to fuse into one kernel each way; "
+                              "with COMPILE=off it runs a dozen kernels each way, slower than torch's: set a COMPILE "
+                              "mode, or GELU=torch")
         if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "

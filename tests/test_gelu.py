@@ -13,7 +13,7 @@ import torch
 from script_modules import ROOT, load_script
 from torch import nn
 
-from bert.config import from_flat
+from bert.config import ConfigError, from_env_and_args, from_flat
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.gelu import RationalGELU, apply_gelu, check_gelu, rational_gelu, rational_gelu_reference
 from bert.synthetic import random_batch
@@ -151,6 +151,11 @@ def test_the_config_selects_it_and_refuses_a_typo():
     with pytest.raises(ValueError, match="GELU='erf' is not one of torch, rational"):
         check_gelu("erf")
     assert apply_gelu(nn.Sequential(nn.GELU(approximate="tanh")), "rational") == []  # not BERT's: left alone
+    env = {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "8", "LR": "1e-3",
+           "MAX_STEPS": "10", "GELU": "rational"}
+    assert from_env_and_args([], {**env, "COMPILE": "default"}).model.gelu == "rational"
+    with pytest.raises(ConfigError, match="COMPILE=off it runs a dozen kernels"):  # eager it would only be slower
+        from_env_and_args([], env)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
