@@ -35,7 +35,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     """`t` in `dtype`, itself where it is already: torch 2.11's dynamo (the GPU machines') routes the gradient of an
     autograd Function whose output aliases one of its intermediates, as a no-op `.to` returns, to the wrong output
-    (zeros here; pytorch/pytorch#180642). Fixed by 2.13."""
+    (zeros here; pytorch/pytorch#180642). Torch 2.13 gets it right."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -47,8 +47,9 @@ def _half_erfc(x: Tensor) -> tuple[Tensor, Tensor]:
     freevar_to_input should not be called on root SubgraphTracer", torch 2.11 and 2.13)."""
     d = 1.0 + 0.35355339059327373 * x.abs()  # 1 + a / 2, a = |x| / sqrt 2
     # t = 1 / d as rsqrt(d^2): on a GPU one MUFU.RSQ and a multiply, where a division is the reciprocal, its
-    # refinement and range checks (6 SASS instructions an element more); rsqrt's error, 2^-22.9, moves GELU by
-    # under 6e-8 |x| (docs/journal.md, "GELU's instructions"); d^2 overflows only where t is 0 to fp32 anyway
+    # refinement and range checks (6 SASS instructions an element more); rsqrt.approx's error, 2^-22.9 by PTX's
+    # manual, moves GELU by under 6e-8 max(1, |x|) (docs/journal.md, "GELU's instructions"); d^2 overflows only
+    # where t is 0 to fp32 anyway
     t = torch.rsqrt(d * d)
     # Numerical Recipes' erfcc, erfc(a) = t exp(-a^2 + P(t)), in base 2 for libdevice's exp2 (one MUFU.EX2; its exp
     # is a range reduction more): P's coefficients times log2 e, and 1 off the constant term to halve the power
@@ -89,7 +90,7 @@ class _RationalGELU(torch.autograd.Function):
 
 
 def rational_gelu(x: Tensor) -> Tensor:
-    """GELU(x) with erfc as a rational function of one exp; its gradient by the exact derivative's form."""
+    """GELU(x) with erfc as a rational function of one exp2; its gradient by the exact derivative's form."""
     return _RationalGELU.apply(x)
 
 
