@@ -10,7 +10,9 @@ GPU, and nothing is computed. A step target's row counts what its graphs launche
 estimate of the bytes they read and write (`triton_gb`; at an H100's 3.35 TB/s, `triton_ms` is the least time
 they take), launches of row kernels that store a tensor transposed (`strided`: a sector per element, which the
 estimate does not see; fake_h100.strided_row_stores), launches of kernels computing a power (`pow`: where LAMB's
-bias corrections were inlined per element; bert.optim.bias_correction), library calls (GEMMs) by name, and our
+bias corrections were inlined per element; bert.optim.bias_correction), launches of kernels that store one value
+twice through two pointers (`twice`: two buffers of one tensor; fake_h100.duplicate_stores), library calls (GEMMs)
+by name, and our
 custom ops' calls with the bytes of the tensors each takes and makes (`ours`: flash attention's, the fused residual
 LayerNorm's). The estimate is inductor's: each kernel's buffers, counted once; attention and the GEMMs are not in
 it. An update target takes gradients made as zeros of the parameters' shapes.
@@ -155,7 +157,9 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                our_op_gb={k: round(v, 3) for k, v in launched.ours_gb.most_common()},
                top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)},
                strided_store_launches=sum(launched.strided.values()), strided_store_kernels=dict(launched.strided),
-               pow_launches=sum(launched.pow.values()), pow_kernels=dict(launched.pow))
+               pow_launches=sum(launched.pow.values()), pow_kernels=dict(launched.pow),
+               duplicate_store_launches=sum(launched.duplicate.values()),
+               duplicate_store_kernels=dict(launched.duplicate))
     return row
 
 
@@ -188,6 +192,7 @@ def main() -> int:
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
         launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms "
                     f"{row['strided_store_launches']:4} strided {row['pow_launches']:4} pow "
+                    f"{row['duplicate_store_launches']:4} twice "
                     f"{sum(row.get('our_op_gb', {}).values()):5.1f} GB ours"
                     if row.get("triton_launches") else f"{'':55}")
         print(f"{row['target']:28} {'compiled' if row['compiled'] else 'FAILED':9} {graphs!s:>2} graphs "

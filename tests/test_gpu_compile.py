@@ -81,6 +81,9 @@ def test_a_training_steps_backward_compiles_and_delayed_fp8_reads_each_tensor_on
     # no row kernel stores a tensor transposed (bert.model.fp8_transpose: fused into the casts' row kernels, as
     # t().contiguous(), the transposed copies were most of the H200's float8 step; here 12 launches that way)
     assert fp8["strided_store_launches"] == bf16["strided_store_launches"] == 0, fp8["strided_store_kernels"]
+    # each float8 copy stored once (bert.model.fp8_transpose's layout tag, and the backward's transpose before its
+    # dgrad GEMM; 8.5 GB of BERT-large's step before, 17 kernels of 86 storing twice)
+    assert fp8["duplicate_store_launches"] == bf16["duplicate_store_launches"] == 0, fp8["duplicate_store_kernels"]
     # RESIDUAL_NORM=fused (bert.model.dropout_add_norm): each sublayer's close is our op, each way, in the graphs the
     # GPU compiles (no break); inductor's own kernels then move fewer bytes than the ops add (BERT-large, 24,405
     # tokens: 70.7 GB + 14.5 of flash attention against 41.1 + 33.6, results/bench/gpu_compile_fused_norm.json)
@@ -114,6 +117,27 @@ def test_a_row_kernels_transposed_stores_are_told_from_its_coalesced_ones():
     looped = ROW_KERNEL.replace("r0_index = tl.arange(0, R0_BLOCK)[None, :]",
                                 "r0_base = tl.arange(0, R0_BLOCK)[None, :]\n        r0_index = r0_offset + r0_base")
     assert fake_h100.strided_row_stores(looped) == 0
+
+
+def test_a_kernel_storing_one_value_twice_is_told_from_one_storing_two():
+    """Lines of the fake H100's float8 GELU backward before the transpose op's layout tag (2026-12-02): the e5m2
+    copy stored to two buffers, one for the scaled GEMM and one for the transpose."""
+    twice = """
+    tmp34 = tmp33.to(tl.float8e5)
+    tl.store(out_ptr1 + (x0), tmp34, None)
+    tl.store(out_ptr2 + (x0), tmp34, None)"""
+    assert fake_h100.duplicate_stores(twice) == 1
+    assert fake_h100.duplicate_stores(twice.replace("out_ptr2 + (x0), tmp34", "out_ptr2 + (x0), tmp35")) == 0
+    assert fake_h100.duplicate_stores(twice.replace("out_ptr2 + (x0)", "out_ptr2 + (x0 + 1)")) == 0
+    assert fake_h100.duplicate_stores(ROW_KERNEL) == 0
+
+
+def test_the_transpose_op_takes_its_input_as_laid_out():
+    """bert::fp8_transpose's layout tag: under torch's default (exact strides) inductor realized the op's input
+    apart from the scaled GEMM's, two buffers of each float8 copy."""
+    import bert.model.fp8_transpose  # noqa: F401 - registers the op
+
+    assert torch.Tag.flexible_layout in torch.ops.bert.fp8_transpose.default.tags
 
 
 def test_a_kernel_computing_the_bias_corrections_inlined_is_told_from_one_loading_them():
