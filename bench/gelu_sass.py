@@ -1,15 +1,16 @@
 """The FFN's GELU kernels as inductor generates them for an H100, counted in machine code: torch's GELU (libdevice's erf
-and exp) against GELU=rational (bert.model.gelu: erfc as a rational function of one exp).
+and exp) against GELU=rational (bert.model.gelu: erfc as a rational function of one exp2).
 
 BERT-large's FFN up-projection, GELU(x W^T + b) at 24,576 tokens (1,024 -> 4,096, bf16 as under MASTER_WEIGHTS=1),
 compiled forward and backward on the fake H100 (bench/fake_h100.py: no GPU; cuBLAS adds the bias in the GEMM's
 epilogue, so the GELU kernels read the GEMM's output). Each Triton kernel inductor generated is compiled again for
 sm_90 at one fixed block (XBLOCK 1,024, 4 warps: 8 elements a thread, no loop) with the ptxas Triton ships, and its
-SASS counted (bench/sass_count.py). Per element: the kernel's instructions / 8; MUFU: the special-function unit's
-(ex2, rcp). A bound for each kernel on an H100 SXM, the larger of its bytes at 3.35 TB/s and its instructions at
-the issue rate (132 SMs x 4 schedulers x 32 lanes a clock, at 1.755 GHz: 29.7 T thread-instructions/s); on the H200
-(2026-11-26) the GELU forward kernels took 0.15 ms a call and the backward's 0.21 ms, near the instruction bound
-(docs/journal.md, "The Triton attention's tiles"). Not timed on a GPU.
+SASS counted as bench/sass_count.py reads it (NOPs after EXIT left out). Per element: the kernel's instructions / 8;
+MUFU: the special-function unit's (ex2, rsqrt, rcp). A bound for each kernel on an H100 SXM, the larger of its bytes
+at 3.35 TB/s and its instructions at the issue rate (132 SMs x 4 schedulers x 32 lanes a clock, at 1.755 GHz: 29.7 T
+thread-instructions/s); on the H200 (2026-11-26) the GELU forward kernels took 0.15 ms a call and the backward's
+0.21 ms, near the instruction bound (docs/journal.md, "Flash attention with dropout in Triton", its "GELU's
+instructions"). Not timed on a GPU.
 
     .venv-torch2.11.0-py3.12/bin/python bench/gelu_sass.py
 """
@@ -71,17 +72,13 @@ def child(kind: str) -> dict:
     mode = fake_h100.install()
     import torch
     import torch.nn.functional as F
-    from sass_count import sm90
+    from sass_count import INSTRUCTION, sm90
 
-    from bert.model.gelu import apply_gelu
+    from bert.model.gelu import RationalGELU
 
     if not fake_h100.backward_ready():
         raise RuntimeError("a backward needs fake_h100.native_env's stand-ins (a C compiler, cc)")
-    activation = torch.nn.GELU()
-    if kind == "rational":
-        holder = torch.nn.Sequential(activation)
-        apply_gelu(holder, "rational")
-        activation = holder[0]
+    activation = RationalGELU() if kind == "rational" else torch.nn.GELU()
 
     def ffn_up(x, w, b):
         return activation(F.linear(x, w, b))
@@ -100,8 +97,7 @@ def child(kind: str) -> dict:
                 continue
             fn, signature = jitted(name, source, Path(where))
             sass, _ = sm90(fn, signature, {"XBLOCK": XBLOCK}, WARPS)
-            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-            ops = [op for op in ops if op != "NOP"]  # the padding after EXIT
+            ops = [op for _, op in INSTRUCTION.findall(sass) if op != "NOP"]  # NOP: the padding after EXIT
             gb = float(re.search(r"'kernel_num_gb': ([0-9.e-]+)", source).group(1))
             per_element = len(ops) / PER_THREAD
             rows.append({"kind": kind, "kernel": name, "pass": pass_, "sass": len(ops),

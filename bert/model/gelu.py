@@ -67,7 +67,7 @@ def _phi_from(x: Tensor, half_erfc: Tensor) -> Tensor:
 
 
 def rational_gelu_reference(x: Tensor) -> Tensor:
-    """The forward's arithmetic without autograd's Function around it (what the tests and the counts compare)."""
+    """The forward's arithmetic, outside autograd's Function (its forward, and what the tests hold to the bounds)."""
     xc = _cast(x, _compute_dtype(x))
     half_erfc, _ = _half_erfc(xc)
     return _cast(xc * _phi_from(xc, half_erfc), x.dtype)
