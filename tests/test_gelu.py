@@ -173,8 +173,8 @@ def test_the_config_selects_it_and_refuses_a_typo():
 def test_compiled_it_is_one_graph_and_matches_eager(dtype):
     """Dynamo traces the Function whole (fullgraph: no break), dynamic over the shape as the driver compiles, and
     inductor's fused code, forward and backward, gives eager's values within the dtype's rounding. (Under torch 2.11
-    a no-op cast at the forward's end made every compiled gradient 0: bert.model.gelu's `_cast`; a module-level
-    float in the Function failed to lift under dynamic=True.)"""
+    a no-op cast at the forward's end made every compiled gradient 0: bert.model.gelu's `_cast`. The module-level
+    floats that failed to lift show only inside the model: the test above.)"""
     from bert.model.compile_keys import configure_caches
 
     x = (4 * torch.randn(3, 1000)).to(dtype).requires_grad_()
@@ -194,7 +194,7 @@ def test_compiled_it_is_one_graph_and_matches_eager(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_compiled_it_keeps_the_bound_and_torchs_rounding():
-    """On the GPU, inductor's code (libdevice's exp2, Triton's division, each within a few ulp) keeps the fp32
+    """On the GPU, inductor's code (libdevice's exp2 and rsqrt, each within a few ulp) keeps the fp32
     bound above, and bf16 at BERT-large's FFN shape is torch's GELU within bf16's rounding, both ways."""
     torch._dynamo.reset()
     compiled = torch.compile(rational_gelu)
