@@ -64,6 +64,8 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                  "residual_norm": "fused", "attention": "triton"}, "step"),
     # GELU=rational (bert.model.gelu): its autograd Function inside the driver's one graph, dynamic over the tokens
     "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
+    # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
+    "fused-bias-gelu-model-step": ({"compile": "default", "compile_scope": "model", "bias_gelu": "fused"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }

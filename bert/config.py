@@ -95,6 +95,10 @@ class ModelConfig:
     gelu: str = opt("torch", "the FFN's and MLM head's exact GELU: torch's (erf), or rational: erfc as a rational "
                     "function of one exp2, fewer instructions an element in the compiled GELU kernels, within 6e-8 |x| "
                     "(bert.model.gelu); needs a COMPILE mode", env="GELU", registry="bert.model.gelu:GELUS")
+    bias_gelu: str = opt("torch", "the FFN's bias + GELU: the dense layer's bias in its GEMM and the GELU module, or "
+                         "fused: added in one Triton kernel each way with the GELU (GELU=rational's formula), its "
+                         "gradient summed in the backward's pass, not by a kernel of its own (bert.model.bias_gelu)",
+                         env="BIAS_GELU", registry="bert.model.bias_gelu:BIAS_GELUS")
     init_loss_scale: float = opt(2.0**16, "initial fp16 loss scale", env="INIT_LOSS_SCALE", low=1.0, high=2.0**64)
     compile: str = opt("off", "torch.compile mode of the model, compiled before run_start", env="COMPILE",
                        registry="bert.model.compile:COMPILE_MODES")
@@ -268,6 +272,10 @@ class TrainConfig:
             raise ConfigError("gelu", "GELU", "rational", "is written for inductor to fuse into one kernel each way; "
                               "with COMPILE=off it runs a dozen kernels each way, slower than torch's: set a COMPILE "
                               "mode, or GELU=torch")
+        if self.model.bias_gelu == "fused" and self.model.precision == "fp8":
+            raise ConfigError("bias_gelu", "BIAS_GELU", "fused", "cannot be combined with PRECISION=fp8: a float8 "
+                              "linear keeps its bias in its own GEMM, and inductor fuses the next linear's float8 "
+                              "cast into its own GELU kernel, not into this op; set BIAS_GELU=torch")
         if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "

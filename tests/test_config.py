@@ -29,6 +29,7 @@ from bert.dist.compress import COMM_DTYPES
 from bert.dist.ddp import GRAD_BUCKETS
 from bert.dist.reduce import REDUCTIONS
 from bert.model.attention import BACKENDS
+from bert.model.bias_gelu import BIAS_GELUS
 from bert.model.dropout_add_norm import RESIDUAL_NORMS
 from bert.model.gelu import GELUS
 from bert.optim import OPTIMIZERS
@@ -75,6 +76,7 @@ def test_selector_choices_are_the_registries():
     assert set(registry_names(by_env["GRAD_COMM_DTYPE"].metadata["registry"])) == set(COMM_DTYPES)
     assert set(registry_names(by_env["RESIDUAL_NORM"].metadata["registry"])) == set(RESIDUAL_NORMS)
     assert set(registry_names(by_env["GELU"].metadata["registry"])) == set(GELUS)
+    assert set(registry_names(by_env["BIAS_GELU"].metadata["registry"])) == set(BIAS_GELUS)
     for name in [*STRATEGIES]:
         assert parse(BALANCE=name).data.balance == name
 
@@ -99,6 +101,8 @@ def test_selector_choices_are_the_registries():
     ({"RESIDUAL_NORM": "fusd"}, "$RESIDUAL_NORM"),
     ({"GELU": "tanh"}, "$GELU"),  # the approximation BERT does not use
     ({"GELU": "rational"}, "$GELU"),  # eager: a dozen kernels each way
+    ({"BIAS_GELU": "fusd"}, "$BIAS_GELU"),
+    ({"BIAS_GELU": "fused", "PRECISION": "fp8"}, "$BIAS_GELU"),  # float8 linears keep their bias
     ({"OPTIMIZER_LAYOUT": "flat"}, "$OPTIMIZER_LAYOUT"),  # needs the masters
     ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"},
      "$OPTIMIZER_LAYOUT"),

@@ -40,7 +40,8 @@ SOURCES: dict[str, str] = {}  # "torch.ops.<namespace>.<op>" -> its module's has
 # process keys its graphs on all of them whatever it imported before. bench/gpu_cache.py's setup check imports no
 # model or optimizer, and without the update's op its fingerprint differed from the caches' (2026-11-27).
 OP_MODULES = ("bert.model.cuda_varlen", "bert.model.cudnn_varlen", "bert.model.fp8_transpose",
-              "bert.optim.bias_correction", "bert.model.dropout_add_norm", "bert.model.triton_attention")
+              "bert.optim.bias_correction", "bert.model.dropout_add_norm", "bert.model.triton_attention",
+              "bert.model.bias_gelu")
 
 
 def source_hash(file: str | Path) -> str:

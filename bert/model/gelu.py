@@ -73,6 +73,13 @@ def rational_gelu_reference(x: Tensor) -> Tensor:
     return _cast(xc * _phi_from(xc, half_erfc), x.dtype)
 
 
+def gelu_slope(x: Tensor) -> Tensor:
+    """GELU'(x) = Phi(x) + x phi(x) for x in its compute dtype, with Phi from the same erfc (the backward's)."""
+    half_erfc, minus_a2 = _half_erfc(x)
+    # phi = exp(-x^2 / 2) / sqrt(2 pi) = 2^(minus_a2 + log2(1 / sqrt(2 pi)))
+    return _phi_from(x, half_erfc) + x * torch.exp2(minus_a2 - 1.3257480647361592)
+
+
 class _RationalGELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -83,10 +90,7 @@ class _RationalGELU(torch.autograd.Function):
     def backward(ctx, dy: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
         xc = _cast(x, _compute_dtype(x))
-        half_erfc, minus_a2 = _half_erfc(xc)
-        # Phi + x phi, phi = exp(-x^2 / 2) / sqrt(2 pi) = 2^(minus_a2 + log2(1 / sqrt(2 pi)))
-        slope = _phi_from(xc, half_erfc) + xc * torch.exp2(minus_a2 - 1.3257480647361592)
-        return _cast(_cast(dy, xc.dtype) * slope, dy.dtype)
+        return _cast(_cast(dy, xc.dtype) * gelu_slope(xc), dy.dtype)
 
 
 def rational_gelu(x: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from bert.dist.reduce import build_reduce, mean_placement
 from bert.dist.shard_plan import build_shard_plan
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import check_attention
+from bert.model.bias_gelu import apply_bias_gelu, check_bias_gelu
 from bert.model.compile import check_compile, compile_model
 from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
 from bert.model.fp8 import apply_precision, check_fp8
@@ -52,7 +53,8 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     """Weights in fp32; bf16/fp16 come from autocast, or, with MASTER_WEIGHTS=1, from the optimizer casting
     the model (`build_optimizer`); fp8 swaps the encoder linears for float8 ones (`bert.model.fp8`), RESIDUAL_NORM=fused
     each sublayer's dropout + add + LayerNorm for one kernel (`bert.model.dropout_add_norm`), GELU=rational
-    each GELU for one with fewer instructions (`bert.model.gelu`). The same
+    each GELU for one with fewer instructions (`bert.model.gelu`), BIAS_GELU=fused the FFN's bias and GELU for one
+    kernel each way (`bert.model.bias_gelu`). The same
     seed on every rank gives the same initialisation (DDP broadcasts rank 0's weights anyway), which is also
     what a bare-encoder INIT_CHECKPOINT leaves in the heads. COMPILE compiles
     the forward in place (it runs on the first call: see `bert.train.warmup`)."""
@@ -61,9 +63,11 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     bert_config = BertConfig.load(cfg.bert_config_path)
     check_attention(cfg.attention, device, cfg.precision, bert_config.head_dim)
     check_residual_norm(cfg.residual_norm, device)
+    check_bias_gelu(cfg.bias_gelu, device)
     model = BertForPreTraining(bert_config, attention=cfg.attention, device=device,
                                last_layer_subset=cfg.last_layer_subset)
     apply_residual_norm(model, cfg.residual_norm)
+    apply_bias_gelu(model, cfg.bias_gelu)
     apply_gelu(model, cfg.gelu)
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
