@@ -177,6 +177,22 @@ def test_the_triton_kernels_match_the_torch_path_in_the_interpreter():
     run_check(INTERPRETER, timeout=600, interpret=True)
 
 
+@needs_triton
+def test_the_kernels_compile_for_an_h100_without_spills():
+    """Both kernels compiled for sm_90 at the default tile (bench/bias_gelu_sass.py): nothing on the stack, and the
+    backward's registers leave an SM room for more than one block (at 32 rows at a time it held one)."""
+    import sys
+
+    from script_modules import ROOT
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bias_gelu_sass
+
+    forward, backward = bias_gelu_sass.count(bg.TILE)
+    assert forward["stack_bytes"] == backward["stack_bytes"] == 0
+    assert backward["blocks_per_sm"] >= 2 and backward["per_element"] < 40, backward
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [24405, 511])
 def test_cuda_the_kernels_match_the_torch_path(monkeypatch, tokens):

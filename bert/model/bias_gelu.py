@@ -39,8 +39,10 @@ except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
 
 BIAS_GELUS = ("torch", "fused")  # BIAS_GELU: the FFN's nn.Linear bias + GELU module, or this module's kernels
 # rows and columns a program takes: (BT rows at a time, BN columns, rows a backward program sums, warps); chosen
-# for the partial sums' size and the programs' count at BERT-large's shapes, not timed on a GPU
-TILE = (32, 256, 512, 8)
+# for the partial sums' size and the programs' count at BERT-large's shapes, and for what sm_90's compile gives
+# (bench/bias_gelu_sass.py): 16 rows at a time, 80 registers a thread in the backward, three blocks an SM, where 32
+# took 162 (one); not timed on a GPU
+TILE = (16, 256, 512, 8)
 
 if triton is not None:
 

@@ -1,0 +1,91 @@
+"""BIAS_GELU=fused's two Triton kernels (bert.model.bias_gelu) compiled for an H100, counted in machine code: per
+element, registers and stack for each candidate tile, bf16 as under MASTER_WEIGHTS=1.
+
+Each kernel is compiled for sm_90 with the ptxas Triton ships (no GPU) and read back with its cuobjdump
+(bench/sass_count.py). The forward has no loop: its instructions over the elements a thread holds (BT x BN over the
+warps' threads). The backward loops over its ROWS rows BT at a time: the loop's body (between its back-edge and that
+branch's target) over the elements a thread holds an iteration. A thread's registers bound the blocks an SM holds
+(65,536 registers); a memory-bound kernel wants several. For comparison, GELU=rational's inductor kernels counted
+26.0 and 31.0 an element, torch's GELU 38.6 and 53.1 (bench/gelu_sass.py). Not timed on a GPU.
+
+    .venv-torch2.11.0-py3.12/bin/python bench/bias_gelu_sass.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+TILES = [(16, 256, 512, 8), (32, 256, 512, 8), (8, 512, 512, 8), (16, 512, 512, 8), (32, 128, 512, 4)]
+BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
+
+
+def loop_body(sass: str, instruction: re.Pattern) -> int:
+    """Instructions of the longest loop: from a back-edge's target to the branch."""
+    addresses = [int(a, 16) for a, _ in instruction.findall(sass)]
+    edges = [(int(to, 16), int(at, 16)) for at, to in BRANCH.findall(sass) if int(to, 16) < int(at, 16)]
+    return max((sum(lo <= a <= hi for a in addresses) for lo, hi in edges), default=0)
+
+
+def usage_of(text: str) -> tuple[int, int]:
+    return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"STACK:(\d+)", text).group(1))
+
+
+def count(tile: tuple[int, int, int, int]) -> list[dict]:
+    """Both kernels at `tile` (BT, BN, ROWS, warps): a row each."""
+    import sass_count
+
+    from bert.model import bias_gelu as bg
+
+    bt, bn, rows, warps = tile
+    per_thread = bt * bn / (32 * warps)
+    out = []
+    for kernel, pointers, constexprs in [
+            (bg._forward_kernel, ("H", "B", "Y"), {"BT": bt, "BN": bn}),
+            (bg._backward_kernel, ("G", "H", "B", "DH", "PARTS"), {"BT": bt, "BN": bn, "ROWS": rows})]:
+        signature = {name: "*fp32" if name == "PARTS" else "*bf16" for name in pointers}
+        signature.update(tokens="i32", width="i32", **{name: "constexpr" for name in constexprs})
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+                 if name in pointers or name == "width"}
+        sass, usage = sass_count.sm90(kernel, signature, constexprs, warps, attrs)
+        looped = "ROWS" in constexprs
+        body = loop_body(sass, sass_count.INSTRUCTION) if looped else len(sass_count.INSTRUCTION.findall(sass))
+        registers, stack = usage_of(usage)
+        out.append({"kernel": kernel.fn.__name__, "tile": list(tile), "instructions": body,
+                    "per_element": round(body / per_thread, 1), "registers": registers, "stack_bytes": stack,
+                    "blocks_per_sm": min(65536 // max(registers * 32 * warps, 1), 2048 // (32 * warps))})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=str(ROOT / "results" / "bench" / "bias_gelu_sass.json"))
+    args = p.parse_args()
+    import torch
+    import triton
+
+    from bert.model import bias_gelu as bg
+
+    rows = [row for tile in TILES for row in count(tile)]
+    print(f"{'kernel':18} {'tile (BT, BN, ROWS, warps)':28} {'per element':>11} {'registers':>9} {'stack':>5} "
+          f"{'blocks/SM':>9}")
+    for r in rows:
+        mark = " (default)" if tuple(r["tile"]) == bg.TILE else ""
+        print(f"{r['kernel']:18} {str(tuple(r['tile'])):28} {r['per_element']:11.1f} {r['registers']:9d} "
+              f"{r['stack_bytes']:5d} {r['blocks_per_sm']:9d}{mark}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
+                                           "default_tile": list(bg.TILE), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
