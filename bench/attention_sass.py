@@ -44,7 +44,7 @@ ALU_PER_CLOCK, MMA_FLOP_PER_CLOCK = 128, 4096
 FLASH2_H100_MS = {"forward": 6.72, "backward": 17.09}
 HEADS, LAYERS, HEAD_DIM, BATCH = 16, 24, 64, 96
 # what Triton's launcher finds divisible by 16 at BERT-large's shapes (T, the token count, varies: left out)
-DIVISIBLE = {"sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h", "sdo_t", "sdo_h", "groups"}
+DIVISIBLE = {"sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h", "sdo_t", "sdo_h", "sd_t", "groups"}
 MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_backward_q": 3 * 2 * HEAD_DIM}
 
 
@@ -62,10 +62,11 @@ def signatures(ta, dtype: str = "bf16") -> list[tuple]:
                                         "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
         (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, "DO": half, "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8",
                                              "DK": half, "DV": half, "cu": "*i32", **sizes, **scales, **strides,
-                                             "sdo_t": "i32", "sdo_h": "i32", **flags}),
+                                             "sdo_t": "i32", "sdo_h": "i32", "sd_t": "i32", **flags}),
         (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": half, "OUT": half, "LSE": "*fp32", "DELTA": "*fp32",
                                             "BITS": "*u8", "DQ": half, "cu": "*i32", **sizes, **scales, **strides,
-                                            "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", **flags}),
+                                            "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", "sd_t": "i32",
+                                            **flags}),
     ]
 
 

@@ -98,7 +98,9 @@ def sweep(args) -> dict:
     base_out, base_lse, base_bits = forward(ta.FORWARD_TILE)
 
     def backward(q_tile, kv_tile):
-        return ta.launch_backward(grad, q, k, v, base_out, base_lse, base_bits, cu, longest, p, q_tile, kv_tile)
+        # (dq, dk, dv): the packed gradient's views
+        return ta.launch_backward(grad, q, k, v, base_out, base_lse, base_bits, cu, longest, p, q_tile,
+                                  kv_tile).unbind(1)
 
     base_grads = backward(ta.BACKWARD_TILE, ta.BACKWARD_TILE)
 

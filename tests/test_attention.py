@@ -63,6 +63,11 @@ def reference_attention_backward(grad, q, k, v, lengths):
     return dq, dk, dv
 
 
+def packed(q, k, v):
+    """The (T, 3, H, D) tensor a layer hands its Attend (bert.model.attend), from three: a copy, differentiable."""
+    return torch.stack((q, k, v), 1)
+
+
 def random_qkv(lengths, heads=2, head_dim=8, dtype=torch.float64, device="cpu"):
     gen = torch.Generator().manual_seed(0)
     shape = (sum(lengths), heads, head_dim)
@@ -106,7 +111,7 @@ def test_grouped_equals_loop_and_padded_with_gradients(lengths):
     q, k, v = random_qkv(lengths)
     seq = SeqLayout.from_lengths(lengths)
     want = reference_attention(q, k, v, lengths)
-    got = {name: BACKENDS[name](seq)(q, k, v, 0.0) for name in CPU_BACKENDS}
+    got = {name: BACKENDS[name](seq)(packed(q, k, v), 0.0) for name in CPU_BACKENDS}
     got_grads = {name: grads(out, (q, k, v)) for name, out in got.items()}
     want_grads = grads(want, (q, k, v))
     for name, out in got.items():
@@ -139,7 +144,8 @@ def test_grouped_backward_writes_one_gradient_per_input():
     """q, k and v each reach the groups through one scatter into a buffer of blocks: the backward writes one (T, H, D)
     gradient per tensor (padding each group from q, k, v wrote a zero-filled one per group and tensor, then summed)."""
     q, k, v = random_qkv(LENGTHS)
-    out = BACKENDS["grouped"](SeqLayout.from_lengths(LENGTHS))(q, k, v, 0.0)
+    qkv = packed(q, k, v).detach().requires_grad_()  # the layer's packed QKV, a leaf: its gradient is one stack
+    out = BACKENDS["grouped"](SeqLayout.from_lengths(LENGTHS))(qkv, 0.0)
     cotangent = torch.ones_like(out)
     with Ops() as ops:
         out.backward(cotangent)
@@ -151,7 +157,7 @@ def test_loop_runs_the_fused_kernel_on_the_cpu():
     on CUDA the fused kernels need 4-D too)."""
     q, k, v = random_qkv((40, 7), dtype=torch.float32)
     with Ops() as ops, torch.no_grad():
-        BACKENDS["loop"](SeqLayout.from_lengths((40, 7)))(q, k, v, 0.0)
+        BACKENDS["loop"](SeqLayout.from_lengths((40, 7)))(packed(q, k, v), 0.0)
     names = {name for name, _ in ops.ops}
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names and "aten::bmm" not in names
 
@@ -163,9 +169,9 @@ def test_grouped_compiled_equals_eager():
     seq = SeqLayout.from_lengths(lengths)
     q, k, v = random_qkv(lengths)
     attend = BACKENDS["grouped"](seq)
-    want = attend(q, k, v, 0.0)
+    want = attend(packed(q, k, v), 0.0)
     torch._dynamo.reset()
-    got = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v, 0.0)
+    got = torch.compile(attend, backend="aot_eager", fullgraph=True)(packed(q, k, v), 0.0)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for g, w in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
@@ -284,7 +290,7 @@ def test_cuda_grouped_side_streams_hold_what_they_read(monkeypatch):
     lengths = LENGTH_SETS["empty-groups"]
     q, k, v = random_qkv(lengths, heads=4, head_dim=64, dtype=torch.float32, device="cuda")
     seq = SeqLayout.from_lengths(lengths, device="cuda")
-    out = BACKENDS["grouped"](seq)(q, k, v, 0.0)
+    out = BACKENDS["grouped"](seq)(packed(q, k, v), 0.0)
     torch.cuda.synchronize()
     main = torch.cuda.current_stream()
     side = [(t, s) for t, s in recorded if s != main]
@@ -341,7 +347,7 @@ def check_dropout_backward_replays_the_forwards_mask(backend: str, device: str, 
     q, k = (torch.randn(sum(lengths), 2, 64, generator=gen).to(device, dtype) for _ in range(2))
     v = torch.cat([torch.eye(n, 64).expand(2, n, 64).transpose(0, 1) for n in lengths]).to(device, dtype)
     v.requires_grad_()
-    out = BACKENDS[backend](seq)(q, k, v, 0.3)
+    out = BACKENDS[backend](seq)(packed(q, k, v), 0.3)
     w = torch.randn(out.shape, generator=gen).to(device, dtype)
     (got,) = torch.autograd.grad(out, v, w)
     want, dropped = torch.zeros_like(got, dtype=torch.float64), []

@@ -42,6 +42,7 @@ def test_without_triton_it_says_so_in_one_line():
 
 SWEEP = LOOP_BOUND_PATCH + """
 import json, sys, tempfile
+import torch
 sys.path.insert(0, "bench")
 import attention_tiles as at
 from bert.model import triton_attention as ta
@@ -71,13 +72,13 @@ with tempfile.TemporaryDirectory() as tmp:
             bits = bits ^ 1
         return out, lse, bits
     def wrong_backward(*args):
-        dq, dk, dv = real_backward(*args)
+        dq, dk, dv = real_backward(*args).unbind(1)
         if args[-1] == at.DKDV[1]:
             dk = dk * 1.5
         if args[-1] == at.DKDV[2]:
             dk = dk.clone()
             dk[0, 0, 0] = float("nan")
-        return dq, dk, dv
+        return torch.stack((dq, dk, dv), 1)
     ta.launch_forward, ta.launch_backward = wrong_forward, wrong_backward
     at.DQ, at.DKDV = at.DQ[:1], at.DKDV[:3]
     rc = at.main(ARGS + ["--json", f"{tmp}/b.json"])

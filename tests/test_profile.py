@@ -317,8 +317,8 @@ def test_cuda_kernels_of_a_bert_layer_fall_into_their_kinds(tmp_path):
     prof = StepProfiler(first=1, steps=2, out_dir=tmp_path, device=cuda)
     for n in (1, 2):
         with prof.step(n):
-            q, k, v = (x @ w.t()).view(4096, 3, 16, 64).unbind(1)
-            out = F.layer_norm(attend(q, k, v, 0.1).reshape(4096, 1024), (1024,))
+            qkv = (x @ w.t()).view(4096, 3, 16, 64)
+            out = F.layer_norm(attend(qkv, 0.1).reshape(4096, 1024), (1024,))
             out.float().square().mean().backward()
             torch._foreach_add_(params, params, alpha=0.5)
     s = json.loads((tmp_path / "profile" / "rank0.json").read_text())

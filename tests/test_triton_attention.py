@@ -27,6 +27,11 @@ def tokens(lengths, heads=2, dim=16, dtype=torch.float64, seed=0):
     return q, k, v
 
 
+def packed(q, k, v):
+    """The ops' (T, 3, H, D) input, from three (a copy; differentiable)."""
+    return torch.stack((q, k, v), 1)
+
+
 def cu_of(lengths):
     return SeqLayout.from_lengths(lengths).cu_seqlens
 
@@ -104,7 +109,7 @@ def test_the_mask_drops_p_and_follows_the_seed():
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_the_op_is_padded_attention_with_its_mask(p, dtype, tol):
     q, k, v = tokens(LENGTHS, dtype=dtype)
-    out, lse, bits = OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)
+    out, lse, bits = OP(packed(q, k, v), cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)
     want = reference(q, k, v, LENGTHS, op_mask(LENGTHS, 2, p), p)
     assert bits.shape == ((2, sum(LENGTHS), 9) if p else (2, 0, 9)) and bits.dtype == torch.uint8
     start = 0
@@ -139,7 +144,8 @@ def test_without_dropout_it_is_sdpa_per_sequence_and_the_loop_backend():
 def test_every_gradient_is_autograds_through_the_reference(p):
     q, k, v = (t.requires_grad_() for t in tokens(LENGTHS))
     grad = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    got = torch.autograd.grad(OP(q, k, v, cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)[0], (q, k, v), grad)
+    got = torch.autograd.grad(OP(packed(q, k, v), cu_of(LENGTHS), max(LENGTHS), p, SEED if p else None)[0], (q, k, v),
+                              grad)
     want = torch.autograd.grad(reference(q, k, v, LENGTHS, op_mask(LENGTHS, 2, p), p), (q, k, v), grad)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -147,21 +153,21 @@ def test_every_gradient_is_autograds_through_the_reference(p):
 
 def test_gradcheck_and_opcheck():
     lengths = [3, 9, 1]
-    q, k, v = (t.requires_grad_() for t in tokens(lengths, dim=8))
+    qkv = packed(*tokens(lengths, dim=8)).requires_grad_()
     cu = cu_of(lengths)
-    assert torch.autograd.gradcheck(lambda *qkv: OP(*qkv, cu, 9, 0.3, SEED)[0], (q, k, v), fast_mode=True)
-    torch.library.opcheck(OP, (q, k, v, cu, 9, 0.3, SEED))
+    assert torch.autograd.gradcheck(lambda qkv: OP(qkv, cu, 9, 0.3, SEED)[0], (qkv,), fast_mode=True)
+    torch.library.opcheck(OP, (qkv, cu, 9, 0.3, SEED))
     # without dropout (the bits' rows 0): the fake and the schema; AOT's dynamic-shape trace ran above (slow: ~10 s)
-    torch.library.opcheck(OP, (q, k, v, cu, 9, 0.0, None),
+    torch.library.opcheck(OP, (qkv, cu, 9, 0.0, None),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_the_op_refuses_what_it_cannot_run():
     q, k, v = tokens(LENGTHS)
     with pytest.raises(ValueError, match="needs a seed"):
-        OP(q, k, v, cu_of(LENGTHS), 70, 0.1, None)
-    with pytest.raises(ValueError, match=r"\(T, H, D\)"):
-        OP(q, k[:, :1], v, cu_of(LENGTHS), 70, 0.0, None)
+        OP(packed(q, k, v), cu_of(LENGTHS), 70, 0.1, None)
+    with pytest.raises(ValueError, match=r"\(T, 3, H, D\)"):
+        OP(q, cu_of(LENGTHS), 70, 0.0, None)
 
 
 def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
@@ -266,6 +272,9 @@ for lengths, heads, dim, dtype, p, shift, over in [([5, 70, 130], 2, 16, torch.f
         start += n
     grad = torch.randn(q.shape, generator=g).to(dtype)
     got = ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p)
+    if got.shape != qkv.shape:  # the packed gradient, written in place by both kernels
+        bad.append(case + ("packed", tuple(got.shape)))
+    got = got.unbind(1)
     wants = ta.backward_torch(grad, q, k, v, out, want_bits, lengths, p)
     for name, a, b in zip(("dq", "dk", "dv"), got, wants):
         if not torch.isfinite(a.float()).all() or not torch.allclose(a.float(), b.float(), rtol=tol,
@@ -347,7 +356,7 @@ def test_cuda_the_kernels_match_the_torch_path(tokens_in_step, p, kernels_only):
     lengths = step_lengths(tokens_in_step)
     q, k, v = (t.cuda() for t in tokens(lengths, heads=16, dim=64, dtype=torch.bfloat16))
     cu, longest, seed = cu_of(lengths).cuda(), max(lengths), SEED.cuda()
-    out, lse, bits = OP(q, k, v, cu, longest, p, seed if p else None)
+    out, lse, bits = OP(packed(q, k, v), cu, longest, p, seed if p else None)
     want, want_lse, want_bits = TORCH_PATHS[0](*(t.cpu().float() for t in (q, k, v)), lengths, longest, p, SEED)
     torch.testing.assert_close(out.cpu().float(), want, rtol=2**-7, atol=2**-7)
     torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-3, atol=1e-3)
@@ -357,7 +366,7 @@ def test_cuda_the_kernels_match_the_torch_path(tokens_in_step, p, kernels_only):
                                     ta.unpack_bits(want_bits[:, start:start + n], n))
         start += n
     grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    got = torch.ops.bert.triton_attention_backward(grad, q, k, v, out, lse, bits, cu, longest, p)
+    got = torch.ops.bert.triton_attention_backward(grad, packed(q, k, v), out, lse, bits, cu, longest, p).unbind(1)
     wants = TORCH_PATHS[1](*(t.cpu().float() for t in (grad, q, k, v, out)), want_bits, lengths, p)
     for a, b in zip(got, wants):
         torch.testing.assert_close(a.cpu().float(), b, rtol=2**-6, atol=2**-6 * (1 + b.abs().max().item()))
@@ -383,10 +392,11 @@ def test_cuda_a_graph_replays_it_with_a_fresh_mask(kernels_only):
     lengths = [512, 300, 77]
     q, k, v = (t.cuda() for t in tokens(lengths, heads=16, dim=64, dtype=torch.bfloat16))
     attend = ta.triton_varlen(SeqLayout.from_lengths(lengths, device="cuda"))
-    attend(q, k, v, 0.1)  # warm: the kernel compiled before capture
+    qkv = packed(q, k, v)
+    attend(qkv, 0.1)  # warm: the kernel compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attend(q, k, v, 0.1)
+        out = attend(qkv, 0.1)
     graph.replay()
     first = out.clone()
     graph.replay()

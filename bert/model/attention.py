@@ -1,7 +1,7 @@
 """Variable-length multi-head attention over concatenated sequences, with backends chosen by name.
 
-All backends take q, k, v of shape (T, heads, head_dim) for the tokens of a `SeqLayout` and return
-(T, heads, head_dim); a token attends to every token of its own sequence and to nothing else.
+All backends take the packed QKV, (T, 3, heads, head_dim), for the tokens of a `SeqLayout` and return
+(T, heads, head_dim) (`bert.model.attend`); a token attends to every token of its own sequence and to nothing else.
 A backend is a planner: called once per batch with the `SeqLayout`, it does its host-side work
 (index plans, grouping) and returns the `Attend` function every layer then calls.
 
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.attend import Attend, unpacked
 from bert.model.cuda_varlen import flash_varlen
 from bert.model.cudnn_varlen import check_torch as check_cudnn_torch
 from bert.model.cudnn_varlen import cudnn_varlen
@@ -40,7 +41,6 @@ from bert.model.padding import GroupedLayout, PadLayout, pad, pad_groups, unpad,
 from bert.model.precision import compute_dtype
 from bert.model.triton_attention import check_triton, triton_varlen
 
-Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (q, k, v, dropout_p) -> out, all (T, H, D)
 Planner = Callable[[SeqLayout], Attend]
 
 GROUP_EDGES = (128, 256, 384)  # upper edges of all but the last group, as in Baidu [001] Figure 8
@@ -67,7 +67,7 @@ def plan_loop(seq: SeqLayout) -> Attend:
                 .transpose(0, 1) for qkv in parts]
         return torch.cat(outs)
 
-    return attend
+    return unpacked(attend)
 
 
 def plan_padded(seq: SeqLayout) -> Attend:
@@ -77,7 +77,7 @@ def plan_padded(seq: SeqLayout) -> Attend:
         out = masked_sdpa(pad(q, layout), pad(k, layout), pad(v, layout), layout.key_mask, dropout_p)
         return unpad(out, layout)
 
-    return attend
+    return unpacked(attend)
 
 
 def length_groups(lengths: Sequence[int], edges: Sequence[int] = GROUP_EDGES) -> list[list[int]]:
@@ -110,7 +110,7 @@ def plan_grouped(seq: SeqLayout) -> Attend:
             outs = [run(*group) for group in groups]
         return unpad_groups(outs, layout)
 
-    return attend
+    return unpacked(attend)
 
 
 def _on_side_streams(groups: Sequence[tuple[Tensor, ...]], run: Callable[..., Tensor], device: torch.device
@@ -181,6 +181,6 @@ def resolve_backend(name: str, device: torch.device | str | None = None) -> str:
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, seq: SeqLayout, dropout_p: float = 0.0,
                      backend: str = "auto") -> Tensor:
-    """Attention of (T, H, D) tokens within their own sequences. Plans for one call; the model plans once
-    per batch with `BACKENDS[name](seq)` and reuses the result in every layer."""
-    return BACKENDS[resolve_backend(backend, q.device)](seq)(q, k, v, dropout_p)
+    """Attention of (T, H, D) tokens within their own sequences, q, k and v packed for the backend (a copy). Plans
+    for one call; the model plans once per batch with `BACKENDS[name](seq)` and reuses the result in every layer."""
+    return BACKENDS[resolve_backend(backend, q.device)](seq)(torch.stack((q, k, v), 1), dropout_p)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.attend import Attend, unpacked
 from bert.model.compile_keys import key_on_source
 
 
@@ -157,7 +158,7 @@ def require_half(q: Tensor, backend: str) -> None:
         raise ValueError(f"attention backend '{backend}' needs fp16/bf16 q, k, v (got {q.dtype}): use torch.autocast")
 
 
-def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
+def flash_varlen(seq: SeqLayout) -> Attend:
     require_cuda_batch(seq, "varlen")
     cu, longest = seq.cu_seqlens, seq.max_seqlen
     varlen_attn = _varlen_attn()
@@ -168,4 +169,4 @@ def flash_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
             return varlen_attn(q, k, v, cu, cu, longest, longest)
         return flash_varlen_op(q, k, v, cu, longest, dropout_p)[0]
 
-    return attend
+    return unpacked(attend)

@@ -35,12 +35,11 @@ both; the GPU machines' 2.11 is not, so the CUDA tests of this backend skip ther
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.attend import Attend, unpacked
 from bert.model.compile_keys import key_on_source
 from bert.model.cuda_varlen import Contract, require_cuda_batch, require_half
 from bert.release import major_minor
@@ -146,7 +145,7 @@ cudnn_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 key_on_source("bert::cudnn_varlen", __file__)
 
 
-def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Tensor]:
+def cudnn_varlen(seq: SeqLayout) -> Attend:
     require_cuda_batch(seq, "cudnn")
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
@@ -154,4 +153,4 @@ def cudnn_varlen(seq: SeqLayout) -> Callable[[Tensor, Tensor, Tensor, float], Te
         require_half(q, "cudnn")
         return cudnn_varlen_op(q, k, v, cu, longest, dropout_p)[0]
 
-    return attend
+    return unpacked(attend)

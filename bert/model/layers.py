@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from bert.model.attention import Attend
+from bert.model.attend import Attend
 from bert.model.config import BertConfig
 
 
@@ -46,11 +46,11 @@ class BertSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, len(QKV_PARTS) * cfg.hidden_size)
 
     def forward(self, x: Tensor, attend: Attend) -> Tensor:
-        # (..., 3 x hidden) -> three (..., heads, head_dim) views; the flash kernels accept strided q, k, v. The
-        # function, not the method: dynamo inlines Tensor.unflatten's Python on a fake tensor (bench/fake_h100.py)
-        # and breaks the graph there, so the fake H100 would trace other graphs than the GPU's
-        q, k, v = torch.unflatten(self.qkv(x), -1, (len(QKV_PARTS), self.heads, -1)).unbind(-3)
-        return attend(q, k, v, self.dropout_p if self.training else 0.0).flatten(-2)
+        # (T, 3 x hidden) -> (T, 3, heads, head_dim), packed for the backend (bert.model.attend); the flash kernels
+        # take its strided q, k, v views. The function, not the method: dynamo inlines Tensor.unflatten's Python on
+        # a fake tensor (bench/fake_h100.py) and breaks the graph there, so the fake H100 would trace other graphs
+        qkv = torch.unflatten(self.qkv(x), -1, (len(QKV_PARTS), self.heads, -1))
+        return attend(qkv, self.dropout_p if self.training else 0.0).flatten(-2)
 
 
 class BertResidualOutput(nn.Module):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bert.batch import Batch
+from bert.model.attend import unpacked
 from bert.model.attention import BACKENDS, masked_sdpa, resolve_backend
 from bert.model.config import BertConfig
 from bert.model.last_layer import kept_rows, split_kept
@@ -119,7 +120,7 @@ class BertForPreTraining(nn.Module):
         layout = PadLayout.build(batch.seq, width=width)
         x = self.bert.embeddings(pad(batch.input_ids, layout), pad(batch.position_ids, layout),
                                  pad(batch.segment_ids, layout))  # (B, L, hidden)
-        x = self.bert.encoder(x, lambda q, k, v, p: masked_sdpa(q, k, v, layout.key_mask, p))
+        x = self.bert.encoder(x, unpacked(lambda q, k, v, p: masked_sdpa(q, k, v, layout.key_mask, p)))
         masked_rows = x.flatten(0, 1).index_select(0, layout.slots.index_select(0, batch.masked_positions))
         return self.heads(masked_rows, x[:, 0], batch)
 

@@ -18,6 +18,9 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
   BERT-large layer at 24,576 tokens), where drawing it again cost each backward kernel more instructions than all the
   rest of its work (SASS counted: 36 and 24 an element). The dQ kernel, launched first, also computes
   delta = rowsum(dO * O) for the dK/dV kernel, in its one pass over dO.
+- **packed**: the ops take q, k and v as one (T, 3, H, D) tensor, the QKV GEMM's output (bert.model.attend), and
+  the backward's kernels write dq, dk and dv into one such gradient, where autograd's stack of three had copied
+  them (7.2 GB of BERT-large's step on the fake H100, bench/gpu_compile.py).
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 
 from bert.batch import SeqLayout
+from bert.model.attend import Attend
 from bert.model.compile_keys import key_on_source
 from bert.model.philox import randint4x
 
@@ -283,7 +287,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_kv(Q, K, V, DO, LSE, DELTA, BITS, DK, DV, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sd_t,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         head = tl.program_id(2)
         start, length = _sequence(cu)
@@ -310,10 +314,10 @@ if triton is not None:
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
                 q_at = tl.advance(q_at, (BM, 0))
                 do_at = tl.advance(do_at, (BM, 0))
-            heads = tl.num_programs(2)  # dk and dv are contiguous (T, H, D)
-            tl.store(_rows_of(DK, start, length, heads * D, head, D, n0, BN, D),
+            # dk and dv: views of the packed (T, 3, H, D) gradient, rows sd_t apart
+            tl.store(_rows_of(DK, start, length, sd_t, head, D, n0, BN, D),
                      (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
-            tl.store(_rows_of(DV, start, length, heads * D, head, D, n0, BN, D),
+            tl.store(_rows_of(DV, start, length, sd_t, head, D, n0, BN, D),
                      (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
@@ -335,7 +339,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_q(Q, K, V, DO, OUT, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
         after it): each (row, head) has one program here, and O is read once, in the one pass over dO."""
@@ -366,7 +370,7 @@ if triton is not None:
             if full < length:
                 dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, full,
                               length, qk_scale, drop_scale, BM, BN, DROPOUT, True)
-            tl.store(_rows_of(DQ, start, length, tl.num_programs(2) * D, head, D, m0, BM, D),
+            tl.store(_rows_of(DQ, start, length, sd_t, head, D, m0, BM, D),
                      (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
 
@@ -412,24 +416,26 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
 
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                     cu: Tensor, max_seqlen: int, p: float, q_tile: tuple[int, int, int] = BACKWARD_TILE,
-                    kv_tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward kernels: (dq, dk, dv), contiguous (T, H, D) in q's dtype. `q_tile`, `kv_tile`: the dQ and the
-    dK/dV kernel's (BM, BN, warps)."""
+                    kv_tile: tuple[int, int, int] = BACKWARD_TILE) -> Tensor:
+    """The backward kernels: the gradient of the packed QKV, (T, 3, H, D) contiguous in q's dtype, each kernel
+    writing its part in place (bert.model.attend: no copy stacks dq, dk and dv). `q_tile`, `kv_tile`: the dQ and
+    the dK/dV kernel's (BM, BN, warps)."""
     tokens, heads, dim = q.shape
     delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
-    dq, dk, dv = (torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device) for _ in range(3))
+    dqkv = torch.empty((tokens, 3, heads, dim), dtype=q.dtype, device=q.device)
+    dq, dk, dv = dqkv.unbind(1)
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
-    bits = bits if p > 0 else dq
+    bits = bits if p > 0 else dqkv
     strides = _strides(q, k, v, grad)
     bm, bn, warps = check_tile(q_tile)
     _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](  # first: it writes delta
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        *_strides(out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
+        *_strides(out), dqkv.stride(0), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
     bm, bn, warps = check_tile(kv_tile)
     _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
-    return dq, dk, dv
+        dqkv.stride(0), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
+    return dqkv
 
 
 def _on_triton(q: Tensor) -> bool:
@@ -450,10 +456,11 @@ def _check(q: Tensor, k: Tensor, v: Tensor, p: float, seed: Tensor | None = None
 
 
 @torch.library.custom_op("bert::triton_attention", mutates_args=())
-def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
+def triton_attention_op(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float,
                         seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(out (T, H, D), log-sum-exp base 2 (H, T), the mask's bits (H, T, G) uint8) of the tokens within their
-    sequences (module doc)."""
+    sequences (module doc), q, k and v packed as (T, 3, H, D)."""
+    q, k, v = _views(qkv)
     _check(q, k, v, dropout_p, seed)
     if not _on_triton(q):
         lengths = cu_seqlens.diff().tolist()  # the torch path: the CPU (a copy costs nothing there), float64
@@ -463,45 +470,52 @@ def triton_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max
 
 
 @triton_attention_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed):
-    compute = _compute_dtype(q.dtype)
-    tokens, heads = q.shape[0], q.shape[1]
-    return (q.new_empty(q.shape), q.new_empty((heads, tokens), dtype=compute),
-            q.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8))
+def _(qkv, cu_seqlens, max_seqlen, dropout_p, seed):
+    compute = _compute_dtype(qkv.dtype)
+    tokens, _, heads, dim = qkv.shape
+    return (qkv.new_empty((tokens, heads, dim)), qkv.new_empty((heads, tokens), dtype=compute),
+            qkv.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8))
 
 
 @torch.library.custom_op("bert::triton_attention_backward", mutates_args=())
-def triton_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
-                              cu_seqlens: Tensor, max_seqlen: int, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous, in q's dtype; the mask from the forward's bits."""
+def triton_attention_backward(grad: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
+                              cu_seqlens: Tensor, max_seqlen: int, dropout_p: float) -> Tensor:
+    """The packed QKV's gradient, (T, 3, H, D) contiguous in its dtype; the mask from the forward's bits."""
+    q, k, v = _views(qkv)
     _check(q, k, v, dropout_p, forward=False)
-    if not _on_triton(q):
-        return backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p)
+    if not _on_triton(q):  # the torch path: the CPU, where a stack's copy costs little
+        return torch.stack(backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p), 1)
     with torch.cuda.device(q.device):
         return launch_backward(grad.contiguous(), q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p)
 
 
 @triton_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+def _(grad, qkv, out, lse, bits, cu_seqlens, max_seqlen, dropout_p):
+    return qkv.new_empty(qkv.shape)
+
+
+def _views(qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v: the packed (T, 3, H, D) tensor's views."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"the packed QKV must be (T, 3, H, D), got {tuple(qkv.shape)}")
+    return qkv.unbind(1)
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, cu_seqlens, max_seqlen, dropout_p, _seed = inputs
+    qkv, cu_seqlens, max_seqlen, dropout_p, _seed = inputs
     out, lse, bits = output
     ctx.mark_non_differentiable(lse, bits)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, bits, cu_seqlens)
+    ctx.save_for_backward(qkv, out, lse, bits, cu_seqlens)
     ctx.max_seqlen, ctx.dropout_p = max_seqlen, dropout_p
 
 
 def _backward(ctx, grad_out: Tensor | None, *_no_grads: Tensor | None):
     if grad_out is None:
-        return (None,) * 7
-    q, k, v, out, lse, bits, cu = ctx.saved_tensors
-    dq, dk, dv = torch.ops.bert.triton_attention_backward(grad_out, q, k, v, out, lse, bits, cu, ctx.max_seqlen,
-                                                          ctx.dropout_p)
-    return dq, dk, dv, None, None, None, None
+        return (None,) * 5
+    qkv, out, lse, bits, cu = ctx.saved_tensors
+    dqkv = torch.ops.bert.triton_attention_backward(grad_out, qkv, out, lse, bits, cu, ctx.max_seqlen, ctx.dropout_p)
+    return dqkv, None, None, None, None
 
 
 triton_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -522,16 +536,17 @@ def check_triton(device: torch.device, head_dim: int | None = None) -> None:
                          f"{HEAD_DIMS}, not {head_dim}: use ATTENTION=varlen")
 
 
-def triton_varlen(seq: SeqLayout):
+def triton_varlen(seq: SeqLayout) -> Attend:
     """The planner: attention of the batch's tokens within their sequences through `bert::triton_attention`, a fresh
     seed a call from torch's generator on the tokens' device."""
     cu, longest = seq.cu_seqlens, seq.max_seqlen
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-        if q.is_cuda and not _on_triton(q):  # the torch path on a GPU: a sync a call, and slow
+    def attend(qkv: Tensor, dropout_p: float) -> Tensor:
+        if qkv.is_cuda and not _on_triton(qkv):  # the torch path on a GPU: a sync a call, and slow
             raise ValueError(f"ATTENTION=triton on CUDA needs fp16/bf16 q, k, v with a head dimension in {HEAD_DIMS} "
-                             f"(got {q.dtype}, {q.shape[-1]}) and Triton: use ATTENTION=varlen")
-        seed = torch.randint(2**62, (), device=q.device) if dropout_p > 0 else None
-        return torch.ops.bert.triton_attention(q, k, v, cu, longest, dropout_p, seed)[0]
+                             f"(got {qkv.dtype}, {qkv.shape[-1]}) and Triton: use ATTENTION=varlen")
+        seed = torch.randint(2**62, (), device=qkv.device) if dropout_p > 0 else None
+        # packed: its backward writes the QKV's gradient whole (bert.model.attend)
+        return torch.ops.bert.triton_attention(qkv, cu, longest, dropout_p, seed)[0]
 
     return attend
