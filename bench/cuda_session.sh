@@ -100,6 +100,8 @@ declare -A DRIVERS=(
   [compiled-opt-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --bench-repeats 0"
   # both of our kernels' rows at once: the candidate fastest bf16 run if each gains on its own
   [compiled-opt-norm-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
+  # and BIAS_GELU=fused as well: every pass of ours at once
+  [compiled-opt-norm-triton-biasgelu]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --env BIAS_GELU=fused --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"

@@ -62,6 +62,9 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     # both: the candidate fastest bf16 layer (driver-compiled-opt-norm-triton)
     "fused-norm-triton-attention-layers-step": ({"compile": "default", "compile_scope": "layers",
                                                  "residual_norm": "fused", "attention": "triton"}, "step"),
+    # all three of our kernels' settings: the candidate fastest bf16 layer (driver-compiled-opt-norm-triton-biasgelu)
+    "norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers", "residual_norm": "fused",
+                                          "attention": "triton", "bias_gelu": "fused"}, "step"),
     # GELU=rational (bert.model.gelu): its autograd Function inside the driver's one graph, dynamic over the tokens
     "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
     # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
