@@ -166,8 +166,9 @@ def test_the_op_refuses_what_it_cannot_run():
     q, k, v = tokens(LENGTHS)
     with pytest.raises(ValueError, match="needs a seed"):
         OP(packed(q, k, v), cu_of(LENGTHS), 70, 0.1, None)
-    with pytest.raises(ValueError, match=r"\(T, 3, H, D\)"):
-        OP(q, cu_of(LENGTHS), 70, 0.0, None)
+    for wrong in (q, torch.stack((q, k), 1)):  # three views, not two or none
+        with pytest.raises(ValueError, match=r"\(T, 3, H, D\)"):
+            OP(wrong, cu_of(LENGTHS), 70, 0.0, None)
 
 
 def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
