@@ -13,6 +13,8 @@
 #   tests            the CUDA tests (item 8: every CUDA test passes on a GPU)
 #   model            bench/model.py at batch 96: the eager variants (all eleven at once do not fit in 80 GB)
 #   model-compiled   bench/model.py's compiled rows: compiled, compiled-static512, compiled-fp8 (inductor)
+#   model-ours       bench/model.py's compiled rows of our kernels beside compiled/varlen: the rational GELU, the fused
+#                    bias + GELU, the fused residual LayerNorm, our Triton attention (each swap alone, the model's step)
 #   model-attention  bench/model.py at batch 96: flash varlen against our Triton attention and the last layer on
 #                    every token
 #                    (LAST_LAYER_SUBSET=0: the subset's gain) and grouped attention (one scatter per q, k, v since
@@ -254,7 +256,7 @@ skip() {  # name why
 }
 
 # Every name checked before the first step: a typo found at its turn would come after device time spent on the rest.
-STEPS=(setup shards tests host-syncs model model-compiled model-attention attention-tiles model-graphs model-optimizer fp8-linear)
+STEPS=(setup shards tests host-syncs model model-compiled model-ours model-attention attention-tiles model-graphs model-optimizer fp8-linear)
 for name in "$@"; do
   if [[ $name == driver-* ]]; then
     [[ -v DRIVERS[${name#driver-}] ]] ||
@@ -312,6 +314,10 @@ for name in "$@"; do
       step model-compiled 420 python3 bench/model.py --device cuda --batch-size 96 --static-tokens 512 \
         --precision fp8 --compile default --variants compiled/varlen compiled-static512/varlen compiled-fp8/varlen \
         compiled-master-fp8/varlen unpadded/varlen --json "$WORK/model_cuda_compiled.json" ;;
+    model-ours)
+      step model-ours 420 python3 bench/model.py --device cuda --batch-size 96 --compile default \
+        --variants compiled/varlen compiled-rational-gelu/varlen compiled-bias-gelu/varlen compiled-fused-norm/varlen \
+        compiled/triton --json "$WORK/model_cuda_ours.json" ;;
     model-attention)
       step model-attention 240 python3 bench/model.py --device cuda --batch-size 96 \
         --variants unpadded/varlen unpadded/triton full-last/varlen unpadded/grouped --profile \

@@ -39,6 +39,8 @@ between variants meaningful.
                       compiled/<name>, where inductor fuses the same chain itself
     compiled-rational-gelu/<name>  compiled/<name> with GELU=rational: erfc as a rational function of one exp2
                       (bert.model.gelu), fewer instructions an element in inductor's GELU kernels (bench/gelu_sass.py)
+    compiled-bias-gelu/<name>  compiled/<name> with BIAS_GELU=fused: the FFN's bias and GELU our Triton kernel each
+                      way, the bias gradient summed in the backward's pass (bert.model.bias_gelu)
     master-bf16-lamb/<name>  the same with the driver's LAMB (`build_optimizer`: decay groups, the schedule's
                       device LR, `after` clip in the step; foreach LAMB, or apex FusedLAMB when installed);
                       master-bf16-lamb-copt/<name> (with `--compile MODE`) with that update compiled
@@ -88,6 +90,7 @@ from bert.config import from_flat
 from bert.lengths import WIKI_PHASE2
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.attention import length_groups
+from bert.model.bias_gelu import apply_bias_gelu, check_bias_gelu
 from bert.model.compile import COMPILE_MODES, check_compile, compile_model
 from bert.model.cudnn_varlen import backward_is_fixed as cudnn_backward_is_fixed
 from bert.model.dropout_add_norm import apply_residual_norm, check_residual_norm
@@ -199,7 +202,7 @@ def variant_names(device: str, compile: str = "off", static_tokens: int = 0, fp8
     names += [f"master-bf16/{fast}", f"master-bf16-lamb/{fast}", f"fused-norm/{fast}"]
     if compile != "off":
         names += [f"master-bf16-lamb-copt/{fast}", f"compiled/{fast}", f"compiled-fused-norm/{fast}",
-                  f"compiled-rational-gelu/{fast}"]
+                  f"compiled-rational-gelu/{fast}", f"compiled-bias-gelu/{fast}"]
         names += ["compiled/triton"] if device == "cuda" else []
         names += [f"compiled-static{static_tokens}/{fast}"] if static_tokens else []
     if fp8:
@@ -236,7 +239,7 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
     if compile != "off":
         specs[f"master-bf16-lamb-copt/{fast}"] = specs[f"unpadded/{fast}"]  # the optimizer compiled, not the model
         specs[f"compiled/{fast}"] = specs[f"compiled-fused-norm/{fast}"] = (*specs[f"unpadded/{fast}"][:-1], True)
-        specs[f"compiled-rational-gelu/{fast}"] = specs[f"compiled/{fast}"]
+        specs[f"compiled-rational-gelu/{fast}"] = specs[f"compiled-bias-gelu/{fast}"] = specs[f"compiled/{fast}"]
         if device == "cuda":
             specs["compiled/triton"] = (*specs["unpadded/triton"][:-1], True)
         if static_tokens:
@@ -269,6 +272,9 @@ def build_variants(cfg: BertConfig, batch: Batch, device: str, names: list[str] 
                 apply_residual_norm(model, "fused")
             if "rational-gelu/" in name:
                 apply_gelu(model, "rational")
+            if "bias-gelu/" in name:
+                check_bias_gelu("fused", torch.device(device))
+                apply_bias_gelu(model, "fused")
             if compiled:  # compiles on its first call: the untimed warm-up step
                 compile_model(model, compile, torch.device(device))
         shape = StepShape(tokens=tokens, attention_pairs=pairs, sequences=sequences, head_rows=head_rows,
