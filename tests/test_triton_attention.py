@@ -205,6 +205,25 @@ def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_model_on_it_is_the_model_on_the_loop_backend():
+    """The layers hand the op their packed QKV (bert.model.attend) and take its packed gradient: without dropout, the
+    loss and every gradient as on the loop backend (float64, the op's torch path)."""
+    from bert.model import BertConfig, BertForPreTraining
+    from bert.synthetic import random_batch
+
+    cfg = BertConfig(vocab_size=1104, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    batch = random_batch((9, 30, 14), seed=4, vocab_size=1104)
+    models = []
+    for backend in ("triton", "loop"):
+        torch.manual_seed(0)
+        model = BertForPreTraining(cfg, attention=backend).double().eval()  # eval: no dropout
+        model(batch).loss.backward()
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_the_config_and_the_device_check_take_it(monkeypatch):
     assert from_flat(attention="triton").model.attention == "triton"
     check_attention("triton", torch.device("cpu"), "fp32")  # the torch path: any dtype on the CPU
