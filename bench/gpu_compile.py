@@ -69,6 +69,7 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
     # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
     "fused-bias-gelu-model-step": ({"compile": "default", "compile_scope": "model", "bias_gelu": "fused"}, "step"),
+    "fused-bias-gelu-layers-step": ({"compile": "default", "compile_scope": "layers", "bias_gelu": "fused"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }
