@@ -119,6 +119,15 @@ def test_the_config_and_the_driver_build_take_it():
     assert sum(type(m) is bg.FusedBiasGELU for m in model.modules()) == BertConfig.load("tiny").num_hidden_layers
     with pytest.raises(ValueError, match="BIAS_GELU='fusd' is not one of torch, fused"):
         bg.check_bias_gelu("fusd", torch.device("cpu"))
+    with pytest.raises(ValueError, match="BIAS_GELU='fusd' is not one of torch, fused"):
+        bg.apply_bias_gelu(tiny_model(), "fusd")
+
+
+def test_without_triton_a_cuda_run_is_refused_before_any_work(monkeypatch):
+    monkeypatch.setattr(bg, "triton", None)  # as torch's CPU wheel: no Triton
+    with pytest.raises(ValueError, match="BIAS_GELU=fused needs Triton on CUDA"):
+        bg.check_bias_gelu("fused", torch.device("cuda"))
+    assert bg.check_bias_gelu("fused", torch.device("cpu")) == "fused"  # the torch path needs none
 
 
 def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
-from bert.model.gelu import gelu_slope, rational_gelu_reference
+from bert.model.gelu import arithmetic_dtype, gelu_slope, rational_gelu_reference
 from bert.model.layers import BertIntermediate
 from bert.model.swap import swap_modules
 
@@ -89,19 +89,15 @@ if triton is not None:
         tl.store(PARTS + tl.program_id(0) * width + cols, tl.sum(sums, 0), mask=cols < width)
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def bias_gelu_torch(h: Tensor, bias: Tensor) -> Tensor:
     """GELU(h + b) in torch's ops, h + b in the compute dtype (fp32; float64 for float64)."""
-    compute = _compute_dtype(h)
+    compute = arithmetic_dtype(h)
     return rational_gelu_reference(h.to(compute) + bias.to(compute)).to(h.dtype)
 
 
 def bias_gelu_backward_torch(grad: Tensor, h: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(dh, db) in torch's ops: the gradient in the compute dtype, db its column sums before rounding."""
-    compute = _compute_dtype(h)
+    compute = arithmetic_dtype(h)
     d = grad.to(compute) * gelu_slope(h.to(compute) + bias.to(compute))
     return d.to(h.dtype), d.sum(0).to(bias.dtype)
 
@@ -204,9 +200,7 @@ class FusedBiasGELU(BertIntermediate):
 def check_bias_gelu(kind: str, device: torch.device) -> str:
     """A ValueError naming BIAS_GELU unless `kind` is one of BIAS_GELUS and runs on `device` (the fused kernels
     are Triton's on CUDA); the kind."""
-    if kind not in BIAS_GELUS:
-        raise ValueError(f"BIAS_GELU={kind!r} is not one of {', '.join(BIAS_GELUS)}")
-    if kind == "fused" and device.type == "cuda" and triton is None:
+    if _known(kind) == "fused" and device.type == "cuda" and triton is None:
         raise ValueError("BIAS_GELU=fused needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
                          "installed here")
     return kind
@@ -215,8 +209,12 @@ def check_bias_gelu(kind: str, device: torch.device) -> str:
 def apply_bias_gelu(model: nn.Module, kind: str) -> list[str]:
     """BIAS_GELU: with `fused`, swap every BertIntermediate of `model` for a FusedBiasGELU, in place; the names
     swapped (none for `torch`)."""
-    if kind not in BIAS_GELUS:
-        raise ValueError(f"BIAS_GELU={kind!r} is not one of {', '.join(BIAS_GELUS)}")
-    if kind == "torch":
+    if _known(kind) == "torch":
         return []
     return swap_modules(model, lambda module, _: type(module) is BertIntermediate, FusedBiasGELU.from_module)
+
+
+def _known(kind: str) -> str:
+    if kind not in BIAS_GELUS:
+        raise ValueError(f"BIAS_GELU={kind!r} is not one of {', '.join(BIAS_GELUS)}")
+    return kind

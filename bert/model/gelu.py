@@ -28,7 +28,9 @@ from bert.model.swap import swap_modules
 GELUS = ("torch", "rational")  # GELU: torch's F.gelu (erf, libdevice's on a GPU), or this module's
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def arithmetic_dtype(x: Tensor) -> torch.dtype:
+    """What the formula computes `x` in: float32 for half and float32 inputs, float64 for float64 (the torch path of
+    bert.model.bias_gelu too)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -68,7 +70,7 @@ def _phi_from(x: Tensor, half_erfc: Tensor) -> Tensor:
 
 def rational_gelu_reference(x: Tensor) -> Tensor:
     """The forward's arithmetic, outside autograd's Function (its forward, and what the tests hold to the bounds)."""
-    xc = _cast(x, _compute_dtype(x))
+    xc = _cast(x, arithmetic_dtype(x))
     half_erfc, _ = _half_erfc(xc)
     return _cast(xc * _phi_from(xc, half_erfc), x.dtype)
 
@@ -89,7 +91,7 @@ class _RationalGELU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
-        xc = _cast(x, _compute_dtype(x))
+        xc = _cast(x, arithmetic_dtype(x))
         return _cast(_cast(dy, xc.dtype) * gelu_slope(xc), dy.dtype)
 
 
