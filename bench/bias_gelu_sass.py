@@ -1,5 +1,6 @@
-"""BIAS_GELU=fused's two Triton kernels (bert.model.bias_gelu) compiled for an H100, counted in machine code: per
-element, registers and stack for each candidate tile, bf16 as under MASTER_WEIGHTS=1.
+"""BIAS_GELU=fused's two Triton kernels (bert.model.bias_gelu) and its float8 form's backward (bert.model.fp8_bias_gelu)
+compiled for an H100, counted in machine code: per element, registers and stack for each candidate tile, bf16 as
+under MASTER_WEIGHTS=1.
 
 Each kernel is compiled for sm_90 with the ptxas Triton ships (no GPU) and read back with its cuobjdump
 (bench/sass_count.py). The forward has no loop: its instructions over the elements a thread holds (BT x BN over the
@@ -40,18 +41,34 @@ def usage_of(text: str) -> tuple[int, int]:
 
 
 def count(tile: tuple[int, int, int, int]) -> list[dict]:
-    """Both kernels at `tile` (BT, BN, ROWS, warps): a row each."""
-    import sass_count
-
+    """BIAS_GELU=fused's two kernels at `tile` (BT, BN, ROWS, warps): a row each."""
     from bert.model import bias_gelu as bg
+
+    bt, bn, rows, _ = tile
+    return _count(tile, [("_forward_kernel", bg._forward_kernel, {"H": "*bf16", "B": "*bf16", "Y": "*bf16"},
+                          {"BT": bt, "BN": bn}),
+                         ("_backward_kernel", bg._backward_kernel,
+                          {"G": "*bf16", "H": "*bf16", "B": "*bf16", "DH": "*bf16", "PARTS": "*fp32"},
+                          {"BT": bt, "BN": bn, "ROWS": rows})])
+
+
+def count_fp8(tile: tuple[int, int, int, int]) -> list[dict]:
+    """Its float8 form's backward kernel (bert.model.fp8_bias_gelu) at `tile`: one row."""
+    from bert.model import fp8_bias_gelu as fbg
+
+    bt, bn, rows, _ = tile
+    pointers = {"G": "*bf16", "H": "*bf16", "DQ": "*fp8e5", "SCALE": "*fp32", "PARTS": "*fp32", "AMAXES": "*fp32"}
+    return _count(tile, [("fp8 _backward_kernel", fbg._backward_kernel, pointers, {"BT": bt, "BN": bn, "ROWS": rows})])
+
+
+def _count(tile: tuple[int, int, int, int], kernels: list) -> list[dict]:
+    import sass_count
 
     bt, bn, rows, warps = tile
     per_thread = bt * bn / (32 * warps)
     out = []
-    for kernel, pointers, constexprs in [
-            (bg._forward_kernel, ("H", "B", "Y"), {"BT": bt, "BN": bn}),
-            (bg._backward_kernel, ("G", "H", "B", "DH", "PARTS"), {"BT": bt, "BN": bn, "ROWS": rows})]:
-        signature = {name: "*fp32" if name == "PARTS" else "*bf16" for name in pointers}
+    for label, kernel, pointers, constexprs in kernels:
+        signature = dict(pointers)
         signature.update(tokens="i32", width="i32", **{name: "constexpr" for name in constexprs})
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
                  if name in pointers or name == "width"}
@@ -59,7 +76,7 @@ def count(tile: tuple[int, int, int, int]) -> list[dict]:
         looped = "ROWS" in constexprs
         body = loop_body(sass, sass_count.INSTRUCTION) if looped else len(sass_count.INSTRUCTION.findall(sass))
         registers, stack = usage_of(usage)
-        out.append({"kernel": kernel.fn.__name__, "tile": list(tile), "instructions": body,
+        out.append({"kernel": label, "tile": list(tile), "instructions": body,
                     "per_element": round(body / per_thread, 1), "registers": registers, "stack_bytes": stack,
                     "blocks_per_sm": min(65536 // max(registers * 32 * warps, 1), 2048 // (32 * warps))})
     return out
@@ -74,12 +91,12 @@ def main() -> int:
 
     from bert.model import bias_gelu as bg
 
-    rows = [row for tile in TILES for row in count(tile)]
-    print(f"{'kernel':18} {'tile (BT, BN, ROWS, warps)':28} {'per element':>11} {'registers':>9} {'stack':>5} "
+    rows = [row for tile in TILES for row in count(tile) + count_fp8(tile)]
+    print(f"{'kernel':20} {'tile (BT, BN, ROWS, warps)':28} {'per element':>11} {'registers':>9} {'stack':>5} "
           f"{'blocks/SM':>9}")
     for r in rows:
         mark = " (default)" if tuple(r["tile"]) == bg.TILE else ""
-        print(f"{r['kernel']:18} {str(tuple(r['tile'])):28} {r['per_element']:11.1f} {r['registers']:9d} "
+        print(f"{r['kernel']:20} {str(tuple(r['tile'])):28} {r['per_element']:11.1f} {r['registers']:9d} "
               f"{r['stack_bytes']:5d} {r['blocks_per_sm']:9d}{mark}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"torch": torch.__version__, "triton": triton.__version__,

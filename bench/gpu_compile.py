@@ -70,6 +70,22 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
     "fused-bias-gelu-model-step": ({"compile": "default", "compile_scope": "model", "bias_gelu": "fused"}, "step"),
     "fused-bias-gelu-layers-step": ({"compile": "default", "compile_scope": "layers", "bias_gelu": "fused"}, "step"),
+    # delayed float8 beside our kernels: opaque to inductor, each of their outputs a linear reads is cast in a pass
+    # of its own, where inductor's own LayerNorm, GELU or attention output would take the cast into its kernel
+    "fp8-delayed-triton-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                        "fp8_recipe": "delayed", "static_tokens": 512, "attention": "triton"},
+                                       "step"),
+    "fp8-delayed-norm-triton-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                             "fp8_recipe": "delayed", "static_tokens": 512, "attention": "triton",
+                                             "residual_norm": "fused"}, "step"),
+    # BIAS_GELU=fused under delayed float8 (bert.model.fp8_bias_gelu): the float8 FFN's GELU backward, its
+    # gradient's cast, amax and bias sums in one pass of ours
+    "fp8-delayed-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                          "fp8_recipe": "delayed", "static_tokens": 512, "bias_gelu": "fused"},
+                                         "step"),
+    "fp8-delayed-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                 "precision": "fp8", "fp8_recipe": "delayed", "static_tokens": 512,
+                                                 "attention": "triton", "bias_gelu": "fused"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }

@@ -272,10 +272,11 @@ class TrainConfig:
             raise ConfigError("gelu", "GELU", "rational", "is written for inductor to fuse into one kernel each way; "
                               "with COMPILE=off it runs a dozen kernels each way, slower than torch's: set a COMPILE "
                               "mode, or GELU=torch")
-        if self.model.bias_gelu == "fused" and self.model.precision == "fp8":
-            raise ConfigError("bias_gelu", "BIAS_GELU", "fused", "cannot be combined with PRECISION=fp8: a float8 "
-                              "linear keeps its bias in its own GEMM, and inductor fuses the next linear's float8 "
-                              "cast into its own GELU kernel, not into this op; set BIAS_GELU=torch")
+        if self.model.bias_gelu == "fused" and self.model.precision == "fp8" and self.model.fp8_recipe != "delayed":
+            raise ConfigError("bias_gelu", "BIAS_GELU", "fused", f"cannot be combined with FP8_RECIPE="
+                              f"{self.model.fp8_recipe}: torchao's float8 linear keeps its bias in its own GEMM and "
+                              "the module's GELU; with PRECISION=fp8 it takes FP8_RECIPE=delayed "
+                              "(bert.model.fp8_bias_gelu), or set BIAS_GELU=torch")
         if self.model.compile != "off" and self.model.compile_scope == "model" and self.dist.grad_buckets != "ddp":
             raise ConfigError("compile_scope", "COMPILE_SCOPE", "model", f"cannot be combined with GRAD_BUCKETS="
                               f"{self.dist.grad_buckets} (one graph for the whole model hands every gradient over at "

@@ -102,7 +102,7 @@ def test_selector_choices_are_the_registries():
     ({"GELU": "tanh"}, "$GELU"),  # the approximation BERT does not use
     ({"GELU": "rational"}, "$GELU"),  # eager: a dozen kernels each way
     ({"BIAS_GELU": "fusd"}, "$BIAS_GELU"),
-    ({"BIAS_GELU": "fused", "PRECISION": "fp8"}, "$BIAS_GELU"),  # float8 linears keep their bias
+    ({"BIAS_GELU": "fused", "PRECISION": "fp8"}, "$BIAS_GELU"),  # torchao's float8 linears keep their bias
     ({"OPTIMIZER_LAYOUT": "flat"}, "$OPTIMIZER_LAYOUT"),  # needs the masters
     ({"OPTIMIZER_LAYOUT": "flat", "MASTER_WEIGHTS": "1", "PRECISION": "bf16", "OPTIMIZER": "adam"},
      "$OPTIMIZER_LAYOUT"),

@@ -15,9 +15,10 @@ does (bert.model.gelu: within 6e-8 |x| of the erf GELU; its instruction counts),
 derivative's form Phi(x) + x phi(x). The pre-activation h + b is formed in fp32, not rounded to the GEMM's dtype
 first. On the CPU (and for float64) the same formula runs in torch's ops.
 
-The MLM head's GELU (a few thousand rows) is left to GELU. A float8 FFN linear keeps its bias in its own GEMM (the
-config refuses the two together: inductor fuses the next linear's float8 cast into its own GELU kernel, not into
-this op).
+The MLM head's GELU (a few thousand rows) is left to GELU. Under delayed float8 (PRECISION=fp8, FP8_RECIPE=delayed)
+the FFN swaps again, for bert.model.fp8_bias_gelu's form: the bias in the float8 GEMM, the GELU's gradient cast to
+float8 in its backward's pass. torchao's float8 linear keeps its bias in its own GEMM and the module's activation
+(the config refuses BIAS_GELU=fused with torchao's recipes).
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ if triton is not None:
         return t * tl.math.exp2(p + minus_a2), minus_a2
 
     @triton.jit
+    def _slope(x):
+        """GELU'(x) = Phi(x) + x phi(x): bert.model.gelu's `gelu_slope`, the same literals."""
+        half_erfc, minus_a2 = _half_erfc(x)
+        return tl.where(x >= 0, 1.0 - half_erfc, half_erfc) + x * tl.math.exp2(minus_a2 - 1.3257480647361592)
+
+    @triton.jit
     def _tile(H, B, rows, cols, tokens, width):
         """The tile's offsets, its mask, and h + b in fp32 (0 outside)."""
         inside = (rows < tokens)[:, None] & (cols < width)[None, :]
@@ -81,9 +88,7 @@ if triton is not None:
         for r0 in tl.range(0, ROWS, BT):
             rows = tl.program_id(0) * ROWS + r0 + tl.arange(0, BT)
             at, inside, x = _tile(H, B, rows, cols, tokens, width)
-            half_erfc, minus_a2 = _half_erfc(x)
-            slope = tl.where(x >= 0, 1.0 - half_erfc, half_erfc) + x * tl.math.exp2(minus_a2 - 1.3257480647361592)
-            d = tl.load(G + at, mask=inside, other=0.0).to(tl.float32) * slope  # 0 outside
+            d = tl.load(G + at, mask=inside, other=0.0).to(tl.float32) * _slope(x)  # 0 outside
             tl.store(DH + at, d.to(DH.dtype.element_ty), mask=inside)
             sums += d
         tl.store(PARTS + tl.program_id(0) * width + cols, tl.sum(sums, 0), mask=cols < width)
@@ -180,8 +185,9 @@ key_on_source("bert::bias_gelu", __file__)
 
 class FusedBiasGELU(BertIntermediate):
     """BertIntermediate through `bert::bias_gelu`, with the same submodules (names, checkpoints and optimizer groups
-    unchanged): the dense's GEMM without its bias, the bias added and its gradient summed in the kernels. A float8
-    dense (bert.model.fp8) keeps its bias in its own GEMM and the module's activation."""
+    unchanged): the dense's GEMM without its bias, the bias added and its gradient summed in the kernels. Another
+    dense (torchao's float8 linear) keeps its bias in its own GEMM and the module's activation; our delayed float8
+    linear is bert.model.fp8_bias_gelu's."""
 
     @classmethod
     def from_module(cls, module: BertIntermediate) -> FusedBiasGELU:

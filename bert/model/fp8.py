@@ -69,6 +69,7 @@ import re
 import torch
 from torch import nn
 
+from bert.model.fp8_bias_gelu import apply_fp8_bias_gelu
 from bert.model.fp8_delayed import convert_to_delayed_fp8
 from bert.release import major_minor
 
@@ -160,6 +161,7 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
         swapped = convert_to_delayed_fp8(model, lambda module, name: is_fp8_linear(module, name, linears))
         if not swapped:
             raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
+        apply_fp8_bias_gelu(model)  # BIAS_GELU=fused's FFNs whose first linear is now float8
         return swapped
     from torchao.float8 import convert_to_float8_training
 

@@ -54,8 +54,13 @@ def scaled_cast(t: Tensor, amax: Tensor, dtype: torch.dtype) -> tuple[Tensor, Te
     float read here becomes a symbolic input under `dynamic=True`, which dynamo cannot lift into an
     autograd.Function's graph, torch 2.13: "lift_tracked_freevar_to_input should not be called on root".)"""
     limit = torch.finfo(dtype).max
-    scale = limit / amax.float().clamp(min=1e-12)
+    scale = cast_scale(amax, dtype)
     return (t.float() * scale).clamp(-limit, limit).to(dtype), scale.reciprocal()
+
+
+def cast_scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    """The fp32 scale that maps `amax` to `dtype`'s largest value (an amax of 0 counting as 1e-12)."""
+    return torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
 
 
 def record_amax(history: Tensor, t: Tensor) -> None:
@@ -67,8 +72,29 @@ def record_amax(history: Tensor, t: Tensor) -> None:
     the whole tensor at once is split into partial sums of another shape and stays a kernel of its own, a second
     read: compiled for an H100 (bench/gpu_compile.py, `fp8-delayed-layers-step`) the BERT-large step moved 109.4 GB
     that way and 89.8 GB this way, at 24,576 tokens. (Columns first, beside the bias gradients' sums, moved 94.2.)"""
-    amax = t.detach().abs().amax(dim=-1).amax().float()
+    keep_amax(history, t.detach().abs().amax(dim=-1).amax().float())
+
+
+def keep_amax(history: Tensor, amax: Tensor) -> None:
+    """`amax` into `history` if it is finite (`record_amax`)."""
     history.copy_(torch.where(torch.isfinite(amax), amax, history))
+
+
+def float8_matmul_forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_input: Tensor, amax_grad: Tensor
+                          ) -> tuple[Tensor, list[Tensor | None]]:
+    """x @ w^T + b in float8 (the bias in the GEMM's epilogue), and what the backward's GEMMs read, for the caller
+    to save (`float8_input_and_weight_grads` takes them as the first four saved): the forward of `_Float8Matmul` and
+    of those built on it (bert.model.fp8_bias_gelu)."""
+    x_q, inv_x = scaled_cast(x, amax_input, E4M3)
+    w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
+    # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
+    # neither in an eval or no-grad forward
+    needs_dx, needs_dw = ctx.needs_input_grad[:2]
+    saved = [fp8_transpose(x_q) if needs_dw else None, fp8_transpose(w_q) if needs_dx else None, inv_x, inv_w]
+    ctx.amax_grad = amax_grad  # not saved: written in backward
+    ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w,
+                            bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype), saved
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -79,37 +105,36 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_input: Tensor, amax_grad: Tensor) -> Tensor:
-        x_q, inv_x = scaled_cast(x, amax_input, E4M3)
-        w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
-        # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
-        # neither in an eval or no-grad forward
-        needs_dx, needs_dw = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(fp8_transpose(x_q) if needs_dw else None, fp8_transpose(w_q) if needs_dx else None,
-                              inv_x, inv_w)
-        ctx.amax_grad = amax_grad  # not saved: written in backward
-        ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
-        return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w,
-                                bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+        y, saved = float8_matmul_forward(ctx, x, w, bias, amax_input, amax_grad)
+        ctx.save_for_backward(*saved)
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x_qt, w_qt, inv_x, inv_w = ctx.saved_tensors
         grad = grad.contiguous()
         g_q, inv_g = scaled_cast(grad, ctx.amax_grad, E5M2)
         record_amax(ctx.amax_grad, grad)  # the next step's scale
-        # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        dx = dw = db = None
-        # the transpose before dx's GEMM: inductor then writes g_q once, where after it the cast's kernel wrote a
-        # second copy for the transpose (bench/gpu_compile.py on the fake H100)
-        g_qt = fp8_transpose(g_q) if x_qt is not None else None
-        if w_qt is not None:
-            dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=grad.dtype).to(x_dtype)
-        if x_qt is not None:
-            dw = torch._scaled_mm(g_qt, x_qt.t(), scale_a=inv_g, scale_b=inv_x, out_dtype=grad.dtype).to(w_dtype)
-        if ctx.needs_input_grad[2]:
-            db = grad.sum(0).to(b_dtype)  # from the gradient as it came, not its float8 copy
+        dx, dw = float8_input_and_weight_grads(ctx, g_q, inv_g, grad.dtype)
+        db = grad.sum(0).to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None  # from the gradient as it came
         return dx, dw, db, None, None
+
+
+def float8_input_and_weight_grads(ctx, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype
+                                  ) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dw) of a `_Float8Matmul`'s forward (saved in `ctx`) from its output gradient in float8, g_q, and 1 / its
+    scale; the GEMMs' outputs in `dtype`, then the input's and the weight's dtypes; None for one not needed."""
+    x_qt, w_qt, inv_x, inv_w = ctx.saved_tensors[:4]
+    # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
+    x_dtype, w_dtype, _ = ctx.dtypes
+    dx = dw = None
+    # the transpose before dx's GEMM: inductor then writes g_q once, where after it the cast's kernel wrote a
+    # second copy for the transpose (bench/gpu_compile.py on the fake H100)
+    g_qt = fp8_transpose(g_q) if x_qt is not None else None
+    if w_qt is not None:
+        dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=dtype).to(x_dtype)
+    if x_qt is not None:
+        dw = torch._scaled_mm(g_qt, x_qt.t(), scale_a=inv_g, scale_b=inv_x, out_dtype=dtype).to(w_dtype)
+    return dx, dw
 
 
 class DelayedFloat8Linear(nn.Linear):
@@ -141,11 +166,16 @@ class DelayedFloat8Linear(nn.Linear):
         return self
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.through(_Float8Matmul, x)
+
+    def through(self, function: type[torch.autograd.Function], x: Tensor) -> Tensor:
+        """`function` (`_Float8Matmul` or one built on it) of this layer's input, weight, bias and amaxes, with the
+        input's amax recorded: the layer's forward."""
         flat = x.reshape(-1, self.in_features).contiguous()  # _scaled_mm's first operand: row-major
         # as nn.Linear under autocast: its dtype in and out (torch 2.11 raises for a device autocast lacks: meta)
         if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
             flat = flat.to(torch.get_autocast_dtype(flat.device.type))
-        y = _Float8Matmul.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad)
+        y = function.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad)
         if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
             with torch.no_grad():
                 record_amax(self.amax_input, flat)
