@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_config import parse
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import ConfigError, from_flat
@@ -133,13 +134,6 @@ def test_the_float8_model_swaps_each_ffn_and_trains_as_the_unfused_one():
         torch.testing.assert_close(p.grad, q.grad, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6, msg=name)
     amaxes = [[b for n, b in m.named_buffers() if "amax" in n] for m in (model, reference)]
     assert amaxes[0] == amaxes[1]
-
-
-def parse(**env):
-    from bert.config import from_env_and_args
-
-    return from_env_and_args([], {"DATADIR_PHASE2": "x", "EVALDIR": "x", "BERT_CONFIG": "tiny", "BATCHSIZE": "8",
-                                  "LR": "1e-3", "MAX_STEPS": "10", **env})
 
 
 def test_the_config_takes_it_with_the_delayed_recipe_only():

@@ -65,10 +65,14 @@ if triton is not None:
         return tl.where(x >= 0, 1.0 - half_erfc, half_erfc) + x * tl.math.exp2(minus_a2 - 1.3257480647361592)
 
     @triton.jit
+    def _where(rows, cols, tokens, width):
+        """A (rows, cols) tile's offsets in a contiguous (tokens, width) tensor, and its mask."""
+        return rows.to(tl.int64)[:, None] * width + cols[None, :], (rows < tokens)[:, None] & (cols < width)[None, :]
+
+    @triton.jit
     def _tile(H, B, rows, cols, tokens, width):
         """The tile's offsets, its mask, and h + b in fp32 (0 outside)."""
-        inside = (rows < tokens)[:, None] & (cols < width)[None, :]
-        at = rows.to(tl.int64)[:, None] * width + cols[None, :]
+        at, inside = _where(rows, cols, tokens, width)
         bias = tl.load(B + cols, mask=cols < width, other=0.0).to(tl.float32)
         return at, inside, tl.load(H + at, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
 

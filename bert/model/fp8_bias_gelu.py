@@ -30,10 +30,12 @@ from bert.model.compile_keys import key_on_source
 from bert.model.fp8_delayed import (
     E5M2,
     DelayedFloat8Linear,
+    amax_of,
     cast_scale,
     float8_input_and_weight_grads,
     float8_matmul_forward,
     keep_amax,
+    saturated_cast,
 )
 from bert.model.gelu import arithmetic_dtype, gelu_slope, rational_gelu_reference
 from bert.model.swap import swap_modules
@@ -41,7 +43,7 @@ from bert.model.swap import swap_modules
 if triton is not None:
     import triton.language as tl
 
-    from bert.model.bias_gelu import _slope
+    from bert.model.bias_gelu import _slope, _where
 
     @triton.jit
     def _backward_kernel(G, H, DQ, SCALE, PARTS, AMAXES, tokens, width, BT: tl.constexpr, BN: tl.constexpr,
@@ -54,8 +56,7 @@ if triton is not None:
         top = tl.zeros((BT, BN), tl.float32)
         for r0 in tl.range(0, ROWS, BT):
             rows = tl.program_id(0) * ROWS + r0 + tl.arange(0, BT)
-            inside = (rows < tokens)[:, None] & (cols < width)[None, :]
-            at = rows.to(tl.int64)[:, None] * width + cols[None, :]
+            at, inside = _where(rows, cols, tokens, width)
             x = tl.load(H + at, mask=inside, other=0.0).to(tl.float32)
             d = tl.load(G + at, mask=inside, other=0.0).to(tl.float32) * _slope(x)  # 0 outside
             r = d.to(G.dtype.element_ty).to(tl.float32)  # the gradient as the unfused path holds it
@@ -72,9 +73,7 @@ def gelu_backward_fp8_torch(grad: Tensor, h: Tensor, scale: Tensor) -> tuple[Ten
     compute = arithmetic_dtype(h)
     d = grad.to(compute) * gelu_slope(h.to(compute))
     rounded = d.to(grad.dtype)
-    limit = torch.finfo(E5M2).max
-    q = (rounded.float() * scale).clamp(-limit, limit).to(E5M2)
-    return q, d.sum(0), rounded.abs().amax(dim=-1).amax().float()
+    return saturated_cast(rounded, scale, E5M2), d.sum(0), amax_of(rounded)
 
 
 def launch_backward(grad: Tensor, h: Tensor, scale: Tensor, tile: tuple[int, int, int, int] = TILE
