@@ -86,6 +86,16 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     "fp8-delayed-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
                                                  "precision": "fp8", "fp8_recipe": "delayed", "static_tokens": 512,
                                                  "attention": "triton", "bias_gelu": "fused"}, "step"),
+    # RESIDUAL_NORM=fused under delayed float8 (bert.model.fp8_residual_norm): the dense layer's output gradient
+    # cast to float8, its amax and bias sums in the norm backward's pass of ours
+    "fp8-delayed-norm-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
+                                      "fp8_recipe": "delayed", "static_tokens": 512, "residual_norm": "fused"},
+                                     "step"),
+    # all three of our kernels' settings under delayed float8: the candidate fastest float8 layer
+    "fp8-delayed-norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                      "precision": "fp8", "fp8_recipe": "delayed",
+                                                      "static_tokens": 512, "attention": "triton",
+                                                      "residual_norm": "fused", "bias_gelu": "fused"}, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }

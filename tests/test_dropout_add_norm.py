@@ -312,7 +312,7 @@ def test_the_triton_kernels_match_the_cpu_path_in_the_interpreter():
 
 
 SM90 = """
-import sys, triton
+import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bert.model import dropout_add_norm as dan
@@ -336,10 +336,12 @@ for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32
                 bad.append(("forward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
         for dropout in (True, False):
             signature = dict(dy=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32", rstd_in="*fp32",
-                             gamma=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}", sums="*fp32", rows="i32", n="i32",
-                             scale="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr")
+                             gamma=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}", sums="*fp32", cast_scale="*fp32",
+                             amaxes="*fp32", rows="i32", n="i32", scale="fp32", W="constexpr", ROWS="constexpr",
+                             DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr")
             try:
-                compile(dan._backward_rows, signature, dict(W=w, ROWS=dan.ROWS, DROPOUT=dropout), w)
+                compile(dan._backward_rows, signature, dict(W=w, ROWS=dan.ROWS, DROPOUT=dropout, FLOAT8=False,
+                                                            ROUND=dan.TRITON_DTYPES[torch.float32]), w)
             except Exception as e:
                 bad.append(("backward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
 print("bad", bad)

@@ -128,8 +128,12 @@ if triton is not None:
         tl.store(rstd_out + t, rstd)
 
     @triton.jit
-    def _backward_rows(dy, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, rows, n, scale, W: tl.constexpr,
-                       ROWS: tl.constexpr, DROPOUT: tl.constexpr):
+    def _backward_rows(dy, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, rows, n, scale,
+                       W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
+                       ROUND: tl.constexpr):
+        """FLOAT8: dh is h's gradient rounded to ROUND, times cast_scale, saturated to e5m2, and amaxes[program]
+        its rows' largest magnitude (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's float8 dense
+        takes it."""
         program = tl.program_id(0)
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
@@ -139,6 +143,7 @@ if triton is not None:
         dgamma = tl.zeros((4, W), dtype=tl.float32)
         dbeta = tl.zeros((4, W), dtype=tl.float32)
         dbias = tl.zeros((4, W), dtype=tl.float32)
+        top = tl.zeros((4, W), dtype=tl.float32)
         for i in tl.range(0, ROWS, num_stages=2):  # the next row's loads in flight during this one's sums
             t = program.to(tl.int64) * ROWS + i
             live = inside & (t < rows)
@@ -155,7 +160,13 @@ if triton is not None:
                 byte = tl.load(bits + t * W + tl.arange(0, W), mask=t < rows, other=0).to(tl.int32)
                 d_h = tl.where(((byte[None, :] >> q) & 1) != 0, d_sum * scale, 0.0)
             tl.store(ds + at, d_sum.to(ds.dtype.element_ty), mask=live)
-            tl.store(dh + at, d_h.to(dh.dtype.element_ty), mask=live)
+            if FLOAT8:
+                r = tl.where(live, d_h.to(ROUND).to(tl.float32), 0.0)  # the gradient as the unfused path holds it
+                scaled = tl.clamp(r * tl.load(cast_scale), -57344.0, 57344.0)  # e5m2's largest, as scaled_cast
+                tl.store(dh + at, scaled.to(tl.float8e5), mask=live)
+                top = tl.maximum(top, tl.where(r == r, tl.abs(r), float("inf")))
+            else:
+                tl.store(dh + at, d_h.to(dh.dtype.element_ty), mask=live)
             dgamma += g * xhat
             dbeta += g
             dbias += tl.where(live, d_h, 0.0)
@@ -163,6 +174,12 @@ if triton is not None:
         tl.store(out, dgamma, mask=inside)
         tl.store(out + n, dbeta, mask=inside)
         tl.store(out + 2 * n, dbias, mask=inside)
+        if FLOAT8:
+            tl.store(amaxes + program, tl.max(tl.max(top, 1), 0))
+
+
+TRITON_DTYPES = {} if triton is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+                                            torch.float16: tl.float16}
 
 
 def _warps(w: int) -> int:
@@ -188,16 +205,23 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
-                    out: tuple[Tensor, ...]) -> None:
-    """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after."""
+                    out: tuple[Tensor, ...], float8: tuple[Tensor, torch.dtype] | None = None) -> Tensor | None:
+    """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after.
+    With `float8` (the e5m2 scale, 0-dim fp32, and the dtype h's gradient is rounded to) d h is e5m2 (`out[0]`'s
+    dtype) and its amax is returned (the kernel's FLOAT8)."""
     dh, ds, sums = out
     rows, n = s.shape
     w = words_per_row(n)
     programs = triton.cdiv(rows, ROWS)
     partial = sums.new_empty((programs, 3, n))
-    _backward_rows[(programs,)](dy.contiguous(), s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial, rows, n,
-                                _scale(p, torch.float32), W=w, ROWS=ROWS, DROPOUT=p > 0, num_warps=_warps(w))
+    amaxes = sums.new_empty(programs if float8 else 0)
+    cast_scale, round_to = float8 or (sums, torch.float32)  # unread without FLOAT8
+    _backward_rows[(programs,)](dy.contiguous(), s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial,
+                                cast_scale, amaxes if float8 else sums, rows, n, _scale(p, torch.float32), W=w,
+                                ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None, ROUND=TRITON_DTYPES[round_to],
+                                num_warps=_warps(w))
     torch.sum(partial, 0, out=sums)  # one launch
+    return amaxes.amax() if float8 else None
 
 
 def forward_torch(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
@@ -320,10 +344,14 @@ def dropout_add_layer_norm(h: Tensor, residual: Tensor, norm: nn.LayerNorm, p: f
     """`norm`(dropout(h + dense_bias, p) + residual) over the last axis, any leading shape; a fresh seed per call
     from torch's generator on h's device (so a rank's masks follow its seed, as nn.Dropout's do)."""
     n = residual.shape[-1]
-    seed = torch.randint(2**62, (), device=h.device) if p > 0 else None
     y = torch.ops.bert.dropout_add_layer_norm(h.reshape(-1, n), residual.reshape(-1, n), norm.weight, norm.bias,
-                                              dense_bias, seed, p, norm.eps)[0]
+                                              dense_bias, dropout_seed(p, h.device), p, norm.eps)[0]
     return y.view(residual.shape)
+
+
+def dropout_seed(p: float, device: torch.device) -> Tensor | None:
+    """A call's mask seed (62 bits, from torch's generator on `device`), or None without dropout."""
+    return torch.randint(2**62, (), device=device) if p > 0 else None
 
 
 class FusedResidualOutput(BertResidualOutput):

@@ -71,6 +71,7 @@ from torch import nn
 
 from bert.model.fp8_bias_gelu import apply_fp8_bias_gelu
 from bert.model.fp8_delayed import convert_to_delayed_fp8
+from bert.model.fp8_residual_norm import apply_fp8_residual_norm
 from bert.release import major_minor
 
 TORCHAO = {(2, 10): "0.16.0", (2, 11): "0.18.0"}  # torch (major, minor) -> the torchao release built for it
@@ -162,6 +163,7 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
         if not swapped:
             raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
         apply_fp8_bias_gelu(model)  # BIAS_GELU=fused's FFNs whose first linear is now float8
+        apply_fp8_residual_norm(model)  # RESIDUAL_NORM=fused's sublayers whose dense is now float8
         return swapped
     from torchao.float8 import convert_to_float8_training
 

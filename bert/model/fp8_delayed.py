@@ -178,14 +178,14 @@ class DelayedFloat8Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return self.through(_Float8Matmul, x)
 
-    def through(self, function: type[torch.autograd.Function], x: Tensor) -> Tensor:
-        """`function` (`_Float8Matmul` or one built on it) of this layer's input, weight, bias and amaxes, with the
-        input's amax recorded: the layer's forward."""
+    def through(self, function: type[torch.autograd.Function], x: Tensor, *rest) -> Tensor:
+        """`function` (`_Float8Matmul` or one built on it) of this layer's input, weight, bias and amaxes (and `rest`,
+        that function's further inputs), with the input's amax recorded: the layer's forward."""
         flat = x.reshape(-1, self.in_features).contiguous()  # _scaled_mm's first operand: row-major
         # as nn.Linear under autocast: its dtype in and out (torch 2.11 raises for a device autocast lacks: meta)
         if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
             flat = flat.to(torch.get_autocast_dtype(flat.device.type))
-        y = function.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad)
+        y = function.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad, *rest)
         if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
             with torch.no_grad():
                 record_amax(self.amax_input, flat)

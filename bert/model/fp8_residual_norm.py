@@ -1,0 +1,135 @@
+"""`RESIDUAL_NORM=fused` under `PRECISION=fp8` with `FP8_RECIPE=delayed`: a sublayer's closing float8 linear and its
+dropout + residual + LayerNorm as one autograd Function, whose backward casts the dense layer's output gradient to
+float8 in the norm backward's pass (`bert::dropout_add_layer_norm_backward_fp8`).
+
+Why: compiled for an H100 (bench/gpu_compile.py, BERT-large's per-layer delayed-float8 step at 24,576 tokens), the
+fused norm moved more than inductor's own LayerNorm (107.8 GB against 102.6 with ATTENTION=triton): our kernels are
+opaque to inductor, so the float8 linear before the norm read the norm's bf16 gradient again, to cast it to e5m2, to
+take its amax (the next step's scale) and to sum its columns (the bias gradient), passes that inductor's LayerNorm
+backward takes into its own kernel. Here the norm's backward kernel (bert.model.dropout_add_norm's, FLOAT8) writes
+the e5m2 gradient instead of the bf16 one, with each program's largest magnitude; it already sums the dense bias's
+gradient. The forward is the float8 GEMM with the bias in its epilogue (`float8_matmul_forward`), then the norm's
+forward kernel unchanged.
+
+The arithmetic is the unfused path's (a FusedResidualOutput over a DelayedFloat8Linear), step for step: h's gradient
+in fp32, rounded to h's dtype, its amax of that (a non-finite one keeps the old), scaled by the previous step's amax
+and saturated to e5m2. The bias gradient sums the unrounded fp32 values, as the bf16 kernel's does (the unfused path
+sums the rounded gradient). The norm's output still leaves in bf16: its float8 copy, for the next sublayer's linear,
+is cast there (not in this kernel: the norm would need its consumer's scale). On the CPU (and for float64) the same
+runs in torch's ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from bert.model.compile_keys import key_on_source
+from bert.model.dropout_add_norm import (
+    FusedResidualOutput,
+    _on_triton,
+    backward_torch,
+    dropout_seed,
+    launch_backward,
+)
+from bert.model.fp8_delayed import (
+    E5M2,
+    DelayedFloat8Linear,
+    amax_of,
+    cast_scale,
+    float8_input_and_weight_grads,
+    float8_matmul_forward,
+    keep_amax,
+    saturated_cast,
+)
+from bert.model.swap import swap_modules
+
+
+@torch.library.custom_op("bert::dropout_add_layer_norm_backward_fp8", mutates_args=())
+def dropout_add_layer_norm_backward_fp8(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor,
+                                        weight: Tensor, p: float, h_dtype: torch.dtype, scale: Tensor
+                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`bert::dropout_add_layer_norm_backward`'s gradients with d h in e5m2 (rounded to `h_dtype` first, times
+    `scale`, 0-dim fp32, saturated), and its amax (fp32, of the rounded values): d h, d s, the column sums (3, N),
+    the amax (module doc)."""
+    if scale.shape != ():
+        raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
+    dh, ds, sums = _grads(dy, s, mean)
+    if not _on_triton(s, mean) or h_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        rounded = torch.empty_like(s, dtype=h_dtype)
+        backward_torch(dy, s, bits, mean, rstd, weight, p, (rounded, ds, sums))
+        dh.copy_(saturated_cast(rounded, scale, E5M2))
+        return dh, ds, sums, amax_of(rounded)
+    if not s.shape[0]:
+        return dh, ds, sums.zero_(), scale.new_zeros((), dtype=torch.float32)
+    with torch.cuda.device(s.device):  # Triton launches on the current device
+        amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype))
+    return dh, ds, sums, amax
+
+
+def _grads(dy: Tensor, s: Tensor, mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return (torch.empty_like(s, dtype=E5M2), torch.empty_like(s),
+            torch.empty((3, s.shape[1]), dtype=mean.dtype, device=s.device))
+
+
+@dropout_add_layer_norm_backward_fp8.register_fake
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale):
+    return (*_grads(dy, s, mean), scale.new_empty((), dtype=torch.float32))
+
+
+# traced into compiled graphs by the op's name: an edit here (or of the norm's kernels, keyed there) must miss them
+key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
+
+
+class _Float8MatmulResidualNorm(torch.autograd.Function):
+    """LayerNorm(dropout(x @ w^T + b) + residual), the GEMM in float8 with delayed scaling (bert.model.fp8_delayed),
+    its output gradient cast to e5m2 in the norm backward's pass (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_input: Tensor, amax_grad: Tensor,
+                residual: Tensor, gamma: Tensor, beta: Tensor, seed: Tensor | None, p: float, eps: float) -> Tensor:
+        h, saved = float8_matmul_forward(ctx, x, w, bias, amax_input, amax_grad)
+        y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p, eps)
+        ctx.save_for_backward(*saved, s, bits, mean, rstd, gamma)
+        ctx.p = p
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        s, bits, mean, rstd, gamma = ctx.saved_tensors[4:]
+        h_dtype = ctx.dtypes[0]  # the GEMM's output: the input's dtype
+        scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
+        g_q, ds, sums, amax = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
+            grad.contiguous(), s, bits, mean, rstd, gamma, ctx.p, h_dtype, scale)
+        keep_amax(ctx.amax_grad, amax)  # the next step's scale
+        dx, dw = float8_input_and_weight_grads(ctx, g_q, scale.reciprocal(), h_dtype)
+        db = sums[2].to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
+        # autograd casts d s and the norm's sums to the residual's and the parameters' dtypes
+        return dx, dw, db, None, None, ds, sums[0], sums[1], None, None, None
+
+
+class Float8ResidualOutput(FusedResidualOutput):
+    """FusedResidualOutput over a DelayedFloat8Linear dense (the same submodules): `_Float8MatmulResidualNorm` of
+    the input and the residual."""
+
+    @classmethod
+    def from_module(cls, module: FusedResidualOutput) -> Float8ResidualOutput:
+        new = super().from_module(module)
+        if not isinstance(new.dense, DelayedFloat8Linear):
+            raise ValueError("Float8ResidualOutput takes a FusedResidualOutput whose dense is a DelayedFloat8Linear")
+        return new
+
+    def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        p = self.dropout.p if self.training else 0.0
+        norm = self.LayerNorm
+        flat = residual.reshape(-1, residual.shape[-1]).contiguous()
+        y = self.dense.through(_Float8MatmulResidualNorm, h, flat, norm.weight, norm.bias,
+                               dropout_seed(p, h.device), p, norm.eps)
+        return y.view(residual.shape)
+
+
+def apply_fp8_residual_norm(model: nn.Module) -> list[str]:
+    """Swap every FusedResidualOutput of `model` whose dense is a DelayedFloat8Linear for a Float8ResidualOutput, in
+    place (after the float8 conversion); the names swapped."""
+    return swap_modules(model, lambda module, _: type(module) is FusedResidualOutput
+                        and isinstance(module.dense, DelayedFloat8Linear), Float8ResidualOutput.from_module)
