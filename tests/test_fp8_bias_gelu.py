@@ -81,8 +81,9 @@ def test_the_op_in_float64_is_the_exact_gelus_gradient_scaled_and_rounded_to_e5m
     h = torch.randn(40, 24, generator=g, dtype=torch.float64) * 3
     grad = torch.randn(40, 24, generator=g, dtype=torch.float64)
     scale = torch.tensor(64.0)
-    q, db, amax = OP(grad, h, scale)
+    q, q_t, db, amax = OP(grad, h, scale)
     assert (q.dtype, db.dtype, amax.dtype) == (E5M2, torch.float64, torch.float32)
+    assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8))
     exact = torch.func.vjp(F.gelu, h)[1](grad)[0]
     torch.testing.assert_close(db, exact.sum(0), rtol=0, atol=1e-6)
     torch.testing.assert_close(amax.double(), exact.abs().max(), rtol=1e-6, atol=0)
@@ -90,7 +91,7 @@ def test_the_op_in_float64_is_the_exact_gelus_gradient_scaled_and_rounded_to_e5m
     err = (q.double() - exact * 64).abs()
     assert (err <= 2.0 ** -3 * (exact * 64).abs() + 2.0 ** -17).all()
     # saturated, not inf: the largest e5m2
-    q, _, _ = OP(grad, h, torch.tensor(1e6))
+    q = OP(grad, h, torch.tensor(1e6))[0]
     assert q.float().abs().max() == torch.finfo(E5M2).max and torch.isfinite(q.float()).all()
 
 
@@ -162,7 +163,8 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
     seen = []
 
     def count(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if "gelu_backward_fp8" in str(n.target))
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+                    and ("gelu_backward_fp8" in str(n.target) or "fp8_transpose" in str(n.target)))
         return make_boxed_func(gm.forward)
 
     _, eager = ffn_pair(torch.float32, 3.0, 0.5)
@@ -173,7 +175,8 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
     compiled = torch.compile(compiled_module, backend=aot_autograd(fw_compiler=count, bw_compiler=count))
     want, got = step(eager, x, grad), step(compiled, x, grad)
     torch._dynamo.reset()
-    assert seen == ["bert.gelu_backward_fp8.default"]
+    # the forward transposes x_q and w_q; the backward's g_q comes transposed from the op, so none there
+    assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.gelu_backward_fp8.default"], seen
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)
 
@@ -212,19 +215,21 @@ for tokens, width, dtype, tile, scale in [(77, 300, torch.float32, (8, 64, 32, 4
     grad = torch.randn(tokens, width, generator=g).to(dtype)
     s = torch.tensor(scale)
     case = (tokens, width, str(dtype), tile, scale)
-    (q, db, amax), (want_q, want_db, want_amax) = fbg.launch_backward(grad, h, s, tile), \\
+    (q, q_t, db, amax), (want_q, _, want_db, want_amax) = fbg.launch_backward(grad, h, s, tile), \\
         fbg.gelu_backward_fp8_torch(grad, h, s)
     # the slope in fp32 on both sides, libdevice's exp2 against torch's: a rounding of the dtype apart at most
     off = (q.float() != want_q.float()).float().mean().item()
     if off > 0.002:
         bad.append(case + ("q differs at", off))
+    if not torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8)):  # the kernel's own copy, byte for byte
+        bad.append(case + ("q_t is not q transposed",))
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     if not torch.allclose(db, want_db, rtol=1e-5, atol=1e-5 * tokens):
         bad.append(case + ("db", (db - want_db).abs().max().item()))
     if not torch.allclose(amax, want_amax, rtol=tol, atol=0):
         bad.append(case + ("amax", amax.item(), want_amax.item()))
 grad[2, 3] = float("nan")
-if torch.isfinite(fbg.launch_backward(grad, h, s, tile)[2]):
+if torch.isfinite(fbg.launch_backward(grad, h, s, tile)[3]):
     bad.append("a NaN gradient gave a finite amax")
 print("bad", bad)
 sys.exit(1 if bad else 0)
@@ -260,7 +265,8 @@ def test_cuda_the_kernel_matches_the_torch_path(monkeypatch):
     scale = torch.tensor(1e4, device="cuda")
     want = fbg.gelu_backward_fp8_torch(grad, h, scale)
     refuse_torch_path_on_cuda(monkeypatch, fbg, "gelu_backward_fp8_torch")
-    q, db, amax = OP(grad, h, scale)
+    q, q_t, db, amax = OP(grad, h, scale)
     assert (q.float() != want[0].float()).float().mean() < 0.01
-    torch.testing.assert_close(db, want[1], rtol=1e-3, atol=1e-1)
-    torch.testing.assert_close(amax, want[2], rtol=1e-2, atol=0)
+    assert torch.equal(q_t.view(torch.uint8), q.t().view(torch.uint8))
+    torch.testing.assert_close(db, want[2], rtol=1e-3, atol=1e-1)
+    torch.testing.assert_close(amax, want[3], rtol=1e-2, atol=0)

@@ -76,6 +76,16 @@ def test_it_is_the_unfused_float8_linear_and_norm_but_for_the_bias_sums_rounding
         assert (got["db"] != want["db"]).any()  # the reference does differ, so the test can tell
 
 
+def test_in_eval_it_drops_nothing_and_is_the_unfused_eval():
+    ref, ours = sublayer_pair(torch.float32, 0.5, p=0.5)
+    x, residual, _ = data(torch.float32, rows=16)
+    for m in (ref, ours):
+        m.eval()
+    with torch.no_grad():
+        y = ours(x, residual)
+        assert torch.equal(y, ours(x, residual)) and torch.equal(y, ref(x, residual))
+
+
 def test_a_non_finite_gradient_keeps_the_old_amax_as_the_unfused_path_does():
     ref, ours = sublayer_pair(torch.float32, 0.5)
     x, residual, grad = data(torch.float32, rows=16)

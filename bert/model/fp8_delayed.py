@@ -129,17 +129,19 @@ class _Float8Matmul(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def float8_input_and_weight_grads(ctx, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype
+def float8_input_and_weight_grads(ctx, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype, g_qt: Tensor | None = None
                                   ) -> tuple[Tensor | None, Tensor | None]:
     """(dx, dw) of a `_Float8Matmul`'s forward (saved in `ctx`) from its output gradient in float8, g_q, and 1 / its
-    scale; the GEMMs' outputs in `dtype`, then the input's and the weight's dtypes; None for one not needed."""
+    scale; the GEMMs' outputs in `dtype`, then the input's and the weight's dtypes; None for one not needed. `g_qt`,
+    g_q transposed (contiguous), where the kernel that made g_q wrote it too; else it is made here."""
     x_qt, w_qt, inv_x, inv_w = ctx.saved_tensors[:4]
     # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
     x_dtype, w_dtype, _ = ctx.dtypes
     dx = dw = None
     # the transpose before dx's GEMM: inductor then writes g_q once, where after it the cast's kernel wrote a
     # second copy for the transpose (bench/gpu_compile.py on the fake H100)
-    g_qt = fp8_transpose(g_q) if x_qt is not None else None
+    if x_qt is not None and g_qt is None:
+        g_qt = fp8_transpose(g_q)
     if w_qt is not None:
         dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=dtype).to(x_dtype)
     if x_qt is not None:
