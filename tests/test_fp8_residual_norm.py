@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from test_fp8_bias_gelu import NARROWING_PATCH
+from test_fp8_bias_gelu import NARROWING_PATCH, assert_unfused_but_bias_sums, tiny_model
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
-from bert.model import BertConfig, BertForPreTraining
+from bert.model import BertConfig
 from bert.model import fp8_residual_norm as frn
 from bert.model.dropout_add_norm import FusedResidualOutput, apply_residual_norm, keep_mask
 from bert.model.fp8 import convert_to_fp8, is_fp8_linear
@@ -64,16 +64,7 @@ def data(dtype, residual_dtype=None, rows=48, seed=1):
 def test_it_is_the_unfused_float8_linear_and_norm_but_for_the_bias_sums_rounding(dtype, residual_dtype, amax_grad):
     ref, ours = sublayer_pair(dtype, amax_grad)
     x, residual, grad = data(dtype, residual_dtype)
-    want, got = step(ref, x, residual, grad), step(ours, x, residual, grad)
-    for name in ("y", "dx", "dresidual", "dw", "dgamma", "dbeta", "amax_grad", "amax_input"):
-        assert got[name].dtype == want[name].dtype, name
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
-    assert float(want["amax_grad"]) != amax_grad  # recorded for the next step
-    # the bias gradient sums the fp32 gradient before its rounding to the dtype (the unfused path: after)
-    tol = 0 if dtype == torch.float32 else 48 * 2.0 ** -8
-    torch.testing.assert_close(got["db"].float(), want["db"].float(), rtol=0, atol=tol)
-    if dtype == torch.bfloat16:
-        assert (got["db"] != want["db"]).any()  # the reference does differ, so the test can tell
+    assert_unfused_but_bias_sums(step(ours, x, residual, grad), step(ref, x, residual, grad), dtype, amax_grad)
 
 
 def test_in_eval_it_drops_nothing_and_is_the_unfused_eval():
@@ -132,13 +123,6 @@ def test_opcheck_and_the_refusal():
     torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0)))
     with pytest.raises(ValueError, match="0-dim"):
         OP(dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.ones(1))
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=1104, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64).with_dropout(0.0)
-    return BertForPreTraining(cfg, attention="padded")
 
 
 def test_the_float8_model_swaps_each_sublayer_close_and_trains_as_the_unfused_one():
