@@ -48,25 +48,30 @@ DIVISIBLE = {"sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h", "sd
 MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_backward_q": 3 * 2 * HEAD_DIM}
 
 
-def signatures(ta, dtype: str = "bf16") -> list[tuple]:
-    """(kernel, (BM, BN, warps), its signature) for each of the three kernels, q, k, v in `dtype` (Triton's name)."""
+def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
+    """(kernel, (BM, BN, warps), its signature) for each of the three kernels, q, k, v in `dtype` (Triton's name);
+    with `float8`, the backward's gradient in e5m2 (a float8 QKV's, bert.model.fp8_attention)."""
     half = f"*{dtype}"
+    grad = "*fp8e5" if float8 else half
+    float8_args = {"SCALE": "*fp32", "AMAXES": "*fp32", "PARTS": "*fp32"}
     qkv = {"Q": half, "K": half, "V": half}
     strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
     scales = {"qk_scale": "fp32", "sm_scale": "fp32", "drop_scale": "fp32"}
     sizes = {"tokens": "i32", "groups": "i32"}
     flags = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "DROPOUT": "constexpr"}
+    backward_flags = {**flags, "FLOAT8": "constexpr"}
     return [
         (ta._forward, ta.FORWARD_TILE, {**qkv, "OUT": half, "LSE": "*fp32", "BITS": "*u8", "cu": "*i32",
                                         "seed": "*i64", **sizes, "threshold": "i32", "qk_scale": "fp32",
                                         "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
         (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, "DO": half, "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8",
-                                             "DK": half, "DV": half, "cu": "*i32", **sizes, **scales, **strides,
-                                             "sdo_t": "i32", "sdo_h": "i32", "sd_t": "i32", **flags}),
+                                             "DK": grad, "DV": grad, "cu": "*i32", **sizes, **scales, **strides,
+                                             "sdo_t": "i32", "sdo_h": "i32", "sd_t": "i32", **float8_args,
+                                             **backward_flags}),
         (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": half, "OUT": half, "LSE": "*fp32", "DELTA": "*fp32",
-                                            "BITS": "*u8", "DQ": half, "cu": "*i32", **sizes, **scales, **strides,
+                                            "BITS": "*u8", "DQ": grad, "cu": "*i32", **sizes, **scales, **strides,
                                             "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", "sd_t": "i32",
-                                            **flags}),
+                                            **float8_args, **backward_flags}),
     ]
 
 
@@ -82,12 +87,15 @@ def inner_loop(sass: str) -> list[str]:
 
 
 def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, dim: int = HEAD_DIM) -> dict:
-    """One kernel compiled for sm_90 as its launcher would have it: its inner loop's counts, registers, stack."""
+    """One kernel compiled for sm_90 as its launcher would have it: its inner loop's counts, registers, stack (a
+    backward kernel FLOAT8 where its signature's gradient is e5m2)."""
     *blocks, warps = tile
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name].startswith("*") or name in DIVISIBLE}
-    sass, usage = sm90(kernel, signature, {"D": dim, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout},
-                       warps, attrs)
+    constexprs = {"D": dim, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout}
+    if "FLOAT8" in signature:
+        constexprs["FLOAT8"] = "fp8e5" in signature.get("DQ", signature.get("DK"))
+    sass, usage = sm90(kernel, signature, constexprs, warps, attrs)
     body = inner_loop(sass)
     per_thread = blocks[0] * blocks[1] / (32 * warps)  # score elements a thread holds each iteration
     mma = sum(op.startswith("HGMMA") for op in body)

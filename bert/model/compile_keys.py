@@ -41,7 +41,8 @@ SOURCES: dict[str, str] = {}  # "torch.ops.<namespace>.<op>" -> its module's has
 # model or optimizer, and without the update's op its fingerprint differed from the caches' (2026-11-27).
 OP_MODULES = ("bert.model.cuda_varlen", "bert.model.cudnn_varlen", "bert.model.fp8_transpose",
               "bert.optim.bias_correction", "bert.model.dropout_add_norm", "bert.model.triton_attention",
-              "bert.model.bias_gelu", "bert.model.fp8_bias_gelu", "bert.model.fp8_residual_norm")
+              "bert.model.bias_gelu", "bert.model.fp8_bias_gelu", "bert.model.fp8_residual_norm",
+              "bert.model.fp8_attention")
 
 
 def source_hash(file: str | Path) -> str:

@@ -69,6 +69,7 @@ import re
 import torch
 from torch import nn
 
+from bert.model.fp8_attention import apply_fp8_attention
 from bert.model.fp8_bias_gelu import apply_fp8_bias_gelu
 from bert.model.fp8_delayed import convert_to_delayed_fp8
 from bert.model.fp8_residual_norm import apply_fp8_residual_norm
@@ -164,6 +165,7 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
             raise ValueError("PRECISION=fp8: the model has no encoder linear layers to run in float8")
         apply_fp8_bias_gelu(model)  # BIAS_GELU=fused's FFNs whose first linear is now float8
         apply_fp8_residual_norm(model)  # RESIDUAL_NORM=fused's sublayers whose dense is now float8
+        apply_fp8_attention(model)  # each float8 QKV, for ATTENTION=triton's planner
         return swapped
     from torchao.float8 import convert_to_float8_training
 

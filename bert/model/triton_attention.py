@@ -21,6 +21,9 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
 - **packed**: the ops take q, k and v as one (T, 3, H, D) tensor, the QKV GEMM's output (bert.model.attend), and
   the backward's kernels write dq, dk and dv into one such gradient, where autograd's stack of three had copied
   them (7.2 GB of BERT-large's step on the fake H100, bench/gpu_compile.py).
+- **float8** (FLOAT8, under delayed float8: bert.model.fp8_attention): the backward's kernels store that gradient
+  in e5m2 for the float8 QKV's GEMMs, each tile with its amax and column sums, where inductor read the bf16 one back
+  to cast it.
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
@@ -45,6 +48,7 @@ from torch import Tensor
 from bert.batch import SeqLayout
 from bert.model.attend import Attend
 from bert.model.compile_keys import key_on_source
+from bert.model.fp8_delayed import E5M2
 from bert.model.philox import randint4x
 
 try:
@@ -286,9 +290,21 @@ if triton is not None:
         return prob, prob * (dprob - delta[:, None])
 
     @triton.jit
+    def _float8_store(at, value, live, ROUND: tl.constexpr, SCALE, AMAXES, PARTS, slot, D: tl.constexpr):
+        """A gradient tile of a float8 QKV (FLOAT8, bert.model.fp8_attention): rounded to ROUND (q's dtype, as the
+        unfused path holds it), scaled by SCALE, saturated and stored in e5m2 at block pointer `at`; of its rows
+        inside the sequence (`live`), the largest magnitude into AMAXES[slot] (infinity for a NaN: not kept) and the
+        column sums, unrounded, into PARTS[slot] (the QKV bias's gradient, summed over the slots after)."""
+        r = tl.where(live[:, None], value.to(ROUND).to(tl.float32), 0.0)
+        tl.store(at, tl.clamp(r * tl.load(SCALE), -57344.0, 57344.0).to(tl.float8e5), boundary_check=(0,))
+        tl.store(AMAXES + slot, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
+        tl.store(PARTS + slot * D + tl.arange(0, D), tl.sum(tl.where(live[:, None], value, 0.0), 0))
+
+    @triton.jit
     def _backward_kv(Q, K, V, DO, LSE, DELTA, BITS, DK, DV, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sd_t,
-                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sd_t, SCALE, AMAXES, PARTS,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                     FLOAT8: tl.constexpr):
         head = tl.program_id(2)
         start, length = _sequence(cu)
         n0 = tl.program_id(0) * BN
@@ -315,10 +331,16 @@ if triton is not None:
                 q_at = tl.advance(q_at, (BM, 0))
                 do_at = tl.advance(do_at, (BM, 0))
             # dk and dv: views of the packed (T, 3, H, D) gradient, rows sd_t apart
-            tl.store(_rows_of(DK, start, length, sd_t, head, D, n0, BN, D),
-                     (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
-            tl.store(_rows_of(DV, start, length, sd_t, head, D, n0, BN, D),
-                     (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
+            dk_at = _rows_of(DK, start, length, sd_t, head, D, n0, BN, D)
+            dv_at = _rows_of(DV, start, length, sd_t, head, D, n0, BN, D)
+            if FLOAT8:
+                live = n0 + tl.arange(0, BN) < length
+                slot = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head) * 2
+                _float8_store(dk_at, dk * sm_scale, live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
+                _float8_store(dv_at, dv * drop_scale, live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot + 1, D)
+            else:
+                tl.store(dk_at, (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
+                tl.store(dv_at, (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
     def _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, n0, length,
@@ -339,8 +361,9 @@ if triton is not None:
 
     @triton.jit
     def _backward_q(Q, K, V, DO, OUT, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t, SCALE, AMAXES, PARTS,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                    FLOAT8: tl.constexpr):
         """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
         after it): each (row, head) has one program here, and O is read once, in the one pass over dO."""
         head = tl.program_id(2)
@@ -370,8 +393,12 @@ if triton is not None:
             if full < length:
                 dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, full,
                               length, qk_scale, drop_scale, BM, BN, DROPOUT, True)
-            tl.store(_rows_of(DQ, start, length, sd_t, head, D, m0, BM, D),
-                     (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
+            dq_at = _rows_of(DQ, start, length, sd_t, head, D, m0, BM, D)
+            if FLOAT8:
+                slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head
+                _float8_store(dq_at, dq * sm_scale, row_in, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
+            else:
+                tl.store(dq_at, (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
 
 def check_tile(tile: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -416,26 +443,48 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
 
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                     cu: Tensor, max_seqlen: int, p: float, q_tile: tuple[int, int, int] = BACKWARD_TILE,
-                    kv_tile: tuple[int, int, int] = BACKWARD_TILE) -> Tensor:
+                    kv_tile: tuple[int, int, int] = BACKWARD_TILE, scale: Tensor | None = None
+                    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
     """The backward kernels: the gradient of the packed QKV, (T, 3, H, D) contiguous in q's dtype, each kernel
     writing its part in place (bert.model.attend: no copy stacks dq, dk and dv). `q_tile`, `kv_tile`: the dQ and
-    the dK/dV kernel's (BM, BN, warps)."""
+    the dK/dV kernel's (BM, BN, warps). With `scale` (0-dim fp32: a float8 QKV's, bert.model.fp8_attention) the
+    gradient is stored in e5m2, rounded to q's dtype and scaled first, and with it come its column sums (3, H, D)
+    fp32 (the QKV bias's gradient) and its amax."""
     tokens, heads, dim = q.shape
     delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
-    dqkv = torch.empty((tokens, 3, heads, dim), dtype=q.dtype, device=q.device)
+    float8 = scale is not None
+    dqkv = torch.empty((tokens, 3, heads, dim), dtype=E5M2 if float8 else q.dtype, device=q.device)
     dq, dk, dv = dqkv.unbind(1)
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
     bits = bits if p > 0 else dqkv
     strides = _strides(q, k, v, grad)
+    sequences = cu.shape[0] - 1
     bm, bn, warps = check_tile(q_tile)
-    _backward_q[(triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)](  # first: it writes delta
+    q_grid = (triton.cdiv(max_seqlen, bm), sequences, heads)
+    kv_grid = (triton.cdiv(max_seqlen, check_tile(kv_tile)[1]), sequences, heads)
+    # float8's slots, a program's (and part's) amax and column sums: a program past its sequence's end writes none,
+    # so they start at 0
+    q_slots, kv_slots = (math.prod(q_grid), 2 * math.prod(kv_grid)) if float8 else (0, 0)
+    zeros = dict(dtype=torch.float32, device=q.device)
+    q_parts, kv_parts, amaxes = (torch.zeros((q_slots, dim), **zeros), torch.zeros((kv_slots, dim), **zeros),
+                                 torch.zeros(q_slots + kv_slots, **zeros))
+    q_amaxes, kv_amaxes = amaxes[:q_slots], amaxes[q_slots:]
+    # unread without float8: delta stands in (an empty tensor's pointer may be null)
+    flags = (scale, q_amaxes, q_parts) if float8 else (delta,) * 3
+    _backward_q[q_grid](  # first: it writes delta
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        *_strides(out), dqkv.stride(0), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
+        *_strides(out), dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8,
+        num_warps=warps)
     bm, bn, warps = check_tile(kv_tile)
-    _backward_kv[(triton.cdiv(max_seqlen, bn), cu.shape[0] - 1, heads)](
+    flags = (scale, kv_amaxes, kv_parts) if float8 else (delta,) * 3
+    _backward_kv[kv_grid](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        dqkv.stride(0), D=dim, BM=bm, BN=bn, DROPOUT=p > 0, num_warps=warps)
-    return dqkv
+        dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
+    if not float8:
+        return dqkv
+    # slots: q's by (block, sequence, head); k's and v's by (block, sequence, head, part)
+    sums = torch.cat([q_parts.view(-1, 1, heads, dim).sum(0), kv_parts.view(-1, heads, 2, dim).sum(0).transpose(0, 1)])
+    return dqkv, sums, amaxes.amax()
 
 
 def _on_triton(q: Tensor) -> bool:
@@ -536,17 +585,27 @@ def check_triton(device: torch.device, head_dim: int | None = None) -> None:
                          f"{HEAD_DIMS}, not {head_dim}: use ATTENTION=varlen")
 
 
-def triton_varlen(seq: SeqLayout) -> Attend:
-    """The planner: attention of the batch's tokens within their sequences through `bert::triton_attention`, a fresh
-    seed a call from torch's generator on the tokens' device."""
-    cu, longest = seq.cu_seqlens, seq.max_seqlen
+class TritonAttend:
+    """The planner's `Attend`: attention of the batch's tokens within their sequences through
+    `bert::triton_attention`, a fresh seed a call from torch's generator on the tokens' device. A class, so that a
+    float8 QKV (bert.model.fp8_attention) can tell it apart and take its sequences."""
 
-    def attend(qkv: Tensor, dropout_p: float) -> Tensor:
+    def __init__(self, seq: SeqLayout):
+        self.cu_seqlens, self.max_seqlen = seq.cu_seqlens, seq.max_seqlen
+
+    @staticmethod
+    def seed(dropout_p: float, device: torch.device) -> Tensor | None:
+        return torch.randint(2**62, (), device=device) if dropout_p > 0 else None
+
+    def __call__(self, qkv: Tensor, dropout_p: float) -> Tensor:
         if qkv.is_cuda and not _on_triton(qkv):  # the torch path on a GPU: a sync a call, and slow
             raise ValueError(f"ATTENTION=triton on CUDA needs fp16/bf16 q, k, v with a head dimension in {HEAD_DIMS} "
                              f"(got {qkv.dtype}, {qkv.shape[-1]}) and Triton: use ATTENTION=varlen")
-        seed = torch.randint(2**62, (), device=qkv.device) if dropout_p > 0 else None
         # packed: its backward writes the QKV's gradient whole (bert.model.attend)
-        return torch.ops.bert.triton_attention(qkv, cu, longest, dropout_p, seed)[0]
+        return torch.ops.bert.triton_attention(qkv, self.cu_seqlens, self.max_seqlen, dropout_p,
+                                               self.seed(dropout_p, qkv.device))[0]
 
-    return attend
+
+def triton_varlen(seq: SeqLayout) -> Attend:
+    """The planner (`TritonAttend`)."""
+    return TritonAttend(seq)
