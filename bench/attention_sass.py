@@ -53,7 +53,7 @@ def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
     with `float8`, the backward's gradient in e5m2 (a float8 QKV's, bert.model.fp8_attention)."""
     half = f"*{dtype}"
     grad = "*fp8e5" if float8 else half
-    float8_args = {"SCALE": "*fp32", "AMAXES": "*fp32", "PARTS": "*fp32"}
+    float8_args = {"SCALE": "*fp32", "AMAXES": "*fp32", "PARTS": "*fp32", "GRAD_T": grad if float8 else "*fp32"}
     qkv = {"Q": half, "K": half, "V": half}
     strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
     scales = {"qk_scale": "fp32", "sm_scale": "fp32", "drop_scale": "fp32"}

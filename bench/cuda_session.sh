@@ -144,7 +144,7 @@ declare -A DRIVERS=(
   # and with BIAS_GELU=fused (bert.model.fp8_bias_gelu): the float8 FFN's GELU backward, its gradient's cast, amax and
   # bias sums one pass of ours instead of inductor's two (9.4 GB fewer a step on the fake H100; 2026-12-02, not yet
   # run), then with our attention as well, its QKV gradient stored in float8 by its kernels (bert.model.fp8_attention):
-  # 83.6 GB against fp8-delayed's 105.0, the float8 candidate
+  # 81.8 GB against fp8-delayed's 105.0, the float8 candidate
   [fp8-delayed-biasgelu]="--precision fp8 --static-tokens 512 --compile default --env FP8_RECIPE=delayed --env BIAS_GELU=fused --bench-repeats 0 --window-steps 60"
   [fp8-delayed-triton-biasgelu]="--precision fp8 --static-tokens 512 --compile default --attention triton --env FP8_RECIPE=delayed --env BIAS_GELU=fused --bench-repeats 0 --window-steps 60"
   # RESIDUAL_NORM=fused under delayed float8 (bert.model.fp8_residual_norm): the dense output gradient's e5m2 cast in

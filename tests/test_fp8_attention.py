@@ -114,9 +114,10 @@ def inputs(dtype=torch.float64, lengths=(6, 11), heads=2, dim=8, p=0.2, seed=2):
 def test_the_op_in_float64_is_the_attentions_gradient_scaled_and_rounded_to_e5m2():
     args = inputs()
     exact = torch.ops.bert.triton_attention_backward(*args)
-    q, sums, amax = OP(*args, torch.tensor(64.0))
+    q, q_t, sums, amax = OP(*args, torch.tensor(64.0))
     assert (q.dtype, q.shape, sums.dtype, sums.shape, amax.dtype) == (E5M2, exact.shape, torch.float64,
                                                                       exact.shape[1:], torch.float32)
+    assert q_t.is_contiguous() and torch.equal(q_t.view(torch.uint8), q.flatten(1).t().view(torch.uint8))
     torch.testing.assert_close(sums, exact.sum(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(amax.double(), exact.abs().max(), rtol=1e-6, atol=0)
     # e5m2 keeps 2 mantissa bits: within half its spacing (2^-3 relative) of the scaled gradient, or its subnormals'
@@ -186,7 +187,7 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
 
     def count(gm, example_inputs):
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-                    and "triton_attention" in str(n.target))
+                    and ("triton_attention" in str(n.target) or "fp8_transpose" in str(n.target)))
         return make_boxed_func(gm.forward)
 
     _, eager = attention_pair(torch.float32, 0.5)
@@ -197,7 +198,9 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
     compiled = torch.compile(compiled_module, backend=aot_autograd(fw_compiler=count, bw_compiler=count))
     want, got = step(eager, attend, x, grad), step(compiled, attend, x, grad)
     torch._dynamo.reset()
-    assert seen == ["bert.triton_attention.default", "bert.triton_attention_backward_fp8.default"], seen
+    # the forward transposes x_q and w_q; the backward's gradient comes transposed from the op, so none there
+    assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.triton_attention.default",
+                                                         "bert.triton_attention_backward_fp8.default"], seen
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)
 
@@ -224,10 +227,13 @@ for lengths, heads, dim, dtype, p, scale in [([5, 70, 130], 2, 16, torch.float32
     grad = torch.randn(q.shape, generator=g).to(dtype)
     s = torch.tensor(scale)
     case = (lengths, dim, str(dtype), p, scale)
-    got_q, got_sums, got_amax = ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)
-    want_q, want_sums, want_amax = fa.triton_attention_backward_fp8(grad, qkv, out, lse, bits, cu, longest, p, s)
+    got_q, got_qt, got_sums, got_amax = ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)
+    want_q, _, want_sums, want_amax = fa.triton_attention_backward_fp8(grad, qkv, out, lse, bits, cu, longest, p, s)
     if got_q.dtype != E5M2 or got_q.shape != qkv.shape:
         bad.append(case + ("q", str(got_q.dtype), tuple(got_q.shape)))
+    # the kernels' own transposed copy, byte for byte (every token is in a sequence: all of it written)
+    if not torch.equal(got_qt.view(torch.uint8), got_q.flatten(1).t().view(torch.uint8)):
+        bad.append(case + ("q_t is not q transposed",))
     # fp32 sums in another order on each side: a rounding of the dtype apart at most, in a few elements
     off = (got_q.float() != want_q.float()).float().mean().item()
     if off > 0.02:
@@ -238,7 +244,7 @@ for lengths, heads, dim, dtype, p, scale in [([5, 70, 130], 2, 16, torch.float32
     if not torch.allclose(got_amax, want_amax, rtol=tol, atol=0):
         bad.append(case + ("amax", got_amax.item(), want_amax.item()))
 grad[2, 0, 3] = float("nan")
-if torch.isfinite(ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)[2]):
+if torch.isfinite(ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)[3]):
     bad.append("a NaN gradient gave a finite amax")
 print("bad", bad)
 sys.exit(1 if bad else 0)
@@ -292,5 +298,6 @@ def test_cuda_the_kernels_match_the_torch_path(monkeypatch):
     refuse_torch_path_on_cuda(monkeypatch, fa, "backward_torch")
     got = [t.cpu() for t in OP(grad, qkv, out, lse, bits, cu, 512, 0.1, scale)]
     assert (got[0].float() != want[0].float()).float().mean() < 0.02
-    torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-1)
-    torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=0)
+    assert torch.equal(got[1].view(torch.uint8), got[0].flatten(1).t().view(torch.uint8))
+    torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-1)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-2, atol=0)

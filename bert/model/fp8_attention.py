@@ -8,8 +8,9 @@ e5m2, take its amax (the next step's scale) and sum its columns (the QKV bias's 
 the bf16 writes twice the float8 ones. Here the two backward kernels (bert.model.triton_attention's, FLOAT8) round
 each dq, dk and dv tile to q's dtype, scale it by the previous step's amax, saturate it and store it in e5m2, and
 write the tile's largest magnitude and column sums into a slot of their own; small sums and a max of the slots
-finish them. The forward is delayed float8's GEMM with the bias in its epilogue (`float8_matmul_forward`), then the
-attention's forward op unchanged.
+finish them. They store each tile transposed too, the weight gradient's operand (B tokens contiguous a row), so
+`bert::fp8_transpose` does not read the gradient back for it. The forward is delayed float8's GEMM with the bias in
+its epilogue (`float8_matmul_forward`), then the attention's forward op unchanged.
 
 The arithmetic is the unfused path's (a DelayedFloat8Linear QKV, then ATTENTION=triton), step for step: the
 gradient as q's dtype holds it, its amax of that (a non-finite one keeps the old), scaled and saturated. The bias
@@ -50,18 +51,19 @@ from bert.model.triton_attention import (
 @torch.library.custom_op("bert::triton_attention_backward_fp8", mutates_args=())
 def triton_attention_backward_fp8(grad: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                                   cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, scale: Tensor
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`bert::triton_attention_backward`'s gradient of the packed QKV in e5m2 ((T, 3, H, D), rounded to q's dtype,
-    times `scale`, 0-dim fp32, saturated), its column sums (3, H, D) in the compute dtype and its amax (fp32, of the
-    rounded values) (module doc)."""
+    times `scale`, 0-dim fp32, saturated), the same transposed ((3 H D, T) contiguous: the weight gradient's
+    operand), its column sums (3, H, D) in the compute dtype and its amax (fp32, of the rounded values) (module
+    doc)."""
     q, k, v = _views(qkv)
     _check(q, k, v, dropout_p, forward=False)
     if scale.shape != ():
         raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
     if not _on_triton(q):  # the torch path: the CPU, float64
         rounded = torch.stack(backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p), 1)
-        return (saturated_cast(rounded, scale, E5M2), rounded.sum(0, dtype=_compute_dtype(q.dtype)),
-                amax_of(rounded))
+        q8 = saturated_cast(rounded, scale, E5M2)
+        return q8, q8.flatten(1).t().contiguous(), rounded.sum(0, dtype=_compute_dtype(q.dtype)), amax_of(rounded)
     with torch.cuda.device(q.device):  # Triton launches on the current device
         return launch_backward(grad.contiguous(), q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p,
                                scale=scale.float())
@@ -69,8 +71,9 @@ def triton_attention_backward_fp8(grad: Tensor, qkv: Tensor, out: Tensor, lse: T
 
 @triton_attention_backward_fp8.register_fake
 def _(grad, qkv, out, lse, bits, cu_seqlens, max_seqlen, dropout_p, scale):
-    return (qkv.new_empty(qkv.shape, dtype=E5M2), qkv.new_empty(qkv.shape[1:], dtype=_compute_dtype(qkv.dtype)),
-            scale.new_empty((), dtype=torch.float32))
+    tokens = qkv.shape[0]
+    return (qkv.new_empty(qkv.shape, dtype=E5M2), qkv.new_empty((qkv[0].numel(), tokens), dtype=E5M2),
+            qkv.new_empty(qkv.shape[1:], dtype=_compute_dtype(qkv.dtype)), scale.new_empty((), dtype=torch.float32))
 
 
 # traced into compiled graphs by the op's name: an edit here (or of the attention's kernels, keyed there) must miss
@@ -96,10 +99,10 @@ class _Float8QKVAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         qkv, out, lse, bits, cu = ctx.saved_tensors[4:]
         scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
-        g_q, sums, amax = torch.ops.bert.triton_attention_backward_fp8(
+        g_q, g_qt, sums, amax = torch.ops.bert.triton_attention_backward_fp8(
             grad.reshape(out.shape), qkv, out, lse, bits, cu, ctx.max_seqlen, ctx.dropout_p, scale)
         keep_amax(ctx.amax_grad, amax)  # the next step's scale
-        dx, dw = float8_input_and_weight_grads(ctx, g_q.flatten(1), scale.reciprocal(), ctx.dtypes[0])
+        dx, dw = float8_input_and_weight_grads(ctx, g_q.flatten(1), scale.reciprocal(), ctx.dtypes[0], g_qt)
         db = sums.flatten().to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None, None, None, None, None
 

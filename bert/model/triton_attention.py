@@ -290,19 +290,30 @@ if triton is not None:
         return prob, prob * (dprob - delta[:, None])
 
     @triton.jit
-    def _float8_store(at, value, live, ROUND: tl.constexpr, SCALE, AMAXES, PARTS, slot, D: tl.constexpr):
+    def _columns_of(XT, start, length, tokens, part, head, first, B: tl.constexpr, D: tl.constexpr):
+        """A block pointer to the transposed (3 H D, T) gradient: head `head`'s D rows of q, k or v (`part`), the
+        sequence's tokens first..first+B-1 (contiguous: B bytes a row), none past its end."""
+        row = (part * tl.num_programs(2) + head).to(tl.int64) * D
+        return tl.make_block_ptr(XT + row * tokens + start, shape=(D, length), strides=(tokens, 1), offsets=(0, first),
+                                 block_shape=(D, B), order=(1, 0))
+
+    @triton.jit
+    def _float8_store(at, t_at, value, live, ROUND: tl.constexpr, SCALE, AMAXES, PARTS, slot, D: tl.constexpr):
         """A gradient tile of a float8 QKV (FLOAT8, bert.model.fp8_attention): rounded to ROUND (q's dtype, as the
-        unfused path holds it), scaled by SCALE, saturated and stored in e5m2 at block pointer `at`; of its rows
-        inside the sequence (`live`), the largest magnitude into AMAXES[slot] (infinity for a NaN: not kept) and the
-        column sums, unrounded, into PARTS[slot] (the QKV bias's gradient, summed over the slots after)."""
+        unfused path holds it), scaled by SCALE, saturated and stored in e5m2 at block pointer `at`, and transposed
+        at `t_at` (`_columns_of`: the weight gradient's operand); of its rows inside the sequence (`live`), the
+        largest magnitude into AMAXES[slot] (infinity for a NaN: not kept) and the column sums, unrounded, into
+        PARTS[slot] (the QKV bias's gradient, summed over the slots after)."""
         r = tl.where(live[:, None], value.to(ROUND).to(tl.float32), 0.0)
-        tl.store(at, tl.clamp(r * tl.load(SCALE), -57344.0, 57344.0).to(tl.float8e5), boundary_check=(0,))
+        e5m2 = tl.clamp(r * tl.load(SCALE), -57344.0, 57344.0).to(tl.float8e5)
+        tl.store(at, e5m2, boundary_check=(0,))
+        tl.store(t_at, tl.trans(e5m2), boundary_check=(1,))
         tl.store(AMAXES + slot, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
         tl.store(PARTS + slot * D + tl.arange(0, D), tl.sum(tl.where(live[:, None], value, 0.0), 0))
 
     @triton.jit
     def _backward_kv(Q, K, V, DO, LSE, DELTA, BITS, DK, DV, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sd_t, SCALE, AMAXES, PARTS,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, sd_t, SCALE, AMAXES, PARTS, GRAD_T,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                      FLOAT8: tl.constexpr):
         head = tl.program_id(2)
@@ -336,8 +347,10 @@ if triton is not None:
             if FLOAT8:
                 live = n0 + tl.arange(0, BN) < length
                 slot = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head) * 2
-                _float8_store(dk_at, dk * sm_scale, live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
-                _float8_store(dv_at, dv * drop_scale, live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot + 1, D)
+                _float8_store(dk_at, _columns_of(GRAD_T, start, length, tokens, 1, head, n0, BN, D), dk * sm_scale,
+                              live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
+                _float8_store(dv_at, _columns_of(GRAD_T, start, length, tokens, 2, head, n0, BN, D), dv * drop_scale,
+                              live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot + 1, D)
             else:
                 tl.store(dk_at, (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
                 tl.store(dv_at, (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
@@ -361,7 +374,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_q(Q, K, V, DO, OUT, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t, SCALE, AMAXES, PARTS,
+                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t, SCALE, AMAXES, PARTS, GRAD_T,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                     FLOAT8: tl.constexpr):
         """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
@@ -396,7 +409,8 @@ if triton is not None:
             dq_at = _rows_of(DQ, start, length, sd_t, head, D, m0, BM, D)
             if FLOAT8:
                 slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head
-                _float8_store(dq_at, dq * sm_scale, row_in, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
+                _float8_store(dq_at, _columns_of(GRAD_T, start, length, tokens, 0, head, m0, BM, D), dq * sm_scale,
+                              row_in, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
             else:
                 tl.store(dq_at, (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
@@ -444,12 +458,13 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                     cu: Tensor, max_seqlen: int, p: float, q_tile: tuple[int, int, int] = BACKWARD_TILE,
                     kv_tile: tuple[int, int, int] = BACKWARD_TILE, scale: Tensor | None = None
-                    ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
+                    ) -> Tensor | tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: the gradient of the packed QKV, (T, 3, H, D) contiguous in q's dtype, each kernel
     writing its part in place (bert.model.attend: no copy stacks dq, dk and dv). `q_tile`, `kv_tile`: the dQ and
     the dK/dV kernel's (BM, BN, warps). With `scale` (0-dim fp32: a float8 QKV's, bert.model.fp8_attention) the
-    gradient is stored in e5m2, rounded to q's dtype and scaled first, and with it come its column sums (3, H, D)
-    fp32 (the QKV bias's gradient) and its amax."""
+    gradient is stored in e5m2, rounded to q's dtype and scaled first, and with it come the same transposed
+    ((3 H D, T) contiguous: the weight gradient's operand), its column sums (3, H, D) fp32 (the QKV bias's gradient)
+    and its amax."""
     tokens, heads, dim = q.shape
     delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
     float8 = scale is not None
@@ -470,13 +485,14 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                                  torch.zeros(q_slots + kv_slots, **zeros))
     q_amaxes, kv_amaxes = amaxes[:q_slots], amaxes[q_slots:]
     # unread without float8: delta stands in (an empty tensor's pointer may be null)
-    flags = (scale, q_amaxes, q_parts) if float8 else (delta,) * 3
+    dqkv_t = torch.empty((3 * heads * dim if float8 else 0, tokens), dtype=E5M2, device=q.device)
+    flags = (scale, q_amaxes, q_parts, dqkv_t) if float8 else (delta,) * 4
     _backward_q[q_grid](  # first: it writes delta
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
         *_strides(out), dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8,
         num_warps=warps)
     bm, bn, warps = check_tile(kv_tile)
-    flags = (scale, kv_amaxes, kv_parts) if float8 else (delta,) * 3
+    flags = (scale, kv_amaxes, kv_parts, dqkv_t) if float8 else (delta,) * 4
     _backward_kv[kv_grid](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
         dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
@@ -484,7 +500,7 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         return dqkv
     # slots: q's by (block, sequence, head); k's and v's by (block, sequence, head, part)
     sums = torch.cat([q_parts.view(-1, 1, heads, dim).sum(0), kv_parts.view(-1, heads, 2, dim).sum(0).transpose(0, 1)])
-    return dqkv, sums, amaxes.amax()
+    return dqkv, dqkv_t, sums, amaxes.amax()
 
 
 def _on_triton(q: Tensor) -> bool:
