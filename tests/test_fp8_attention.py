@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_fp8_bias_gelu import NARROWING_PATCH
+from test_fp8_bias_gelu import NARROWING_PATCH, compiled_ops
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.batch import SeqLayout
@@ -180,24 +180,12 @@ def test_the_config_builds_it_under_delayed_float8():
 
 
 def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    seen = []
-
-    def count(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-                    and ("triton_attention" in str(n.target) or "fp8_transpose" in str(n.target)))
-        return make_boxed_func(gm.forward)
-
     _, eager = attention_pair(torch.float32, 0.5)
-    compiled_module = copy.deepcopy(eager)
+    compiled_module = copy.deepcopy(eager)  # before the eager step: the same amaxes
     attend = ta.triton_varlen(SeqLayout.from_lengths(LENGTHS))
     x, grad = data(torch.float32, seed=4)
-    torch._dynamo.reset()
-    compiled = torch.compile(compiled_module, backend=aot_autograd(fw_compiler=count, bw_compiler=count))
-    want, got = step(eager, attend, x, grad), step(compiled, attend, x, grad)
-    torch._dynamo.reset()
+    want = step(eager, attend, x, grad)
+    seen, got = compiled_ops(compiled_module, lambda m: step(m, attend, x, grad), "triton_attention", "fp8_transpose")
     # the forward transposes x_q and w_q; the backward's gradient comes transposed from the op, so none there
     assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.triton_attention.default",
                                                          "bert.triton_attention_backward_fp8.default"], seen

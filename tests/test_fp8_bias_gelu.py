@@ -161,25 +161,33 @@ def test_the_config_takes_it_with_the_delayed_recipe_only():
         fbg.Float8BiasGELU.from_module(model.bert.encoder.layer[0].intermediate)
 
 
-def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager():
+def compiled_ops(module, run, *needles: str) -> tuple[list[str], object]:
+    """(the ops whose names hold one of `needles` in the forward and backward graphs AOT autograd traces of
+    `module`, in order; `run`'s result on the compiled module)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     seen = []
 
     def count(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function"
-                    and ("gelu_backward_fp8" in str(n.target) or "fp8_transpose" in str(n.target)))
+        seen.extend(str(n.target) for n in gm.graph.nodes
+                    if n.op == "call_function" and any(needle in str(n.target) for needle in needles))
         return make_boxed_func(gm.forward)
 
+    torch._dynamo.reset()
+    try:
+        return seen, run(torch.compile(module, backend=aot_autograd(fw_compiler=count, bw_compiler=count)))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager():
     _, eager = ffn_pair(torch.float32, 3.0, 0.5)
-    compiled_module = copy.deepcopy(eager)
+    compiled_module = copy.deepcopy(eager)  # before the eager step: the same amaxes
     g = torch.Generator().manual_seed(4)
     x, grad = torch.randn(32, 64, generator=g), torch.randn(32, 128, generator=g)
-    torch._dynamo.reset()
-    compiled = torch.compile(compiled_module, backend=aot_autograd(fw_compiler=count, bw_compiler=count))
-    want, got = step(eager, x, grad), step(compiled, x, grad)
-    torch._dynamo.reset()
+    want = step(eager, x, grad)
+    seen, got = compiled_ops(compiled_module, lambda m: step(m, x, grad), "gelu_backward_fp8", "fp8_transpose")
     # the forward transposes x_q and w_q; the backward's g_q comes transposed from the op, so none there
     assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.gelu_backward_fp8.default"], seen
     for name, w in want.items():

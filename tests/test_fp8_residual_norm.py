@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_fp8_bias_gelu import NARROWING_PATCH, assert_unfused_but_bias_sums, tiny_model
+from test_fp8_bias_gelu import NARROWING_PATCH, assert_unfused_but_bias_sums, compiled_ops, tiny_model
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
@@ -172,22 +172,11 @@ def test_the_config_builds_it_with_the_delayed_recipe_only():
 
 
 def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    seen = []
-
-    def count(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if "dropout_add_layer_norm" in str(n.target))
-        return make_boxed_func(gm.forward)
-
     _, eager = sublayer_pair(torch.float32, 0.5)
-    compiled_module = copy.deepcopy(eager)
+    compiled_module = copy.deepcopy(eager)  # before the eager step: the same amaxes
     x, residual, grad = data(torch.float32, rows=32, seed=4)
-    torch._dynamo.reset()
-    compiled = torch.compile(compiled_module, backend=aot_autograd(fw_compiler=count, bw_compiler=count))
-    want, got = step(eager, x, residual, grad), step(compiled, x, residual, grad)
-    torch._dynamo.reset()
+    want = step(eager, x, residual, grad)
+    seen, got = compiled_ops(compiled_module, lambda m: step(m, x, residual, grad), "dropout_add_layer_norm")
     assert seen == ["bert.dropout_add_layer_norm.default", "bert.dropout_add_layer_norm_backward_fp8.default"]
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
 from bert.model.layers import BertResidualOutput
-from bert.model.philox import randint4x
+from bert.model.philox import dropout_seed, randint4x
 from bert.model.swap import swap_modules
 
 try:
@@ -347,11 +347,6 @@ def dropout_add_layer_norm(h: Tensor, residual: Tensor, norm: nn.LayerNorm, p: f
     y = torch.ops.bert.dropout_add_layer_norm(h.reshape(-1, n), residual.reshape(-1, n), norm.weight, norm.bias,
                                               dense_bias, dropout_seed(p, h.device), p, norm.eps)[0]
     return y.view(residual.shape)
-
-
-def dropout_seed(p: float, device: torch.device) -> Tensor | None:
-    """A call's mask seed (62 bits, from torch's generator on `device`), or None without dropout."""
-    return torch.randint(2**62, (), device=device) if p > 0 else None
 
 
 class FusedResidualOutput(BertResidualOutput):

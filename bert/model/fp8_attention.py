@@ -36,6 +36,7 @@ from bert.model.fp8_delayed import (
     saturated_cast,
 )
 from bert.model.layers import QKV_PARTS, BertSelfAttention
+from bert.model.philox import dropout_seed
 from bert.model.swap import swap_modules
 from bert.model.triton_attention import (
     TritonAttend,
@@ -125,7 +126,7 @@ class Float8SelfAttention(BertSelfAttention):
             return super().forward(x, attend)
         p = self.dropout_p if self.training else 0.0
         return self.qkv.through(_Float8QKVAttention, x, attend.cu_seqlens, attend.max_seqlen, self.heads, p,
-                                attend.seed(p, x.device))
+                                dropout_seed(p, x.device))
 
 
 def apply_fp8_attention(model: nn.Module) -> list[str]:

@@ -29,13 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
-from bert.model.dropout_add_norm import (
-    FusedResidualOutput,
-    _on_triton,
-    backward_torch,
-    dropout_seed,
-    launch_backward,
-)
+from bert.model.dropout_add_norm import FusedResidualOutput, _on_triton, backward_torch, launch_backward
 from bert.model.fp8_delayed import (
     E5M2,
     DelayedFloat8Linear,
@@ -46,6 +40,7 @@ from bert.model.fp8_delayed import (
     keep_amax,
     saturated_cast,
 )
+from bert.model.philox import dropout_seed
 from bert.model.swap import swap_modules
 
 

@@ -48,3 +48,9 @@ def randint4x(seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     zero = torch.zeros_like(offset)
     seed = seed.to(device=offset.device, dtype=torch.int64)
     return philox4x32((offset & MASK32, (offset >> 32) & MASK32, zero, zero), (seed & MASK32, (seed >> 32) & MASK32))
+
+
+def dropout_seed(p: float, device: torch.device) -> Tensor | None:
+    """A call's mask seed for our dropout kernels (62 bits, from torch's generator on `device`, so a rank's masks
+    follow its seed, as nn.Dropout's do, and a CUDA graph's replays draw fresh ones), or None without dropout."""
+    return torch.randint(2**62, (), device=device) if p > 0 else None

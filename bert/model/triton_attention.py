@@ -49,7 +49,7 @@ from bert.batch import SeqLayout
 from bert.model.attend import Attend
 from bert.model.compile_keys import key_on_source
 from bert.model.fp8_delayed import E5M2
-from bert.model.philox import randint4x
+from bert.model.philox import dropout_seed, randint4x
 
 try:
     import triton
@@ -475,8 +475,9 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     strides = _strides(q, k, v, grad)
     sequences = cu.shape[0] - 1
     bm, bn, warps = check_tile(q_tile)
+    kv_bm, kv_bn, kv_warps = check_tile(kv_tile)
     q_grid = (triton.cdiv(max_seqlen, bm), sequences, heads)
-    kv_grid = (triton.cdiv(max_seqlen, check_tile(kv_tile)[1]), sequences, heads)
+    kv_grid = (triton.cdiv(max_seqlen, kv_bn), sequences, heads)
     # float8's slots, a program's (and part's) amax and column sums: a program past its sequence's end writes none,
     # so they start at 0
     q_slots, kv_slots = (math.prod(q_grid), 2 * math.prod(kv_grid)) if float8 else (0, 0)
@@ -491,11 +492,10 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
         *_strides(out), dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8,
         num_warps=warps)
-    bm, bn, warps = check_tile(kv_tile)
     flags = (scale, kv_amaxes, kv_parts, dqkv_t) if float8 else (delta,) * 4
     _backward_kv[kv_grid](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
+        dqkv.stride(0), *flags, D=dim, BM=kv_bm, BN=kv_bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=kv_warps)
     if not float8:
         return dqkv
     # slots: q's by (block, sequence, head); k's and v's by (block, sequence, head, part)
@@ -609,17 +609,13 @@ class TritonAttend:
     def __init__(self, seq: SeqLayout):
         self.cu_seqlens, self.max_seqlen = seq.cu_seqlens, seq.max_seqlen
 
-    @staticmethod
-    def seed(dropout_p: float, device: torch.device) -> Tensor | None:
-        return torch.randint(2**62, (), device=device) if dropout_p > 0 else None
-
     def __call__(self, qkv: Tensor, dropout_p: float) -> Tensor:
         if qkv.is_cuda and not _on_triton(qkv):  # the torch path on a GPU: a sync a call, and slow
             raise ValueError(f"ATTENTION=triton on CUDA needs fp16/bf16 q, k, v with a head dimension in {HEAD_DIMS} "
                              f"(got {qkv.dtype}, {qkv.shape[-1]}) and Triton: use ATTENTION=varlen")
         # packed: its backward writes the QKV's gradient whole (bert.model.attend)
         return torch.ops.bert.triton_attention(qkv, self.cu_seqlens, self.max_seqlen, dropout_p,
-                                               self.seed(dropout_p, qkv.device))[0]
+                                               dropout_seed(dropout_p, qkv.device))[0]
 
 
 def triton_varlen(seq: SeqLayout) -> Attend:
