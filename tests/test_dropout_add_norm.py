@@ -335,13 +335,14 @@ for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32
             except Exception as e:
                 bad.append(("forward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
         for dropout in (True, False):
-            signature = dict(dy=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32", rstd_in="*fp32",
-                             gamma=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}", sums="*fp32", cast_scale="*fp32",
-                             amaxes="*fp32", rows="i32", n="i32", scale="fp32", W="constexpr", ROWS="constexpr",
-                             DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr")
+            signature = dict(dy=f"*{out}", dy2=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32",
+                             rstd_in="*fp32", gamma=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}", sums="*fp32",
+                             cast_scale="*fp32", amaxes="*fp32", rows="i32", n="i32", scale="fp32", W="constexpr",
+                             ROWS="constexpr", DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr",
+                             SECOND="constexpr")
             try:
                 compile(dan._backward_rows, signature, dict(W=w, ROWS=dan.ROWS, DROPOUT=dropout, FLOAT8=False,
-                                                            ROUND=dan.TRITON_DTYPES[torch.float32]), w)
+                                                            ROUND=dan.TRITON_DTYPES[torch.float32], SECOND=False), w)
             except Exception as e:
                 bad.append(("backward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
 print("bad", bad)

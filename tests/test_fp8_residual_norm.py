@@ -41,11 +41,15 @@ def sublayer_pair(dtype, amax_grad, p=0.1, seed=0):
     return ref, ours
 
 
-def step(module, x, residual, grad):
+def step(module, x, residual, grad, run=None):
+    """Forward and backward, `grad` y's gradient (or `run` does both, returning y); what each made."""
     x, residual = x.detach().clone().requires_grad_(), residual.detach().clone().requires_grad_()
     torch.manual_seed(7)  # the dropout seed: the same mask both sides
-    y = module(x, residual)
-    y.backward(grad)
+    if run is None:
+        y = module(x, residual)
+        y.backward(grad)
+    else:
+        y = run(x, residual)
     d, norm = module.dense, module.LayerNorm
     return {"y": y, "dx": x.grad, "dresidual": residual.grad, "dw": d.weight.grad, "db": d.bias.grad,
             "dgamma": norm.weight.grad, "dbeta": norm.bias.grad, "amax_grad": d.amax_grad.clone(),
@@ -65,6 +69,24 @@ def test_it_is_the_unfused_float8_linear_and_norm_but_for_the_bias_sums_rounding
     ref, ours = sublayer_pair(dtype, amax_grad)
     x, residual, grad = data(dtype, residual_dtype)
     assert_unfused_but_bias_sums(step(ours, x, residual, grad), step(ref, x, residual, grad), dtype, amax_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paired_its_two_gradients_are_the_unfused_paths_one_summed(dtype):
+    """Float8ResidualOutput.paired: y twice (one storage), each with its own gradient, added in the op (`Stream`):
+    everything the unfused path gives for their sum as autograd adds it, but for the bias sums' rounding."""
+    ref, ours = sublayer_pair(dtype, 0.5)
+    x, residual, grad = data(dtype)
+    part = torch.randn(grad.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+    def paired(x, residual):
+        pair = ours.paired(x, residual)
+        assert pair.x.data_ptr() == pair.residual.data_ptr()
+        torch.autograd.backward(pair, (grad - part, part))
+        return pair.x
+
+    got = step(ours, x, residual, None, run=paired)
+    assert_unfused_but_bias_sums(got, step(ref, x, residual, (grad - part) + part), dtype, 0.5)
 
 
 def test_in_eval_it_drops_nothing_and_is_the_unfused_eval():
@@ -121,8 +143,49 @@ def test_opcheck_and_the_refusal():
     _, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None,
                                                                    torch.tensor(11), 0.1, 1e-12)
     torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0)))
+    torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0), h))
     with pytest.raises(ValueError, match="0-dim"):
         OP(dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.ones(1))
+    for wrong in (h[1:], h.double()):
+        with pytest.raises(ValueError, match="second gradient"):
+            OP(dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0), wrong)
+
+
+def test_in_a_float8_layer_the_attention_outputs_two_gradients_reach_its_norm_apart():
+    """One float8 layer (COMPILE_SCOPE=layers' unit) traced by AOT autograd: the attention's norm takes the FFN's
+    and the residual's gradients in two parts, so no add comes before it; the FFN's norm, whose output leaves the
+    graph, one. The layer's gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = tiny_model()
+    apply_residual_norm(model, "fused")
+    convert_to_fp8(model, recipe="delayed")
+    layer = model.bert.encoder.layer[0]
+    attend = model.plan_attention(random_batch((9, 5, 18), seed=3, vocab_size=1104).seq)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
+    parts = []
+
+    def record(gm, example_inputs):
+        parts.extend("dy2" in n.kwargs or len(n.args) > 9 for n in gm.graph.nodes
+                     if n.op == "call_function" and "dropout_add_layer_norm_backward_fp8" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    def grads(module):
+        leaf = x.clone().requires_grad_()
+        module(leaf, attend).square().sum().backward()
+        return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
+
+    want = grads(copy.deepcopy(layer))  # the amaxes as they start, for both
+    layer.zero_grad()
+    torch._dynamo.reset()
+    try:
+        got = grads(torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    finally:
+        torch._dynamo.reset()
+    assert parts == [False, True], parts  # backward order: the FFN's norm first
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_the_float8_model_swaps_each_sublayer_close_and_trains_as_the_unfused_one():
@@ -221,6 +284,15 @@ for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.f
         bad.append(case + ("sums", (kernel[2] - want[2]).abs().max().item()))
     if not torch.allclose(amax, want[3], rtol=tol, atol=0):
         bad.append(case + ("amax", amax.item(), want[3].item()))
+    # y's gradient in two parts (SECOND): the kernel's sum is autograd's add, so every output is the one-part kernel's
+    part = torch.randn(rows, n, generator=g).to(y.dtype)
+    twice = frn._grads(dy, s, mean)
+    amax2 = dan.launch_backward(dy - part, s, bits, mean, rstd, gamma, p, twice, (sc, dtype), part)
+    once = frn._grads(dy, s, mean)
+    amax1 = dan.launch_backward((dy - part) + part, s, bits, mean, rstd, gamma, p, once, (sc, dtype))
+    if not all(torch.equal(a.view(torch.uint8) if a.dtype == E5M2 else a, b.view(torch.uint8) if b.dtype == E5M2
+                           else b) for a, b in zip((*twice, amax2), (*once, amax1))):
+        bad.append(case + ("two parts",))
 dy[2, 3] = float("nan")
 if torch.isfinite(dan.launch_backward(dy, s, bits, mean, rstd, gamma, p, frn._grads(dy, s, mean), (sc, dtype))):
     bad.append("a NaN gradient gave a finite amax")
@@ -244,11 +316,12 @@ bad = []
 for dtype, out in [("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp32", "fp32")]:
     round_to = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     for w in (32, 256):
-        signature = dict(dy=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32", rstd_in="*fp32", gamma=f"*{dtype}",
-                         dh="*fp8e5", ds=f"*{out}", sums="*fp32", cast_scale="*fp32", amaxes="*fp32", rows="i32",
-                         n="i32", scale="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr",
-                         FLOAT8="constexpr", ROUND="constexpr")
-        constants = dict(W=w, ROWS=dan.ROWS, DROPOUT=True, FLOAT8=True, ROUND=dan.TRITON_DTYPES[round_to])
+        signature = dict(dy=f"*{out}", dy2=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32", rstd_in="*fp32",
+                         gamma=f"*{dtype}", dh="*fp8e5", ds=f"*{out}", sums="*fp32", cast_scale="*fp32",
+                         amaxes="*fp32", rows="i32", n="i32", scale="fp32", W="constexpr", ROWS="constexpr",
+                         DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr", SECOND="constexpr")
+        constants = dict(W=w, ROWS=dan.ROWS, DROPOUT=True, FLOAT8=True, ROUND=dan.TRITON_DTYPES[round_to],
+                         SECOND=w == 256)  # the model's: y's two gradients added in the kernel
         try:
             triton.compile(ASTSource(dan._backward_rows, signature, constants), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=dan._warps(w)))

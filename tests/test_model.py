@@ -8,6 +8,7 @@ import torch
 from bert.batch import SeqLayout
 from bert.model import BertConfig, BertForPreTraining
 from bert.model.last_layer import kept_row_count
+from bert.model.layers import Stream
 from bert.model.padding import PadLayout, pad, unpad
 from bert.synthetic import random_batch
 
@@ -131,7 +132,9 @@ def test_no_padded_tensor_in_the_unpadded_trunk_and_the_head_sees_only_masked_ro
     last = f"bert.encoder.layer.{model.config.num_hidden_layers - 1}"
     modules = [(n, m) for n, m in model.named_modules() if n.startswith(("bert.embeddings.", "bert.encoder"))]
     modules += [("bert.pooler", model.bert.pooler), ("cls.predictions.transform", model.cls.predictions.transform)]
-    hooks = [m.register_forward_hook(lambda m, i, o, n=n: shapes.append((n, tuple(o.shape)))) for n, m in modules]
+    # a sublayer's Stream is its output twice (bert.model.layers): the first stands for both
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: shapes.append((n, tuple((o.x if isinstance(o, Stream) else o)
+                                                                                 .shape)))) for n, m in modules]
     model(batch)
     for h in hooks:
         h.remove()

@@ -128,12 +128,13 @@ if triton is not None:
         tl.store(rstd_out + t, rstd)
 
     @triton.jit
-    def _backward_rows(dy, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, rows, n, scale,
+    def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, rows, n, scale,
                        W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
-                       ROUND: tl.constexpr):
+                       ROUND: tl.constexpr, SECOND: tl.constexpr):
         """FLOAT8: dh is h's gradient rounded to ROUND, times cast_scale, saturated to e5m2, and amaxes[program]
         its rows' largest magnitude (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's float8 dense
-        takes it."""
+        takes it. SECOND: y's gradient is dy + dy2, rounded to dy's dtype as autograd's add rounds it
+        (bert.model.fp8_residual_norm's paired output)."""
         program = tl.program_id(0)
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
@@ -149,6 +150,9 @@ if triton is not None:
             live = inside & (t < rows)
             at = t * n + j
             g = tl.load(dy + at, mask=live, other=0.0).to(tl.float32)
+            if SECOND:
+                g = (g + tl.load(dy2 + at, mask=live, other=0.0).to(tl.float32)).to(dy.dtype.element_ty)
+                g = g.to(tl.float32)
             rstd = tl.load(rstd_in + t, mask=t < rows, other=0.0).to(tl.float32)
             xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32)
                     - tl.load(mean_in + t, mask=t < rows, other=0.0).to(tl.float32)) * rstd
@@ -205,10 +209,12 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
-                    out: tuple[Tensor, ...], float8: tuple[Tensor, torch.dtype] | None = None) -> Tensor | None:
+                    out: tuple[Tensor, ...], float8: tuple[Tensor, torch.dtype] | None = None,
+                    dy2: Tensor | None = None) -> Tensor | None:
     """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after.
     With `float8` (the e5m2 scale, 0-dim fp32, and the dtype h's gradient is rounded to) d h is e5m2 (`out[0]`'s
-    dtype) and its amax is returned (the kernel's FLOAT8)."""
+    dtype) and its amax is returned (the kernel's FLOAT8). With `dy2` (dy's shape and dtype), y's gradient is
+    dy + dy2 (SECOND)."""
     dh, ds, sums = out
     rows, n = s.shape
     w = words_per_row(n)
@@ -216,10 +222,12 @@ def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Ten
     partial = sums.new_empty((programs, 3, n))
     amaxes = sums.new_empty(programs if float8 else 0)
     cast_scale, round_to = float8 or (sums, torch.float32)  # unread without FLOAT8
-    _backward_rows[(programs,)](dy.contiguous(), s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial,
+    dy = dy.contiguous()
+    second = dy if dy2 is None else dy2.contiguous()  # unread without SECOND
+    _backward_rows[(programs,)](dy, second, s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial,
                                 cast_scale, amaxes if float8 else sums, rows, n, _scale(p, torch.float32), W=w,
                                 ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None, ROUND=TRITON_DTYPES[round_to],
-                                num_warps=_warps(w))
+                                SECOND=dy2 is not None, num_warps=_warps(w))
     torch.sum(partial, 0, out=sums)  # one launch
     return amaxes.amax() if float8 else None
 

@@ -191,6 +191,8 @@ class DelayedFloat8Linear(nn.Linear):
         if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
             with torch.no_grad():
                 record_amax(self.amax_input, flat)
+        if isinstance(y, tuple):  # a function of several outputs (bert.model.fp8_residual_norm's) shapes them itself
+            return y
         return y.reshape(*x.shape[:-1], -1)  # out_features wide, or what `function` makes of them
 
 

@@ -40,29 +40,33 @@ from bert.model.fp8_delayed import (
     keep_amax,
     saturated_cast,
 )
+from bert.model.layers import Stream
 from bert.model.philox import dropout_seed
 from bert.model.swap import swap_modules
 
 
 @torch.library.custom_op("bert::dropout_add_layer_norm_backward_fp8", mutates_args=())
 def dropout_add_layer_norm_backward_fp8(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor,
-                                        weight: Tensor, p: float, h_dtype: torch.dtype, scale: Tensor
-                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                        weight: Tensor, p: float, h_dtype: torch.dtype, scale: Tensor,
+                                        dy2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`bert::dropout_add_layer_norm_backward`'s gradients with d h in e5m2 (rounded to `h_dtype` first, times
     `scale`, 0-dim fp32, saturated), and its amax (fp32, of the rounded values): d h, d s, the column sums (3, N),
-    the amax (module doc)."""
+    the amax (module doc). `dy2`: y's gradient is dy + dy2, added in the kernel's pass (the paired output's)."""
     if scale.shape != ():
         raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
+    if dy2 is not None and (dy2.shape != dy.shape or dy2.dtype != dy.dtype):
+        raise ValueError(f"the second gradient {tuple(dy2.shape)} {dy2.dtype} must be the first's "
+                         f"{tuple(dy.shape)} {dy.dtype}")
     dh, ds, sums = _grads(dy, s, mean)
     if not _on_triton(s, mean) or h_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         rounded = torch.empty_like(s, dtype=h_dtype)
-        backward_torch(dy, s, bits, mean, rstd, weight, p, (rounded, ds, sums))
+        backward_torch(dy if dy2 is None else dy + dy2, s, bits, mean, rstd, weight, p, (rounded, ds, sums))
         dh.copy_(saturated_cast(rounded, scale, E5M2))
         return dh, ds, sums, amax_of(rounded)
     if not s.shape[0]:
         return dh, ds, sums.zero_(), scale.new_zeros((), dtype=torch.float32)
     with torch.cuda.device(s.device):  # Triton launches on the current device
-        amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype))
+        amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype), dy2)
     return dh, ds, sums, amax
 
 
@@ -72,7 +76,7 @@ def _grads(dy: Tensor, s: Tensor, mean: Tensor) -> tuple[Tensor, Tensor, Tensor]
 
 
 @dropout_add_layer_norm_backward_fp8.register_fake
-def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale):
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None):
     return (*_grads(dy, s, mean), scale.new_empty((), dtype=torch.float32))
 
 
@@ -82,29 +86,37 @@ key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
 
 class _Float8MatmulResidualNorm(torch.autograd.Function):
     """LayerNorm(dropout(x @ w^T + b) + residual), the GEMM in float8 with delayed scaling (bert.model.fp8_delayed),
-    its output gradient cast to e5m2 in the norm backward's pass (module doc)."""
+    its output gradient cast to e5m2 in the norm backward's pass (module doc). With `twice`, the output twice, an
+    alias (a Stream), whose two gradients the kernel adds."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_input: Tensor, amax_grad: Tensor,
-                residual: Tensor, gamma: Tensor, beta: Tensor, seed: Tensor | None, p: float, eps: float) -> Tensor:
+                residual: Tensor, gamma: Tensor, beta: Tensor, seed: Tensor | None, p: float, eps: float,
+                twice: bool) -> Tensor | tuple[Tensor, Tensor]:
         h, saved = float8_matmul_forward(ctx, x, w, bias, amax_input, amax_grad)
         y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p, eps)
         ctx.save_for_backward(*saved, s, bits, mean, rstd, gamma)
+        ctx.set_materialize_grads(False)  # an output unread: no zeros to add
         ctx.p = p
-        return y
+        return (y, y.view_as(y)) if twice else y
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, grad: Tensor | None, grad2: Tensor | None = None):
+        if grad is None:
+            grad, grad2 = grad2, None
+        if grad is None:  # no output read
+            return (None,) * 12
         s, bits, mean, rstd, gamma = ctx.saved_tensors[4:]
         h_dtype = ctx.dtypes[0]  # the GEMM's output: the input's dtype
         scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
         g_q, ds, sums, amax = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
-            grad.contiguous(), s, bits, mean, rstd, gamma, ctx.p, h_dtype, scale)
+            grad.contiguous(), s, bits, mean, rstd, gamma, ctx.p, h_dtype, scale,
+            None if grad2 is None else grad2.contiguous())
         keep_amax(ctx.amax_grad, amax)  # the next step's scale
         dx, dw = float8_input_and_weight_grads(ctx, g_q, scale.reciprocal(), h_dtype)
         db = sums[2].to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
         # autograd casts d s and the norm's sums to the residual's and the parameters' dtypes
-        return dx, dw, db, None, None, ds, sums[0], sums[1], None, None, None
+        return dx, dw, db, None, None, ds, sums[0], sums[1], None, None, None, None
 
 
 class Float8ResidualOutput(FusedResidualOutput):
@@ -119,12 +131,20 @@ class Float8ResidualOutput(FusedResidualOutput):
         return new
 
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
+        return self._through(h, residual, False).view(residual.shape)
+
+    def paired(self, h: Tensor, residual: Tensor) -> Stream:
+        """The output twice, each with its gradient, added in the backward's kernel (`Stream`): where the next
+        sublayer's first linear is a float8 one, whose input gradient `torch._scaled_mm` cannot add to the
+        residual's as cuBLAS's addmm does for a bf16 one (inductor's rewrite there)."""
+        return Stream(*(y.view(residual.shape) for y in self._through(h, residual, True)))
+
+    def _through(self, h: Tensor, residual: Tensor, twice: bool):
         p = self.dropout.p if self.training else 0.0
         norm = self.LayerNorm
         flat = residual.reshape(-1, residual.shape[-1]).contiguous()
-        y = self.dense.through(_Float8MatmulResidualNorm, h, flat, norm.weight, norm.bias,
-                               dropout_seed(p, h.device), p, norm.eps)
-        return y.view(residual.shape)
+        return self.dense.through(_Float8MatmulResidualNorm, h, flat, norm.weight, norm.bias,
+                                  dropout_seed(p, h.device), p, norm.eps, twice)
 
 
 def apply_fp8_residual_norm(model: nn.Module) -> list[str]:
