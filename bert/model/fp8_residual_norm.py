@@ -19,8 +19,11 @@ is cast there (not in this kernel: the norm would need its consumer's scale). On
 runs in torch's ops.
 
 On the fake H100 the step with it moves 103.1 GB (ATTENTION=triton; results/bench/gpu_compile_fp8_norm.json): about
-even with inductor's own LayerNorm, no longer behind it. Two passes stay inductor's: the residual gradient's add
-before our op (6.9 GB: autograd sums the next sublayer's two gradients first) and the output's float8 cast (3.6).
+even with inductor's own LayerNorm, no longer behind it. The residual gradient's add before our op (6.9 GB:
+autograd summed the next sublayer's two gradients first) is half ours now: the attention's norm returns its output
+as a Stream (`paired`, bert.model.layers), whose two gradients the kernel adds (`dy2`); the layer's output, which
+leaves a COMPILE_SCOPE=layers graph, is one tensor still (results/bench/gpu_compile_fp8_stream.json). The output's
+float8 cast (3.6 GB) stays inductor's.
 """
 
 from __future__ import annotations
