@@ -1,6 +1,6 @@
-"""BIAS_GELU=fused's two Triton kernels (bert.model.bias_gelu) and its float8 form's backward (bert.model.fp8_bias_gelu)
-compiled for an H100, counted in machine code: per element, registers and stack for each candidate tile, bf16 as
-under MASTER_WEIGHTS=1.
+"""BIAS_GELU=fused's two Triton kernels (bert.model.bias_gelu), its float8 form's backward (bert.model.fp8_bias_gelu)
+and the float8 FFN's forward GELU (bert.model.fp8_feed_forward) compiled for an H100, counted in machine code: per
+element, registers and stack for each candidate tile, bf16 as under MASTER_WEIGHTS=1.
 
 Each kernel is compiled for sm_90 with the ptxas Triton ships (no GPU) and read back with its cuobjdump
 (bench/sass_count.py). The forward has no loop: its instructions over the elements a thread holds (BT x BN over the
@@ -53,13 +53,18 @@ def count(tile: tuple[int, int, int, int]) -> list[dict]:
 
 
 def count_fp8(tile: tuple[int, int, int, int]) -> list[dict]:
-    """Its float8 form's backward kernel (bert.model.fp8_bias_gelu) at `tile`: one row."""
+    """Its float8 form's backward kernel (bert.model.fp8_bias_gelu) and the float8 FFN's forward GELU
+    (bert.model.fp8_feed_forward) at `tile`: a row each."""
     from bert.model import fp8_bias_gelu as fbg
+    from bert.model import fp8_feed_forward as fff
 
     bt, bn, rows, _ = tile
-    pointers = {"G": "*bf16", "H": "*bf16", "DQ": "*fp8e5", "DQT": "*fp8e5", "SCALE": "*fp32", "PARTS": "*fp32",
+    constexprs = {"BT": bt, "BN": bn, "ROWS": rows}
+    backward = {"G": "*bf16", "H": "*bf16", "DQ": "*fp8e5", "DQT": "*fp8e5", "SCALE": "*fp32", "PARTS": "*fp32",
                 "AMAXES": "*fp32"}
-    return _count(tile, [("fp8 _backward_kernel", fbg._backward_kernel, pointers, {"BT": bt, "BN": bn, "ROWS": rows})])
+    forward = {"H": "*bf16", "Q": "*fp8e4nv", "QT": "*fp8e4nv", "SCALE": "*fp32", "AMAXES": "*fp32"}
+    return _count(tile, [("fp8 _backward_kernel", fbg._backward_kernel, backward, constexprs),
+                         ("fp8 ffn _forward_kernel", fff._forward_kernel, forward, constexprs)])
 
 
 def _count(tile: tuple[int, int, int, int], kernels: list) -> list[dict]:
@@ -74,7 +79,7 @@ def _count(tile: tuple[int, int, int, int], kernels: list) -> list[dict]:
         # float8 runs at STATIC_TOKENS (a multiple of 512), so its token count is a multiple of 16, as Triton's JIT
         # specializes it: the transposed copy's stores are then 16-byte vectors
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-                 if name in pointers or name == "width" or (name == "tokens" and "DQT" in pointers)}
+                 if name in pointers or name == "width" or (name == "tokens" and ({"DQT", "QT"} & set(pointers)))}
         sass, usage = sass_count.sm90(kernel, signature, constexprs, warps, attrs)
         looped = "ROWS" in constexprs
         body = loop_body(sass, sass_count.INSTRUCTION) if looped else len(sass_count.INSTRUCTION.findall(sass))
@@ -95,11 +100,11 @@ def main() -> int:
     from bert.model import bias_gelu as bg
 
     rows = [row for tile in TILES for row in count(tile) + count_fp8(tile)]
-    print(f"{'kernel':20} {'tile (BT, BN, ROWS, warps)':28} {'per element':>11} {'registers':>9} {'stack':>5} "
+    print(f"{'kernel':24} {'tile (BT, BN, ROWS, warps)':28} {'per element':>11} {'registers':>9} {'stack':>5} "
           f"{'blocks/SM':>9}")
     for r in rows:
         mark = " (default)" if tuple(r["tile"]) == bg.TILE else ""
-        print(f"{r['kernel']:20} {str(tuple(r['tile'])):28} {r['per_element']:11.1f} {r['registers']:9d} "
+        print(f"{r['kernel']:24} {str(tuple(r['tile'])):28} {r['per_element']:11.1f} {r['registers']:9d} "
               f"{r['stack_bytes']:5d} {r['blocks_per_sm']:9d}{mark}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"torch": torch.__version__, "triton": triton.__version__,

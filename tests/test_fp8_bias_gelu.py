@@ -265,7 +265,7 @@ def test_the_kernel_compiles_for_an_h100_without_spills():
     sys.path.insert(0, str(ROOT / "bench"))
     import bias_gelu_sass
 
-    row, = bias_gelu_sass.count_fp8(fbg.TILE)
+    row = bias_gelu_sass.count_fp8(fbg.TILE)[0]  # the backward's
     assert row["stack_bytes"] == 0 and row["blocks_per_sm"] >= 2 and row["per_element"] < 45, row
 
 

@@ -72,6 +72,7 @@ from torch import nn
 from bert.model.fp8_attention import apply_fp8_attention
 from bert.model.fp8_bias_gelu import apply_fp8_bias_gelu
 from bert.model.fp8_delayed import convert_to_delayed_fp8
+from bert.model.fp8_feed_forward import apply_fp8_feed_forward
 from bert.model.fp8_residual_norm import apply_fp8_residual_norm
 from bert.release import major_minor
 
@@ -166,6 +167,7 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
         apply_fp8_bias_gelu(model)  # BIAS_GELU=fused's FFNs whose first linear is now float8
         apply_fp8_residual_norm(model)  # RESIDUAL_NORM=fused's sublayers whose dense is now float8
         apply_fp8_attention(model)  # each float8 QKV, for ATTENTION=triton's planner
+        apply_fp8_feed_forward(model)  # each FFN both of whose units are now float8 ones of ours
         return swapped
     from torchao.float8 import convert_to_float8_training
 

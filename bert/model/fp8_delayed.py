@@ -96,15 +96,30 @@ def float8_matmul_forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_i
     to save (`float8_input_and_weight_grads` takes them as the first four saved): the forward of `_Float8Matmul` and
     of those built on it (bert.model.fp8_bias_gelu)."""
     x_q, inv_x = scaled_cast(x, amax_input, E4M3)
+    ctx.amax_grad = amax_grad  # not saved: written in backward
+    ctx.dtypes = linear_dtypes(x, w, bias)
+    return float8_linear(x_q, inv_x, w, bias, ctx.needs_input_grad[:2], x.dtype)
+
+
+def linear_dtypes(x: Tensor, w: Tensor, bias: Tensor | None) -> tuple[torch.dtype, torch.dtype, torch.dtype | None]:
+    """(the input's, the weight's, the bias's dtype): what a float8 linear's gradients are cast back to."""
+    return x.dtype, w.dtype, None if bias is None else bias.dtype
+
+
+def float8_linear(x_q: Tensor, inv_x: Tensor, w: Tensor, bias: Tensor | None, needs: tuple[bool, bool],
+                  dtype: torch.dtype, x_qt: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
+    """x @ w^T + b in `dtype` from the input already in e4m3 (x_q, and 1 / its scale), and the backward's four
+    operands (`float8_grads`) for `needs` (whether dx, dw are wanted); `x_qt`, x_q transposed (contiguous), where
+    the kernel that made x_q wrote it too, else made here."""
     w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
     # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
     # neither in an eval or no-grad forward
-    needs_dx, needs_dw = ctx.needs_input_grad[:2]
-    saved = [fp8_transpose(x_q) if needs_dw else None, fp8_transpose(w_q) if needs_dx else None, inv_x, inv_w]
-    ctx.amax_grad = amax_grad  # not saved: written in backward
-    ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype)
+    needs_dx, needs_dw = needs
+    if needs_dw and x_qt is None:
+        x_qt = fp8_transpose(x_q)
+    saved = [x_qt if needs_dw else None, fp8_transpose(w_q) if needs_dx else None, inv_x, inv_w]
     return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w,
-                            bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype), saved
+                            bias=None if bias is None else bias.to(dtype), out_dtype=dtype), saved
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -132,11 +147,19 @@ class _Float8Matmul(torch.autograd.Function):
 def float8_input_and_weight_grads(ctx, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype, g_qt: Tensor | None = None
                                   ) -> tuple[Tensor | None, Tensor | None]:
     """(dx, dw) of a `_Float8Matmul`'s forward (saved in `ctx`) from its output gradient in float8, g_q, and 1 / its
-    scale; the GEMMs' outputs in `dtype`, then the input's and the weight's dtypes; None for one not needed. `g_qt`,
-    g_q transposed (contiguous), where the kernel that made g_q wrote it too; else it is made here."""
-    x_qt, w_qt, inv_x, inv_w = ctx.saved_tensors[:4]
+    scale (`float8_grads`)."""
+    return float8_grads(ctx.saved_tensors[:4], ctx.dtypes, g_q, inv_g, dtype, g_qt)
+
+
+def float8_grads(saved, dtypes, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype, g_qt: Tensor | None = None
+                 ) -> tuple[Tensor | None, Tensor | None]:
+    """(dx, dw) of a float8 linear from the four tensors its forward saved (`float8_linear`) and its dtypes
+    (`linear_dtypes`), given its output gradient in float8, g_q, and 1 / its scale; the GEMMs' outputs in `dtype`,
+    then the input's and the weight's dtypes; None for one not needed. `g_qt`, g_q transposed (contiguous), where
+    the kernel that made g_q wrote it too; else it is made here."""
+    x_qt, w_qt, inv_x, inv_w = saved
     # x_q and w_q column-major: their saved transposes, seen transposed (no copy)
-    x_dtype, w_dtype, _ = ctx.dtypes
+    x_dtype, w_dtype, _ = dtypes
     dx = dw = None
     # the transpose before dx's GEMM: inductor then writes g_q once, where after it the cast's kernel wrote a
     # second copy for the transpose (bench/gpu_compile.py on the fake H100)
@@ -183,17 +206,26 @@ class DelayedFloat8Linear(nn.Linear):
     def through(self, function: type[torch.autograd.Function], x: Tensor, *rest) -> Tensor:
         """`function` (`_Float8Matmul` or one built on it) of this layer's input, weight, bias and amaxes (and `rest`,
         that function's further inputs), with the input's amax recorded: the layer's forward."""
-        flat = x.reshape(-1, self.in_features).contiguous()  # _scaled_mm's first operand: row-major
-        # as nn.Linear under autocast: its dtype in and out (torch 2.11 raises for a device autocast lacks: meta)
-        if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
-            flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+        flat = self.flat_input(x)
         y = function.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad, *rest)
-        if self.training and torch.is_grad_enabled():  # a training step's amax: not the eval's, nor the no-grad's
+        if self.records():
             with torch.no_grad():
                 record_amax(self.amax_input, flat)
         if isinstance(y, tuple):  # a function of several outputs (bert.model.fp8_residual_norm's) shapes them itself
             return y
         return y.reshape(*x.shape[:-1], -1)  # out_features wide, or what `function` makes of them
+
+    def flat_input(self, x: Tensor) -> Tensor:
+        """`x` as the GEMM takes it: (rows, in_features) row-major (_scaled_mm's first operand), and as nn.Linear
+        under autocast in autocast's dtype (torch 2.11 raises for a device autocast lacks: meta)."""
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
+            flat = flat.to(torch.get_autocast_dtype(flat.device.type))
+        return flat
+
+    def records(self) -> bool:
+        """Whether this forward records its input's amax: a training step's, not the eval's nor the no-grad's."""
+        return self.training and torch.is_grad_enabled()
 
 
 class AmaxState:

@@ -82,6 +82,11 @@ class BertResidualOutput(nn.Module):
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dropout(self.dense(h)) + residual)
 
+    def after(self, opening: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+        """This close of `opening`(x), the sublayer's first unit: a close fused with its opening
+        (bert.model.fp8_feed_forward) runs both at once."""
+        return self(opening(x), residual)
+
     def paired(self, h: Tensor, residual: Tensor) -> Stream:
         """The output as a Stream: here one tensor twice, whose two gradients autograd adds."""
         y = self(h, residual)
@@ -121,7 +126,7 @@ class BertLayer(nn.Module):
 
     def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
         x, residual = self.attention(x, attend, rows)
-        return self.output(self.intermediate(x), residual)
+        return self.output.after(self.intermediate, x, residual)
 
 
 class BertEncoder(nn.Module):
