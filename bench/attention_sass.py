@@ -50,9 +50,11 @@ MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_ba
 
 def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
     """(kernel, (BM, BN, warps), its signature) for each of the three kernels, q, k, v in `dtype` (Triton's name);
-    with `float8`, the backward's gradient in e5m2 (a float8 QKV's, bert.model.fp8_attention)."""
+    with `float8`, the backward's gradient in e5m2 (a float8 QKV's, bert.model.fp8_attention) and the forward's
+    output in e4m3 too (bert.model.fp8_attention_block)."""
     half = f"*{dtype}"
     grad = "*fp8e5" if float8 else half
+    out8 = "*fp8e4nv" if float8 else half  # the forward's output in e4m3 too (bert.model.fp8_attention_block)
     float8_args = {"SCALE": "*fp32", "AMAXES": "*fp32", "PARTS": "*fp32", "GRAD_T": grad if float8 else "*fp32"}
     qkv = {"Q": half, "K": half, "V": half}
     strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}
@@ -63,7 +65,9 @@ def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
     return [
         (ta._forward, ta.FORWARD_TILE, {**qkv, "OUT": half, "LSE": "*fp32", "BITS": "*u8", "cu": "*i32",
                                         "seed": "*i64", **sizes, "threshold": "i32", "qk_scale": "fp32",
-                                        "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32", **flags}),
+                                        "drop_scale": "fp32", **strides, "so_t": "i32", "so_h": "i32",
+                                        "OQ": out8, "OQT": out8, "SCALE": "*fp32", "AMAXES": "*fp32",
+                                        **backward_flags}),
         (ta._backward_kv, ta.BACKWARD_TILE, {**qkv, "DO": half, "LSE": "*fp32", "DELTA": "*fp32", "BITS": "*u8",
                                              "DK": grad, "DV": grad, "cu": "*i32", **sizes, **scales, **strides,
                                              "sdo_t": "i32", "sdo_h": "i32", "sd_t": "i32", **float8_args,
@@ -88,13 +92,13 @@ def inner_loop(sass: str) -> list[str]:
 
 def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, dim: int = HEAD_DIM) -> dict:
     """One kernel compiled for sm_90 as its launcher would have it: its inner loop's counts, registers, stack (a
-    backward kernel FLOAT8 where its signature's gradient is e5m2)."""
+    kernel FLOAT8 where its signature's gradient, or output copy, is float8)."""
     *blocks, warps = tile
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name].startswith("*") or name in DIVISIBLE}
     constexprs = {"D": dim, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout}
     if "FLOAT8" in signature:
-        constexprs["FLOAT8"] = "fp8e5" in signature.get("DQ", signature.get("DK"))
+        constexprs["FLOAT8"] = "fp8" in (signature.get("DQ") or signature.get("DK") or signature["OQ"])
     sass, usage = sm90(kernel, signature, constexprs, warps, attrs)
     body = inner_loop(sass)
     per_thread = blocks[0] * blocks[1] / (32 * warps)  # score elements a thread holds each iteration

@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from bert.model.fp8_attention import apply_fp8_attention
+from bert.model.fp8_attention_block import apply_fp8_attention_block
 from bert.model.fp8_bias_gelu import apply_fp8_bias_gelu
 from bert.model.fp8_delayed import convert_to_delayed_fp8
 from bert.model.fp8_feed_forward import apply_fp8_feed_forward
@@ -168,6 +169,7 @@ def convert_to_fp8(model: nn.Module, emulate: bool = False, linears: str = "all"
         apply_fp8_residual_norm(model)  # RESIDUAL_NORM=fused's sublayers whose dense is now float8
         apply_fp8_attention(model)  # each float8 QKV, for ATTENTION=triton's planner
         apply_fp8_feed_forward(model)  # each FFN both of whose units are now float8 ones of ours
+        apply_fp8_attention_block(model)  # each attention sublayer the same
         return swapped
     from torchao.float8 import convert_to_float8_training
 

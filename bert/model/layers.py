@@ -87,6 +87,10 @@ class BertResidualOutput(nn.Module):
         (bert.model.fp8_feed_forward) runs both at once."""
         return self(opening(x), residual)
 
+    def paired_after(self, opening: nn.Module, x: Tensor, residual: Tensor, *args) -> Stream:
+        """`paired` of `opening`(x, *args), the sublayer's first unit (`after`'s, as a Stream)."""
+        return self.paired(opening(x, *args), residual)
+
     def paired(self, h: Tensor, residual: Tensor) -> Stream:
         """The output as a Stream: here one tensor twice, whose two gradients autograd adds."""
         y = self(h, residual)
@@ -101,10 +105,10 @@ class BertAttention(nn.Module):
 
     def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Stream:
         """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`)."""
+        if rows is None:
+            return self.output.paired_after(self.self, x, x, attend)
         h = self.self(x, attend)
-        if rows is not None:
-            h, x = h.index_select(0, rows), x.index_select(0, rows)
-        return self.output.paired(h, x)
+        return self.output.paired(h.index_select(0, rows), x.index_select(0, rows))
 
 
 class BertIntermediate(nn.Module):

@@ -48,7 +48,7 @@ from torch import Tensor
 from bert.batch import SeqLayout
 from bert.model.attend import Attend
 from bert.model.compile_keys import key_on_source
-from bert.model.fp8_delayed import E5M2
+from bert.model.fp8_delayed import E4M3, E5M2
 from bert.model.philox import dropout_seed, randint4x
 
 try:
@@ -244,8 +244,13 @@ if triton is not None:
 
     @triton.jit
     def _forward(Q, K, V, OUT, LSE, BITS, cu, seed, tokens, groups, threshold, qk_scale, drop_scale,
-                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
-                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, OQ, OQT, SCALE, AMAXES,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                 FLOAT8: tl.constexpr):
+        """FLOAT8: the output also rounded to its dtype, times SCALE, saturated and stored in e4m3 into OQ (OUT's
+        layout) and transposed into OQT ((H D, T), `_columns_of`), the next float8 linear's input and its weight
+        gradient's operand (bert.model.fp8_attention_block), the tile's largest magnitude into AMAXES[program]
+        (infinity for a NaN: not kept)."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
         m0 = tl.program_id(0) * BM
@@ -271,6 +276,14 @@ if triton is not None:
             tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out.to(OUT.dtype.element_ty),
                      boundary_check=(0,))
             tl.store(LSE + head * tokens + start + rows, m_i + tl.math.log2(l_i), mask=rows < length)
+            if FLOAT8:
+                r = tl.where((rows < length)[:, None], out.to(OUT.dtype.element_ty).to(tl.float32), 0.0)
+                e4m3 = tl.clamp(r * tl.load(SCALE), -448.0, 448.0).to(tl.float8e4nv)  # e4m3's largest: saturated
+                tl.store(_rows_of(OQ, start, length, so_t, head, so_h, m0, BM, D), e4m3, boundary_check=(0,))
+                tl.store(_columns_of(OQT, start, length, tokens, 0, head, m0, BM, D), tl.trans(e4m3),
+                         boundary_check=(1,))
+                slot = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * tl.num_programs(2) + head
+                tl.store(AMAXES + slot, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
 
     @triton.jit
     def _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
@@ -436,10 +449,12 @@ def _common(q: Tensor, max_seqlen: int, p: float) -> tuple[int, float, float, fl
 
 
 def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int, p: float, seed: Tensor | None,
-                   tile: tuple[int, int, int] = FORWARD_TILE) -> tuple[Tensor, Tensor, Tensor]:
+                   tile: tuple[int, int, int] = FORWARD_TILE, scale: Tensor | None = None
+                   ) -> tuple[Tensor, ...]:
     """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32, the mask's bits (H, T, G)
     uint8, none when p = 0); on q's device. `tile`: (BM, BN, warps), other than the default for
-    bench/attention_tiles.py."""
+    bench/attention_tiles.py. With `scale` (0-dim fp32, e4m3's: bert.model.fp8_attention_block) also out in e4m3,
+    the same transposed ((H D, T) contiguous) and its amax (the kernel's FLOAT8)."""
     tokens, heads, dim = q.shape
     groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
     out = q.new_empty((tokens, heads, dim))
@@ -448,11 +463,17 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
     bm, bn, warps = check_tile(tile)
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
+    float8 = scale is not None
+    o_q = torch.empty((tokens, heads, dim) if float8 else 0, dtype=E4M3, device=q.device)
+    o_qt = torch.empty((heads * dim, tokens) if float8 else 0, dtype=E4M3, device=q.device)
+    programs = grid[0] * grid[1] * grid[2]
+    amaxes = torch.zeros(max(1, programs) if float8 else 0, dtype=torch.float32, device=q.device)  # 0: none ran
     # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null)
     _forward[grid](q, k, v, out, lse, bits if p > 0 else out, cu, out if seed is None else seed, tokens, groups,
-                   threshold, qk_scale, drop_scale, *_strides(q, k, v, out), D=dim, BM=bm, BN=bn, DROPOUT=p > 0,
-                   num_warps=warps)
-    return out, lse, bits
+                   threshold, qk_scale, drop_scale, *_strides(q, k, v, out), *((o_q, o_qt, scale, amaxes) if float8
+                                                                             else (out,) * 4),
+                   D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
+    return (out, lse, bits, o_q, o_qt, amaxes.amax()) if float8 else (out, lse, bits)
 
 
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,

@@ -1,0 +1,191 @@
+"""The float8 attention sublayer as one autograd Function, under `PRECISION=fp8 FP8_RECIPE=delayed` with
+`ATTENTION=triton` and `RESIDUAL_NORM=fused`: the float8 QKV linear, our flash attention, the float8 output
+projection and its dropout + residual + LayerNorm. The attention's forward kernel writes its output in e4m3 too,
+the projection's input, and that copy transposed, the projection's weight-gradient operand
+(`bert::triton_attention_fp8`).
+
+Why: compiled for an H100 (bench/gpu_compile.py, the per-layer float8 step with all three of our passes, BERT-large
+at 24,576 tokens), the attention's output left our kernel in bf16 and the projection's unit read it back: inductor
+cast it to e4m3 with its amax (1.7 GB of the step) and `bert::fp8_transpose` read the copy back to write it
+transposed (1.2 GB). The two were two autograd Functions (bert.model.fp8_attention's Float8SelfAttention, then
+bert.model.fp8_residual_norm's Float8ResidualOutput), so neither could hand the other the copy. Here the forward
+kernel's epilogue rounds each output tile to its dtype, scales it by the projection's delayed scale (the previous
+step's amax of that input), saturates it and stores it in e4m3 twice, as it is and transposed (BM tokens contiguous
+a row), with the tile's amax, kept for the next step. The bf16 output is still written: the attention's backward
+reads it.
+
+The arithmetic is the two units' step for step, so on the CPU, where the same runs in torch's ops, every output,
+gradient and amax equals theirs bit for bit (the QKV bias's sums as the float8 attention's). The backward is
+theirs in turn, the norm's two gradients apart (the output is a Stream, bert.model.layers). `apply_fp8_attention_block`
+swaps each attention sublayer's close for `Float8AttentionOutput`, whose `paired_after` BertAttention calls with
+its opening unit; with another attention backend than ours (the planner is not `TritonAttend`), or on the last
+layer's kept rows (`LAST_LAYER_SUBSET`: the rows are cut between the two), it runs the two units as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from bert.model.compile_keys import key_on_source
+from bert.model.fp8_attention import Float8SelfAttention
+from bert.model.fp8_delayed import (
+    E4M3,
+    E5M2,
+    amax_of,
+    cast_scale,
+    float8_grads,
+    float8_linear,
+    keep_amax,
+    linear_dtypes,
+    record_amax,
+    saturated_cast,
+    scaled_cast,
+)
+from bert.model.fp8_residual_norm import Float8ResidualOutput
+from bert.model.layers import QKV_PARTS, BertAttention, Stream
+from bert.model.philox import dropout_seed
+from bert.model.triton_attention import (
+    TritonAttend,
+    _check,
+    _compute_dtype,
+    _on_triton,
+    _views,
+    attention_torch,
+    groups_per_row,
+    launch_forward,
+)
+
+
+@torch.library.custom_op("bert::triton_attention_fp8", mutates_args=())
+def triton_attention_fp8(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor | None,
+                         scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`bert::triton_attention`'s (out, log-sum-exp, bits), and out in e4m3 (rounded to its dtype, times `scale`,
+    0-dim fp32, saturated; (T, H, D)), the same transposed ((H D, T) contiguous) and its amax (fp32, of the rounded
+    values) (module doc)."""
+    q, k, v = _views(qkv)
+    _check(q, k, v, dropout_p, seed)
+    if scale.shape != ():
+        raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
+    if not _on_triton(q):  # the torch path: the CPU, float64
+        out, lse, bits = attention_torch(q, k, v, cu_seqlens.diff().tolist(), max_seqlen, dropout_p, seed)
+        o_q = saturated_cast(out, scale, E4M3)
+        return out, lse, bits, o_q, o_q.flatten(1).t().contiguous(), amax_of(out)
+    with torch.cuda.device(q.device):  # Triton launches on the current device
+        return launch_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed, scale=scale.float())
+
+
+@triton_attention_fp8.register_fake
+def _(qkv, cu_seqlens, max_seqlen, dropout_p, seed, scale):
+    tokens, _, heads, dim = qkv.shape
+    return (qkv.new_empty((tokens, heads, dim)), qkv.new_empty((heads, tokens), dtype=_compute_dtype(qkv.dtype)),
+            qkv.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8),
+            qkv.new_empty((tokens, heads, dim), dtype=E4M3), qkv.new_empty((heads * dim, tokens), dtype=E4M3),
+            scale.new_empty((), dtype=torch.float32))
+
+
+# traced into compiled graphs by the op's name: an edit here (or of the attention's kernels, keyed there) must miss
+# them
+key_on_source("bert::triton_attention_fp8", __file__)
+
+
+class _Float8AttentionBlock(torch.autograd.Function):
+    """LayerNorm(dropout(attention(x @ wqkv^T + bqkv) @ wo^T + bo) + residual) over the batch's sequences, both
+    GEMMs in float8 with delayed scaling (module doc); the output twice, an alias (a Stream), and the attention
+    output's amax, for the caller to keep."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, amax_x: Tensor, amax_g_qkv: Tensor,
+                w_o: Tensor, b_o: Tensor | None, amax_o: Tensor, amax_g_o: Tensor, residual: Tensor, gamma: Tensor,
+                beta: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int, p_attention: float,
+                seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        x_q, inv_x = scaled_cast(x, amax_x, E4M3)
+        flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype)
+        qkv = torch.unflatten(flat, -1, (len(QKV_PARTS), heads, -1))
+        scale_o = cast_scale(amax_o, E4M3)  # the previous step's amax of the attention's output
+        out, lse, bits, o_q, o_qt, amax = torch.ops.bert.triton_attention_fp8(
+            qkv, cu_seqlens, max_seqlen, p_attention, seed_attention, scale_o)
+        # the attention output's gradient wherever anything before it wants one
+        needs_o = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
+        h, saved_o = float8_linear(o_q.flatten(1), scale_o.reciprocal(), w_o, b_o, needs_o, x.dtype, o_qt)
+        y, s, norm_bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p,
+                                                                            eps)
+        ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o, s, norm_bits, mean, rstd, gamma)
+        ctx.mark_non_differentiable(amax)
+        ctx.set_materialize_grads(False)  # an output unread: no zeros to add
+        ctx.amax_grads, ctx.max_seqlen, ctx.p_attention, ctx.p = (amax_g_qkv, amax_g_o), max_seqlen, p_attention, p
+        ctx.dtypes = (linear_dtypes(x, w_qkv, b_qkv), linear_dtypes(x, w_o, b_o))
+        return y, y.view_as(y), amax
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, grad2: Tensor | None, _amax: None):
+        if grad is None:
+            grad, grad2 = grad2, None
+        if grad is None:  # no output read
+            return (None,) * 20
+        saved = ctx.saved_tensors
+        saved_qkv, (qkv, out, lse, bits, cu), saved_o = saved[:4], saved[4:9], saved[9:13]
+        s, norm_bits, mean, rstd, gamma = saved[13:]
+        (amax_g_qkv, amax_g_o), (dtypes_qkv, dtypes_o) = ctx.amax_grads, ctx.dtypes
+        dtype = dtypes_qkv[0]  # the GEMMs' outputs: the input's dtype
+        # the norm and the projection: Float8ResidualOutput's backward, both of the output's gradients
+        scale_o = cast_scale(amax_g_o, E5M2)
+        g_o, ds, sums, amax_o = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
+            grad.contiguous(), s, norm_bits, mean, rstd, gamma, ctx.p, dtype, scale_o,
+            None if grad2 is None else grad2.contiguous())
+        keep_amax(amax_g_o, amax_o)
+        d_out, dw_o = float8_grads(saved_o, dtypes_o, g_o, scale_o.reciprocal(), dtype)
+        db_o = sums[2].to(dtypes_o[2]) if ctx.needs_input_grad[6] else None
+        dx = dw_qkv = db_qkv = None
+        if d_out is not None:  # the attention and the QKV: Float8SelfAttention's backward
+            scale_qkv = cast_scale(amax_g_qkv, E5M2)
+            g_q, g_qt, sums_qkv, amax_qkv = torch.ops.bert.triton_attention_backward_fp8(
+                d_out.reshape(out.shape), qkv, out, lse, bits, cu, ctx.max_seqlen, ctx.p_attention, scale_qkv)
+            keep_amax(amax_g_qkv, amax_qkv)
+            dx, dw_qkv = float8_grads(saved_qkv, dtypes_qkv, g_q.flatten(1), scale_qkv.reciprocal(), dtype, g_qt)
+            db_qkv = sums_qkv.flatten().to(dtypes_qkv[2]) if ctx.needs_input_grad[2] else None
+        return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, sums[0], sums[1],
+                None, None, None, None, None, None, None, None)
+
+
+class Float8AttentionOutput(Float8ResidualOutput):
+    """An attention sublayer's close (a Float8ResidualOutput, the same submodules) that runs the whole sublayer with
+    its opening Float8SelfAttention as `_Float8AttentionBlock`, under our attention's planner (`paired_after`)."""
+
+    @classmethod
+    def from_module(cls, module: Float8ResidualOutput) -> Float8AttentionOutput:
+        if type(module) is not Float8ResidualOutput:
+            raise ValueError(f"Float8AttentionOutput takes a Float8ResidualOutput, not {type(module).__name__}")
+        return super().from_module(module)
+
+    def paired_after(self, opening: Float8SelfAttention, x: Tensor, residual: Tensor, attend) -> Stream:
+        if not isinstance(attend, TritonAttend):  # another backend's attention: the two units
+            return super().paired_after(opening, x, residual, attend)
+        qkv, proj, norm = opening.qkv, self.dense, self.LayerNorm
+        p_attention = opening.dropout_p if opening.training else 0.0
+        p = self.dropout.p if self.training else 0.0
+        flat = qkv.flat_input(x)
+        seed_attention = dropout_seed(p_attention, x.device)  # drawn in the two units' order
+        y, alias, amax = _Float8AttentionBlock.apply(
+            flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
+            proj.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
+            attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
+            dropout_seed(p, x.device), norm.eps)
+        if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
+            with torch.no_grad():
+                record_amax(qkv.amax_input, flat)
+                keep_amax(proj.amax_input, amax)
+        return Stream(y.view(residual.shape), alias.view(residual.shape))
+
+
+def apply_fp8_attention_block(model: nn.Module) -> list[str]:
+    """Swap the close of every BertAttention of `model` whose opening is a Float8SelfAttention and whose close a
+    Float8ResidualOutput for a Float8AttentionOutput, in place (after the other float8 swaps); the names swapped."""
+    swapped = []
+    for name, block in model.named_modules():
+        if isinstance(block, BertAttention) and type(block.self) is Float8SelfAttention \
+                and type(block.output) is Float8ResidualOutput:
+            block.output = Float8AttentionOutput.from_module(block.output)
+            swapped.append(f"{name}.output")
+    return swapped

@@ -1,0 +1,250 @@
+"""bert.model.fp8_attention_block (the float8 attention sublayer as one autograd Function, the attention's forward
+kernel writing the projection's e4m3 input and its transpose). References: the two units it replaces
+(Float8SelfAttention then Float8ResidualOutput, autograd between them), which it must equal bit for bit; torch's
+float8 cast for the op; torch's `opcheck`. The kernel's float8 epilogue is checked against the torch path in
+Triton's interpreter and compiled for sm_90."""
+
+import copy
+
+import pytest
+import torch
+from test_fp8_bias_gelu import NARROWING_PATCH, compiled_ops
+from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
+
+from bert.config import from_flat
+from bert.model import BertConfig, BertForPreTraining
+from bert.model import fp8_attention_block as fab
+from bert.model import fp8_residual_norm as frn
+from bert.model.dropout_add_norm import apply_residual_norm
+from bert.model.fp8 import convert_to_fp8
+from bert.model.fp8_delayed import E4M3
+from bert.synthetic import random_batch
+
+OP = torch.ops.bert.triton_attention_fp8
+
+
+def model_pair(dropout=0.1, seed=0, attention="triton"):
+    """(a float8 model with ATTENTION=triton and RESIDUAL_NORM=fused, its attention sublayers one Function each;
+    the same with the two units apart), equal parameters."""
+    def build(block: bool) -> BertForPreTraining:
+        torch.manual_seed(seed)
+        cfg = BertConfig(vocab_size=1104, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64).with_dropout(dropout)
+        model = BertForPreTraining(cfg, attention=attention)
+        apply_residual_norm(model, "fused")
+        with pytest.MonkeyPatch.context() as patch:
+            if not block:
+                patch.setattr("bert.model.fp8.apply_fp8_attention_block", lambda model: [])
+            convert_to_fp8(model, recipe="delayed")
+        return model
+
+    return build(True), build(False)
+
+
+def train_step(model, batch, amax: float, last_layer_subset: bool = False):
+    """A training step's loss, every gradient and every amax (set to `amax` first)."""
+    for name, buffer in model.named_buffers():
+        if "amax" in name:
+            buffer.fill_(amax)
+    model.last_layer_subset = last_layer_subset
+    torch.manual_seed(11)  # the dropout seeds: the same draws both sides
+    loss = model(batch).loss
+    loss.backward()
+    return (loss.detach(), {n: p.grad for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers() if "amax" in n})
+
+
+@pytest.mark.parametrize("amax,last_layer_subset", [(2.0, False), (1e-3, False), (2.0, True)])
+def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_layer_subset):
+    """With dropout on, and a scale that saturates: the loss, every gradient and every amax equal the two units'
+    (the attention output's amax, which the op now takes, among them); with the last layer's kept rows its
+    sublayer runs as the two units."""
+    model, reference = model_pair()
+    assert [type(layer.attention.output) for layer in model.bert.encoder.layer] == [fab.Float8AttentionOutput] * 2
+    assert [type(layer.attention.output) for layer in reference.bert.encoder.layer] == [frn.Float8ResidualOutput] * 2
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)  # 32 tokens: float8's weight GEMMs take 16s
+    (loss, grads, amaxes), (want_loss, want_grads, want_amaxes) = (train_step(m, batch, amax, last_layer_subset)
+                                                                   for m in (model, reference))
+    assert torch.equal(loss, want_loss)
+    for name, grad in want_grads.items():
+        assert torch.equal(grads[name], grad), name
+    for name, value in want_amaxes.items():
+        assert torch.equal(amaxes[name], value), name
+    assert float(amaxes["bert.encoder.layer.0.attention.output.dense.amax_input"]) != amax  # recorded
+
+
+def test_with_another_attention_backend_it_is_the_two_units():
+    model, reference = model_pair(attention="padded")
+    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
+    (loss, grads, _), (want_loss, want_grads, _) = (train_step(m, batch, 2.0) for m in (model, reference))
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], g) for n, g in want_grads.items())
+
+
+def test_with_the_projection_frozen_the_gradient_still_reaches_the_qkv():
+    model, reference = model_pair()
+    for m in (model, reference):
+        for layer in m.bert.encoder.layer:
+            layer.attention.output.dense.requires_grad_(False)
+    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
+    (_, grads, _), (_, want, _) = (train_step(m, batch, 2.0) for m in (model, reference))
+    assert grads["bert.encoder.layer.0.attention.output.dense.weight"] is None
+    for name, grad in want.items():
+        assert (grads[name] is None and grad is None) or torch.equal(grads[name], grad), name
+
+
+def test_in_eval_it_records_nothing_and_is_the_units_eval():
+    model, reference = model_pair(dropout=0.5)
+    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
+    for m in (model, reference):
+        m.eval()
+    with torch.no_grad():
+        before = {n: b.clone() for n, b in model.named_buffers() if "amax" in n}
+        assert torch.equal(model(batch).loss, reference(batch).loss)
+        assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if "amax" in n)
+
+
+def test_the_op_is_the_attention_with_its_output_cast_to_e4m3():
+    g = torch.Generator().manual_seed(2)
+    lengths, heads, dim = (6, 11), 2, 8
+    qkv = torch.randn(sum(lengths), 3, heads, dim, generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, 6, 17], dtype=torch.int32)
+    seed, scale = torch.tensor(5), torch.tensor(300.0)
+    out, lse, bits, o_q, o_qt, amax = OP(qkv, cu, 11, 0.2, seed, scale)
+    want = torch.ops.bert.triton_attention(qkv, cu, 11, 0.2, seed)
+    assert all(torch.equal(a, b) for a, b in zip((out, lse, bits), want))
+    assert o_q.dtype == o_qt.dtype == E4M3 and o_q.shape == out.shape
+    assert torch.equal(o_q.view(torch.uint8), (out.float() * 300).clamp(-448, 448).to(E4M3).view(torch.uint8))
+    assert torch.equal(o_qt.view(torch.uint8), o_q.flatten(1).t().contiguous().view(torch.uint8))
+    assert float(amax) == float(out.float().abs().max())
+    torch.library.opcheck(OP, (qkv, cu, 11, 0.2, seed, scale))
+    with pytest.raises(ValueError, match="0-dim"):
+        OP(qkv, cu, 11, 0.2, seed, torch.ones(1))
+
+
+def test_the_config_builds_it_with_both_and_the_delayed_recipe():
+    from bert.train.build import build_model
+
+    layers = BertConfig.load("tiny").num_hidden_layers
+    # another backend swaps too (Float8SelfAttention's own swap does) and runs the two units at each call
+    for attention, residual_norm, expected in [("triton", "fused", layers), ("triton", "torch", 0),
+                                               ("padded", "fused", layers)]:
+        cfg = from_flat(attention=attention, residual_norm=residual_norm, precision="fp8", fp8_recipe="delayed",
+                        static_tokens=512, bert_config_path="tiny").model
+        model = build_model(cfg, torch.device("cpu"))
+        assert sum(type(m) is fab.Float8AttentionOutput for m in model.modules()) == expected
+    with pytest.raises(ValueError, match="Float8ResidualOutput"):
+        fab.Float8AttentionOutput.from_module(model.bert.encoder.layer[0].attention.self)
+
+
+def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_eager():
+    """AOT autograd's graphs of one layer: the attention's op writes the projection's transposed input, so the
+    forward transposes only the QKV's input and the four weights and the FFN's two inputs; the norm's two gradients
+    reach it apart. Compiled by inductor, the step equals eager."""
+    model, _ = model_pair(dropout=0.0)
+    layer = model.bert.encoder.layer[0]
+    attend = model.plan_attention(random_batch((9, 5, 18), seed=3, vocab_size=1104).seq)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
+
+    def step(module):
+        leaf = x.clone().requires_grad_()
+        module(leaf, attend).square().sum().backward()
+        return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
+
+    want = step(copy.deepcopy(layer))  # the amaxes as they start, for both
+    seen, got = compiled_ops(layer, step, "fp8_transpose", "triton_attention")
+    attention = [name for name in seen if "attention" in name]
+    assert attention == ["bert.triton_attention_fp8.default", "bert.triton_attention_backward_fp8.default"], seen
+    # forward: the QKV's input and weight, the projection's weight, the FFN's two inputs and two weights; backward:
+    # the projection's and the FFN's two e5m2 gradients (the QKV's comes transposed from its op)
+    assert seen.count("bert.fp8_transpose.default") == (3 + 4) + 3, seen
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+INTERPRETER = LOOP_BOUND_PATCH + """
+import sys, torch
+""" + NARROWING_PATCH + """
+from bert.model import triton_attention as ta
+from bert.model.fp8_delayed import E4M3
+
+bad = []
+# (lengths, dtype, p, scale): a sequence cut inside a tile, several tiles, dropout, a scale that saturates
+for lengths, dtype, p, scale in [((5, 40, 17), torch.bfloat16, 0.1, 30.0), ((33, 70), torch.float16, 0.0, 3e3),
+                                 ((9,), torch.float32, 0.2, 1.0)]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    heads, dim = 2, 16
+    qkv = torch.randn(sum(lengths), 3, heads, dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = qkv.unbind(1)
+    seed, s = torch.tensor(7), torch.tensor(scale)
+    case = (lengths, str(dtype), p, scale)
+    out, lse, bits, o_q, o_qt, amax = ta.launch_forward(q, k, v, cu, max(lengths), p, seed, (16, 16, 4), scale=s)
+    plain = ta.launch_forward(q, k, v, cu, max(lengths), p, seed, (16, 16, 4))
+    if not all(torch.equal(a, b) for a, b in zip((out, lse), plain)):  # (the bits' unused bytes are unwritten)
+        bad.append(case + ("the float8 epilogue changed the output",))
+    want = (out.float() * scale).clamp(-448, 448).to(E4M3)
+    if not torch.equal(o_q.view(torch.uint8), want.view(torch.uint8)):
+        bad.append(case + ("o_q", (o_q.float() != want.float()).float().mean().item()))
+    if not torch.equal(o_qt.view(torch.uint8), o_q.flatten(1).t().contiguous().view(torch.uint8)):
+        bad.append(case + ("o_qt is not o_q transposed",))
+    if float(amax) != float(out.float().abs().max()):
+        bad.append(case + ("amax", amax.item(), out.float().abs().max().item()))
+qkv[3, 0, 1, 2] = float("nan")
+q, k, v = qkv.unbind(1)
+if torch.isfinite(ta.launch_forward(q, k, v, cu, max(lengths), p, seed, (16, 16, 4), scale=s)[5]):
+    bad.append("a NaN gave a finite amax")
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@needs_triton
+def test_the_kernels_float8_epilogue_matches_the_torch_cast_in_the_interpreter():
+    """The output's e4m3 copy is the output's own (rounded to its dtype) cast as scaled_cast casts, byte for byte;
+    its transpose byte for byte; the amax the output's; the output and log-sum-exp unchanged by it."""
+    run_check(INTERPRETER, timeout=900, interpret=True)
+
+
+SM90 = """
+import sys
+sys.path.insert(0, "bench")
+import attention_sass
+from bert.model import triton_attention as ta
+
+bad = []
+for dtype in ("bf16", "fp16"):
+    kernel, tile, signature = attention_sass.signatures(ta, dtype, float8=True)[0]
+    for dropout in (True, False):
+        try:
+            row = attention_sass.count(kernel, tile, signature, dropout, 64)
+        except Exception as e:
+            bad.append((dtype, dropout, repr(e)[:300]))
+            continue
+        if row["stack_bytes"] or not row["hgmma"]:  # BERT's heads: nothing spilled, Hopper's MMA in the loop
+            bad.append((dtype, dropout, row))
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@needs_triton
+def test_the_float8_forward_kernel_compiles_for_an_h100_without_spills():
+    run_check(SM90, timeout=600)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_kernel_matches_the_torch_path(monkeypatch):
+    """BERT-large's heads in bf16 on the H100 profile's batch shape, the kernel's copy against the torch cast of
+    its own output."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lengths = [128, 512, 77, 300] * 8
+    qkv = torch.randn(sum(lengths), 3, 16, 64, device="cuda", generator=g).to(torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    scale = torch.tensor(100.0, device="cuda")
+    refuse_torch_path_on_cuda(monkeypatch, fab, "attention_torch")
+    out, _, _, o_q, o_qt, amax = OP(qkv, cu, 512, 0.1, torch.tensor(3, device="cuda"), scale)
+    want = (out.float() * 100).clamp(-448, 448).to(E4M3)
+    assert torch.equal(o_q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(o_qt.view(torch.uint8), o_q.flatten(1).t().contiguous().view(torch.uint8))
+    assert float(amax) == float(out.float().abs().max())
