@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from test_fp8_bias_gelu import NARROWING_PATCH, compiled_ops
+from test_fp8_feed_forward import assert_eval_is_the_units, assert_frozen_close_is_the_units, train_step
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
@@ -41,19 +42,6 @@ def model_pair(dropout=0.1, seed=0, attention="triton"):
     return build(True), build(False)
 
 
-def train_step(model, batch, amax: float, last_layer_subset: bool = False):
-    """A training step's loss, every gradient and every amax (set to `amax` first)."""
-    for name, buffer in model.named_buffers():
-        if "amax" in name:
-            buffer.fill_(amax)
-    model.last_layer_subset = last_layer_subset
-    torch.manual_seed(11)  # the dropout seeds: the same draws both sides
-    loss = model(batch).loss
-    loss.backward()
-    return (loss.detach(), {n: p.grad for n, p in model.named_parameters()},
-            {n: b.clone() for n, b in model.named_buffers() if "amax" in n})
-
-
 @pytest.mark.parametrize("amax,last_layer_subset", [(2.0, False), (1e-3, False), (2.0, True)])
 def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_layer_subset):
     """With dropout on, and a scale that saturates: the loss, every gradient and every amax equal the two units'
@@ -82,26 +70,11 @@ def test_with_another_attention_backend_it_is_the_two_units():
 
 
 def test_with_the_projection_frozen_the_gradient_still_reaches_the_qkv():
-    model, reference = model_pair()
-    for m in (model, reference):
-        for layer in m.bert.encoder.layer:
-            layer.attention.output.dense.requires_grad_(False)
-    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
-    (_, grads, _), (_, want, _) = (train_step(m, batch, 2.0) for m in (model, reference))
-    assert grads["bert.encoder.layer.0.attention.output.dense.weight"] is None
-    for name, grad in want.items():
-        assert (grads[name] is None and grad is None) or torch.equal(grads[name], grad), name
+    assert_frozen_close_is_the_units(model_pair(), "attention.output")
 
 
 def test_in_eval_it_records_nothing_and_is_the_units_eval():
-    model, reference = model_pair(dropout=0.5)
-    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
-    for m in (model, reference):
-        m.eval()
-    with torch.no_grad():
-        before = {n: b.clone() for n, b in model.named_buffers() if "amax" in n}
-        assert torch.equal(model(batch).loss, reference(batch).loss)
-        assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if "amax" in n)
+    assert_eval_is_the_units(model_pair(dropout=0.5))
 
 
 def test_the_op_is_the_attention_with_its_output_cast_to_e4m3():

@@ -46,17 +46,46 @@ def model_pair(dropout=0.1, seed=0):
     return build(True), build(False)
 
 
-def train_step(model, batch, amax: float):
+def train_step(model, batch, amax: float, last_layer_subset: bool = False):
     """A training step's loss and what it leaves: every gradient and every amax (set to `amax` first, so the
     casts scale as a calibrated run's)."""
     for name, buffer in model.named_buffers():
         if "amax" in name:
             buffer.fill_(amax)
+    model.last_layer_subset = last_layer_subset
     torch.manual_seed(11)  # the dropout seeds: the same draws both sides
     loss = model(batch).loss
     loss.backward()
     return (loss.detach(), {n: p.grad for n, p in model.named_parameters()},
             {n: b.clone() for n, b in model.named_buffers() if "amax" in n})
+
+
+BATCH = dict(seed=3, vocab_size=1104)  # 32 tokens: float8's weight GEMMs take 16s
+
+
+def assert_frozen_close_is_the_units(pair, close: str) -> None:
+    """With each layer's `close` (a sublayer's closing unit) frozen in both models of `pair`, its linear's input
+    gradient is still wanted by what comes before: every other gradient equal, bit for bit."""
+    for m in pair:
+        for layer in m.bert.encoder.layer:
+            layer.get_submodule(close).dense.requires_grad_(False)
+    batch = random_batch((9, 5, 18), **BATCH)
+    (_, grads, _), (_, want, _) = (train_step(m, batch, 2.0) for m in pair)
+    assert grads[f"bert.encoder.layer.0.{close}.dense.weight"] is None
+    for name, grad in want.items():
+        assert (grads[name] is None and grad is None) or torch.equal(grads[name], grad), name
+
+
+def assert_eval_is_the_units(pair) -> None:
+    """In eval (dropout off, no grad) the loss equals the units' and no amax is recorded."""
+    model, reference = pair
+    batch = random_batch((9, 5, 18), **BATCH)
+    for m in pair:
+        m.eval()
+    with torch.no_grad():
+        before = {n: b.clone() for n, b in model.named_buffers() if "amax" in n}
+        assert torch.equal(model(batch).loss, reference(batch).loss)
+        assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if "amax" in n)
 
 
 @pytest.mark.parametrize("amax", [2.0, 1e-3])  # the second saturates the float8 copies
@@ -82,28 +111,11 @@ def test_the_float8_ffn_is_its_two_units_bit_for_bit(amax):
 
 
 def test_with_the_ffn_close_frozen_the_gradient_still_reaches_what_comes_before():
-    """The second linear's input gradient is wanted for what comes before it (the first linear, the input), not for
-    its own weights: frozen, every other gradient is still the two units'."""
-    model, reference = model_pair()
-    for m in (model, reference):
-        for layer in m.bert.encoder.layer:
-            layer.output.dense.requires_grad_(False)
-    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
-    (_, grads, _), (_, want, _) = (train_step(m, batch, 2.0) for m in (model, reference))
-    assert grads["bert.encoder.layer.0.output.dense.weight"] is None
-    for name, grad in want.items():
-        assert (grads[name] is None and grad is None) or torch.equal(grads[name], grad), name
+    assert_frozen_close_is_the_units(model_pair(), "output")
 
 
 def test_in_eval_it_records_nothing_and_is_the_units_eval():
-    model, reference = model_pair(dropout=0.5)
-    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
-    for m in (model, reference):
-        m.eval()
-    with torch.no_grad():
-        before = {n: b.clone() for n, b in model.named_buffers() if "amax" in n}
-        assert torch.equal(model(batch).loss, reference(batch).loss)
-        assert all(torch.equal(b, before[n]) for n, b in model.named_buffers() if "amax" in n)
+    assert_eval_is_the_units(model_pair(dropout=0.5))
 
 
 def test_the_op_is_the_gelu_cast_to_e4m3_with_its_transpose_and_amax():
