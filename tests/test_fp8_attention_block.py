@@ -4,12 +4,16 @@ kernel writing the projection's e4m3 input and its transpose). References: the t
 float8 cast for the op; torch's `opcheck`. The kernel's float8 epilogue is checked against the torch path in
 Triton's interpreter and compiled for sm_90."""
 
-import copy
 
 import pytest
 import torch
-from test_fp8_bias_gelu import NARROWING_PATCH, compiled_ops
-from test_fp8_feed_forward import assert_eval_is_the_units, assert_frozen_close_is_the_units, train_step
+from test_fp8_bias_gelu import NARROWING_PATCH
+from test_fp8_feed_forward import (
+    assert_eval_is_the_units,
+    assert_frozen_close_is_the_units,
+    compiled_layer_step,
+    train_step,
+)
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
@@ -114,18 +118,7 @@ def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_
     """AOT autograd's graphs of one layer: the attention's op writes the projection's transposed input, so the
     forward transposes only the QKV's input and the four weights and the FFN's two inputs; the norm's two gradients
     reach it apart. Compiled by inductor, the step equals eager."""
-    model, _ = model_pair(dropout=0.0)
-    layer = model.bert.encoder.layer[0]
-    attend = model.plan_attention(random_batch((9, 5, 18), seed=3, vocab_size=1104).seq)
-    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
-
-    def step(module):
-        leaf = x.clone().requires_grad_()
-        module(leaf, attend).square().sum().backward()
-        return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
-
-    want = step(copy.deepcopy(layer))  # the amaxes as they start, for both
-    seen, got = compiled_ops(layer, step, "fp8_transpose", "triton_attention")
+    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "triton_attention")
     attention = [name for name in seen if "attention" in name]
     assert attention == ["bert.triton_attention_fp8.default", "bert.triton_attention_backward_fp8.default"], seen
     # forward: the QKV's input and weight, the projection's weight, the FFN's two inputs and two weights; backward:

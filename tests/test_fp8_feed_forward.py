@@ -118,6 +118,23 @@ def test_in_eval_it_records_nothing_and_is_the_units_eval():
     assert_eval_is_the_units(model_pair(dropout=0.5))
 
 
+def compiled_layer_step(model, *needles: str) -> tuple[list[str], list, list]:
+    """A step of `model`'s first layer compiled by AOT autograd: (the ops named by `needles` its graphs hold, its
+    input's and parameters' gradients, those of an eager step from the same amaxes)."""
+    layer = model.bert.encoder.layer[0]
+    attend = model.plan_attention(random_batch((9, 5, 18), **BATCH).seq)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
+
+    def step(module):
+        leaf = x.clone().requires_grad_()
+        module(leaf, attend).square().sum().backward()
+        return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
+
+    want = step(copy.deepcopy(layer))  # the amaxes as they start, for both
+    seen, got = compiled_ops(layer, step, *needles)
+    return seen, got, want
+
+
 def test_the_op_is_the_gelu_cast_to_e4m3_with_its_transpose_and_amax():
     g = torch.Generator().manual_seed(2)
     h = (torch.randn(48, 80, generator=g) * 3).to(torch.bfloat16)
@@ -155,18 +172,8 @@ def test_compiled_the_gelus_copy_is_not_transposed_again_and_the_step_matches_ea
     """AOT autograd's graphs of one layer: the forward transposes the first linear's input and the two weights, the
     GELU's op writes the second input's transposed copy; the backward transposes only the norm's e5m2 gradient (the
     GELU backward's comes transposed). Compiled by inductor, the step equals eager."""
-    model, _ = model_pair(dropout=0.0)
-    layer = model.bert.encoder.layer[0]
-    attend = model.plan_attention(random_batch((9, 5, 18), seed=3, vocab_size=1104).seq)
-    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
-
-    def step(module):
-        leaf = x.clone().requires_grad_()
-        module(leaf, attend).square().sum().backward()
-        return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
-
-    want = step(copy.deepcopy(layer))  # the amaxes as they start, for both
-    seen, got = compiled_ops(layer, step, "fp8_transpose", "gelu_fp8", "gelu_backward_fp8")
+    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "gelu_fp8",
+                                           "gelu_backward_fp8")
     ffn = [name for name in seen if "gelu" in name]
     assert ffn == ["bert.gelu_fp8.default", "bert.gelu_backward_fp8.default"], seen
     # the attention's sublayer: its two linears' inputs and weights, forward; its out-projection's gradient
