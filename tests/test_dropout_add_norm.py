@@ -326,12 +326,16 @@ for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32
     out = "fp32" if "fp32" in (dtype, residual_dtype) else dtype
     for w in (1, 32, 256):
         for dropout, dense_bias, threshold in [(True, True, "i32"), (True, False, "i64"), (False, False, "i32")]:
+            float8 = dropout and not dense_bias  # bert.model.fp8_residual_norm's float8 output: its bias in the GEMM
             signature = dict(h=f"*{dtype}", res=f"*{residual_dtype}", gamma=f"*{dtype}", beta=f"*{dtype}",
                              dense_bias=f"*{dtype}", seed="*i64", y=f"*{out}", s=f"*{out}", bits="*u8",
-                             mean_out="*fp32", rstd_out="*fp32", n="i32", threshold=threshold, scale="fp32",
-                             eps="fp32", W="constexpr", DROPOUT="constexpr", DENSE_BIAS="constexpr")
+                             mean_out="*fp32", rstd_out="*fp32", yq="*fp8e4nv" if float8 else f"*{out}",
+                             cast_scale="*fp32", amaxes="*fp32", n="i32", threshold=threshold, scale="fp32",
+                             eps="fp32", W="constexpr", DROPOUT="constexpr", DENSE_BIAS="constexpr",
+                             FLOAT8="constexpr")
             try:
-                compile(dan._forward_rows, signature, dict(W=w, DROPOUT=dropout, DENSE_BIAS=dense_bias), w)
+                compile(dan._forward_rows, signature, dict(W=w, DROPOUT=dropout, DENSE_BIAS=dense_bias,
+                                                           FLOAT8=float8), w)
             except Exception as e:
                 bad.append(("forward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
         for dropout in (True, False):

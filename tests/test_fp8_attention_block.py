@@ -20,6 +20,7 @@ from bert.config import from_flat
 from bert.model import BertConfig, BertForPreTraining
 from bert.model import fp8_attention_block as fab
 from bert.model import fp8_residual_norm as frn
+from bert.model.bias_gelu import apply_bias_gelu
 from bert.model.dropout_add_norm import apply_residual_norm
 from bert.model.fp8 import convert_to_fp8
 from bert.model.fp8_delayed import E4M3
@@ -28,14 +29,17 @@ from bert.synthetic import random_batch
 OP = torch.ops.bert.triton_attention_fp8
 
 
-def model_pair(dropout=0.1, seed=0, attention="triton"):
+def model_pair(dropout=0.1, seed=0, attention="triton", bias_gelu=False):
     """(a float8 model with ATTENTION=triton and RESIDUAL_NORM=fused, its attention sublayers one Function each;
-    the same with the two units apart), equal parameters."""
+    the same with the two units apart), equal parameters. `bias_gelu`: BIAS_GELU=fused too, so each FFN is one
+    Function (bert.model.fp8_feed_forward) and the first model's attention closes hand it its input in e4m3."""
     def build(block: bool) -> BertForPreTraining:
         torch.manual_seed(seed)
         cfg = BertConfig(vocab_size=1104, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, max_position_embeddings=64).with_dropout(dropout)
         model = BertForPreTraining(cfg, attention=attention)
+        if bias_gelu:
+            apply_bias_gelu(model, "fused")
         apply_residual_norm(model, "fused")
         with pytest.MonkeyPatch.context() as patch:
             if not block:
@@ -46,13 +50,18 @@ def model_pair(dropout=0.1, seed=0, attention="triton"):
     return build(True), build(False)
 
 
-@pytest.mark.parametrize("amax,last_layer_subset", [(2.0, False), (1e-3, False), (2.0, True)])
-def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_layer_subset):
+@pytest.mark.parametrize("amax,last_layer_subset,bias_gelu", [(2.0, False, False), (1e-3, False, False),
+                                                             (2.0, True, False), (2.0, False, True),
+                                                             (1e-3, False, True)])
+def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_layer_subset, bias_gelu):
     """With dropout on, and a scale that saturates: the loss, every gradient and every amax equal the two units'
     (the attention output's amax, which the op now takes, among them); with the last layer's kept rows its
-    sublayer runs as the two units."""
-    model, reference = model_pair()
-    assert [type(layer.attention.output) for layer in model.bert.encoder.layer] == [fab.Float8AttentionOutput] * 2
+    sublayer runs as the two units. With the FFN one Function too, the close hands it its input in e4m3, cast by
+    the norm's kernel with the FFN's first linear's delayed scale, and that linear's amax kept there."""
+    model, reference = model_pair(bias_gelu=bias_gelu)
+    closes = [layer.attention.output for layer in model.bert.encoder.layer]
+    assert [type(m) for m in closes] == [fab.Float8AttentionOutput] * 2
+    assert [m.hands_on for m in closes] == [bias_gelu] * 2
     assert [type(layer.attention.output) for layer in reference.bert.encoder.layer] == [frn.Float8ResidualOutput] * 2
     assert model.state_dict().keys() == reference.state_dict().keys()
     batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)  # 32 tokens: float8's weight GEMMs take 16s
@@ -116,8 +125,8 @@ def test_the_config_builds_it_with_both_and_the_delayed_recipe():
 
 def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_eager():
     """AOT autograd's graphs of one layer: the attention's op writes the projection's transposed input, so the
-    forward transposes only the QKV's input and the four weights and the FFN's two inputs; the norm's two gradients
-    reach it apart. Compiled by inductor, the step equals eager."""
+    forward transposes only the QKV's input and the four weights and the FFN's two inputs. Compiled by inductor,
+    the step equals eager."""
     seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "triton_attention")
     attention = [name for name in seen if "attention" in name]
     assert attention == ["bert.triton_attention_fp8.default", "bert.triton_attention_backward_fp8.default"], seen
@@ -126,6 +135,29 @@ def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_
     assert seen.count("bert.fp8_transpose.default") == (3 + 4) + 3, seen
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_compiled_with_the_ffn_one_function_the_norm_hands_it_its_input_cast():
+    """With BIAS_GELU=fused too: the attention's close is the float8 norm op (`bert::dropout_add_layer_norm_fp8`),
+    and the step compiled by inductor equals eager."""
+    seen, got, want = compiled_layer_step(model_pair(dropout=0.0, bias_gelu=True)[0], "dropout_add_layer_norm")
+    assert seen[:2] == ["bert.dropout_add_layer_norm_fp8.default", "bert.dropout_add_layer_norm.default"], seen
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_the_norm_op_casts_its_output_as_scaled_cast_does():
+    g = torch.Generator().manual_seed(4)
+    h, residual = (torch.randn(24, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    gamma, beta = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    seed, scale = torch.tensor(9), torch.tensor(200.0)
+    *out, y_q, amax = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale)
+    want = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, 0.1, 1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert torch.equal(y_q.view(torch.uint8), (want[0].float() * 200).clamp(-448, 448).to(E4M3).view(torch.uint8))
+    assert float(amax) == float(want[0].float().abs().max())
+    torch.library.opcheck(torch.ops.bert.dropout_add_layer_norm_fp8.default,
+                          (h, residual, gamma, beta, seed, 0.1, 1e-12, scale))
 
 
 INTERPRETER = LOOP_BOUND_PATCH + """

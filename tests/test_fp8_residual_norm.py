@@ -82,7 +82,7 @@ def test_paired_its_two_gradients_are_the_unfused_paths_one_summed(dtype):
     def paired(x, residual):
         pair = ours.paired(x, residual)
         assert pair.x.data_ptr() == pair.residual.data_ptr()
-        torch.autograd.backward(pair, (grad - part, part))
+        torch.autograd.backward((pair.x, pair.residual), (grad - part, part))
         return pair.x
 
     got = step(ours, x, residual, None, run=paired)
@@ -304,6 +304,50 @@ sys.exit(1 if bad else 0)
 @needs_triton
 def test_the_kernels_float8_branch_matches_the_torch_path_in_the_interpreter():
     run_check(INTERPRETER, timeout=600, interpret=True)
+
+
+FORWARD_INTERPRETER = LOOP_BOUND_PATCH + """
+import sys, torch
+""" + NARROWING_PATCH + """
+from bert.model import dropout_add_norm as dan
+from bert.model.fp8_delayed import E4M3
+
+bad = []
+# (rows, n, dtype, residual dtype, p, scale): a row not a power of two, autocast's fp32 residual, a scale that
+# saturates
+for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.float32, 0.1, 40.0),
+                                                 (30, 100, torch.bfloat16, torch.bfloat16, 0.3, 3e3),
+                                                 (33, 128, torch.bfloat16, torch.float32, 0.0, 1.0)]:
+    g = torch.Generator().manual_seed(rows)
+    h, r = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(residual_dtype)
+    gamma, beta = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype), (0.3 * torch.randn(n, generator=g)).to(dtype)
+    seed = torch.tensor(987654321) if p else None
+    out, plain = dan._outputs(h, r, p), dan._outputs(h, r, p)
+    y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(rows)
+    dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, out, (y_q, torch.tensor(scale), amaxes))
+    dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, plain)
+    case = (rows, n, str(dtype), str(residual_dtype), p, scale)
+    if not all(torch.equal(a, b) for a, b in zip(out[:2] + out[3:], plain[:2] + plain[3:])):
+        bad.append(case + ("the float8 store changed the norm",))
+    want = (out[0].float() * scale).clamp(-448, 448).to(E4M3)  # the kernel's own y, cast as scaled_cast casts
+    if not torch.equal(y_q.view(torch.uint8), want.view(torch.uint8)):
+        bad.append(case + ("y_q", (y_q.float() != want.float()).float().mean().item()))
+    if float(amaxes.max()) != float(out[0].float().abs().max()):
+        bad.append(case + ("amax",))
+h[2, 3] = float("nan")
+dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, dan._outputs(h, r, p), (y_q, torch.tensor(1.0), amaxes))
+if torch.isfinite(amaxes.max()):
+    bad.append("a NaN gave a finite amax")
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+@needs_triton
+def test_the_forward_kernels_float8_store_matches_the_torch_cast_in_the_interpreter():
+    """`bert::dropout_add_layer_norm_fp8`'s kernel path: the e4m3 copy is the kernel's own y cast as scaled_cast
+    casts, byte for byte, the amax its y's, and the norm's outputs unchanged by it."""
+    run_check(FORWARD_INTERPRETER, timeout=600, interpret=True)
 
 
 SM90 = """

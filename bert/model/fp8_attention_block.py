@@ -42,8 +42,9 @@ from bert.model.fp8_delayed import (
     saturated_cast,
     scaled_cast,
 )
+from bert.model.fp8_feed_forward import Float8FeedForwardOutput
 from bert.model.fp8_residual_norm import Float8ResidualOutput
-from bert.model.layers import QKV_PARTS, BertAttention, Stream
+from bert.model.layers import QKV_PARTS, BertLayer, Stream
 from bert.model.philox import dropout_seed
 from bert.model.triton_attention import (
     TritonAttend,
@@ -98,8 +99,8 @@ class _Float8AttentionBlock(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, amax_x: Tensor, amax_g_qkv: Tensor,
                 w_o: Tensor, b_o: Tensor | None, amax_o: Tensor, amax_g_o: Tensor, residual: Tensor, gamma: Tensor,
                 beta: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int, p_attention: float,
-                seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
+                seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float, amax_next: Tensor | None
+                ) -> tuple[Tensor, ...]:
         x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype)
         qkv = torch.unflatten(flat, -1, (len(QKV_PARTS), heads, -1))
@@ -109,21 +110,28 @@ class _Float8AttentionBlock(torch.autograd.Function):
         # the attention output's gradient wherever anything before it wants one
         needs_o = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
         h, saved_o = float8_linear(o_q.flatten(1), scale_o.reciprocal(), w_o, b_o, needs_o, x.dtype, o_qt)
-        y, s, norm_bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p,
-                                                                            eps)
+        handed = ()  # with the next linear's amax: y cast for it where the norm makes it, 1 / the scale, the amax
+        if amax_next is None:
+            y, s, norm_bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed,
+                                                                                p, eps)
+        else:
+            scale_next = cast_scale(amax_next, E4M3)
+            y, s, norm_bits, mean, rstd, y_q, amax_y = torch.ops.bert.dropout_add_layer_norm_fp8(
+                h, residual, gamma, beta, seed, p, eps, scale_next)
+            handed = (y_q, scale_next.reciprocal(), amax_y)
         ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o, s, norm_bits, mean, rstd, gamma)
-        ctx.mark_non_differentiable(amax)
+        ctx.mark_non_differentiable(amax, *handed)
         ctx.set_materialize_grads(False)  # an output unread: no zeros to add
         ctx.amax_grads, ctx.max_seqlen, ctx.p_attention, ctx.p = (amax_g_qkv, amax_g_o), max_seqlen, p_attention, p
         ctx.dtypes = (linear_dtypes(x, w_qkv, b_qkv), linear_dtypes(x, w_o, b_o))
-        return y, y.view_as(y), amax
+        return y, y.view_as(y), amax, *handed
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, grad2: Tensor | None, _amax: None):
+    def backward(ctx, grad: Tensor | None, grad2: Tensor | None, *_unused: None):
         if grad is None:
             grad, grad2 = grad2, None
         if grad is None:  # no output read
-            return (None,) * 20
+            return (None,) * 21
         saved = ctx.saved_tensors
         saved_qkv, (qkv, out, lse, bits, cu), saved_o = saved[:4], saved[4:9], saved[9:13]
         s, norm_bits, mean, rstd, gamma = saved[13:]
@@ -146,7 +154,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
             dx, dw_qkv = float8_grads(saved_qkv, dtypes_qkv, g_q.flatten(1), scale_qkv.reciprocal(), dtype, g_qt)
             db_qkv = sums_qkv.flatten().to(dtypes_qkv[2]) if ctx.needs_input_grad[2] else None
         return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, sums[0], sums[1],
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 class Float8AttentionOutput(Float8ResidualOutput):
@@ -159,7 +167,10 @@ class Float8AttentionOutput(Float8ResidualOutput):
             raise ValueError(f"Float8AttentionOutput takes a Float8ResidualOutput, not {type(module).__name__}")
         return super().from_module(module)
 
-    def paired_after(self, opening: Float8SelfAttention, x: Tensor, residual: Tensor, attend) -> Stream:
+    hands_on = False  # whether the FFN after it takes its output in e4m3 (`apply_fp8_attention_block`)
+
+    def paired_after(self, opening: Float8SelfAttention, x: Tensor, residual: Tensor, attend,
+                     into: nn.Module | None = None) -> Stream:
         if not isinstance(attend, TritonAttend):  # another backend's attention: the two units
             return super().paired_after(opening, x, residual, attend)
         qkv, proj, norm = opening.qkv, self.dense, self.LayerNorm
@@ -167,25 +178,37 @@ class Float8AttentionOutput(Float8ResidualOutput):
         p = self.dropout.p if self.training else 0.0
         flat = qkv.flat_input(x)
         seed_attention = dropout_seed(p_attention, x.device)  # drawn in the two units' order
-        y, alias, amax = _Float8AttentionBlock.apply(
+        # the FFN's first linear casts its input itself under autocast (into autocast's dtype, not y's)
+        next_linear = into.dense if self.hands_on and not _autocast(x) else None
+        y, alias, amax, *handed = _Float8AttentionBlock.apply(
             flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
             proj.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
-            dropout_seed(p, x.device), norm.eps)
+            dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 record_amax(qkv.amax_input, flat)
                 keep_amax(proj.amax_input, amax)
-        return Stream(y.view(residual.shape), alias.view(residual.shape))
+                if handed:
+                    keep_amax(next_linear.amax_input, handed[2])
+        float8 = (handed[0], handed[1]) if handed else None
+        return Stream(y.view(residual.shape), alias.view(residual.shape), float8)
+
+
+def _autocast(x: Tensor) -> bool:
+    return x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
 
 
 def apply_fp8_attention_block(model: nn.Module) -> list[str]:
-    """Swap the close of every BertAttention of `model` whose opening is a Float8SelfAttention and whose close a
-    Float8ResidualOutput for a Float8AttentionOutput, in place (after the other float8 swaps); the names swapped."""
+    """Swap the close of every layer's BertAttention of `model` whose opening is a Float8SelfAttention and whose
+    close a Float8ResidualOutput for a Float8AttentionOutput, in place (after the other float8 swaps, the FFN's
+    first: where the layer's FFN is one Function, the close hands it its input in e4m3); the names swapped."""
     swapped = []
-    for name, block in model.named_modules():
-        if isinstance(block, BertAttention) and type(block.self) is Float8SelfAttention \
+    for name, layer in model.named_modules():
+        block = getattr(layer, "attention", None)
+        if isinstance(layer, BertLayer) and type(block.self) is Float8SelfAttention \
                 and type(block.output) is Float8ResidualOutput:
             block.output = Float8AttentionOutput.from_module(block.output)
-            swapped.append(f"{name}.output")
+            block.output.hands_on = isinstance(layer.output, Float8FeedForwardOutput)
+            swapped.append(f"{name}.attention.output")
     return swapped

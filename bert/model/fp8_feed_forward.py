@@ -44,7 +44,7 @@ from bert.model.fp8_delayed import (
 )
 from bert.model.fp8_residual_norm import Float8ResidualOutput
 from bert.model.gelu import rational_gelu_reference
-from bert.model.layers import BertLayer
+from bert.model.layers import BertLayer, Stream
 from bert.model.philox import dropout_seed
 
 if triton is not None:
@@ -124,8 +124,10 @@ class _Float8FeedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, amax_x: Tensor, amax_g1: Tensor, w2: Tensor, b2: Tensor,
                 amax_a: Tensor, amax_g2: Tensor, residual: Tensor, gamma: Tensor, beta: Tensor,
-                seed: Tensor | None, p: float, eps: float) -> tuple[Tensor, Tensor]:
-        x_q, inv_x = scaled_cast(x, amax_x, E4M3)
+                seed: Tensor | None, p: float, eps: float, x_q: Tensor | None, inv_x: Tensor | None
+                ) -> tuple[Tensor, Tensor]:
+        if x_q is None:  # else x came cast (a Stream's float8: the close before cast it where it made it)
+            x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         h, saved1 = float8_linear(x_q, inv_x, w1, b1, ctx.needs_input_grad[:2], x.dtype)
         scale_a = cast_scale(amax_a, E4M3)  # the previous step's amax of the GELU's output
         a_q, a_qt, amax = torch.ops.bert.gelu_fp8(h, scale_a)
@@ -143,7 +145,7 @@ class _Float8FeedForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor | None, _amax: None):
         if grad is None:
-            return (None,) * 15
+            return (None,) * 17
         saved = ctx.saved_tensors
         saved1, h, saved2, (s, bits, mean, rstd, gamma) = saved[:4], saved[4], saved[5:9], saved[9:]
         (amax_g1, amax_g2), (dtypes1, dtypes2) = ctx.amax_grads, ctx.dtypes
@@ -162,7 +164,7 @@ class _Float8FeedForward(torch.autograd.Function):
             keep_amax(amax_g1, amax1)
             dx, dw1 = float8_grads(saved1, dtypes1, g1_q, scale1.reciprocal(), dtype, g1_qt)
             db1 = db1.to(dtypes1[2]) if ctx.needs_input_grad[2] else None
-        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, sums[0], sums[1], None, None, None
+        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, sums[0], sums[1], None, None, None, None, None
 
 
 class Float8FeedForwardOutput(Float8ResidualOutput):
@@ -175,17 +177,19 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
             raise ValueError(f"Float8FeedForwardOutput takes a Float8ResidualOutput, not {type(module).__name__}")
         return super().from_module(module)
 
-    def after(self, opening: Float8BiasGELU, x: Tensor, residual: Tensor) -> Tensor:
-        fc1, fc2, norm = opening.dense, self.dense, self.LayerNorm
+    def after(self, opening: Float8BiasGELU, stream: Stream) -> Tensor:
+        fc1, fc2, norm, residual = opening.dense, self.dense, self.LayerNorm, stream.residual
         p = self.dropout.p if self.training else 0.0
-        flat = fc1.flat_input(x)
+        flat = fc1.flat_input(stream.x)
+        x_q, inv_x = stream.float8 or (None, None)
         y, amax = _Float8FeedForward.apply(
             flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
             fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
-            dropout_seed(p, x.device), p, norm.eps)
+            dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x)
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
-                record_amax(fc1.amax_input, flat)
+                if x_q is None:  # else the close that cast it kept it
+                    record_amax(fc1.amax_input, flat)
                 keep_amax(fc2.amax_input, amax)
         return y.view(residual.shape)
 

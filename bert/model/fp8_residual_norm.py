@@ -32,8 +32,16 @@ import torch
 from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
-from bert.model.dropout_add_norm import FusedResidualOutput, _on_triton, backward_torch, launch_backward
+from bert.model.dropout_add_norm import (
+    FusedResidualOutput,
+    _on_triton,
+    _outputs,
+    backward_torch,
+    launch_backward,
+    launch_forward,
+)
 from bert.model.fp8_delayed import (
+    E4M3,
     E5M2,
     DelayedFloat8Linear,
     amax_of,
@@ -85,6 +93,36 @@ def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None):
 
 # traced into compiled graphs by the op's name: an edit here (or of the norm's kernels, keyed there) must miss them
 key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
+
+
+@torch.library.custom_op("bert::dropout_add_layer_norm_fp8", mutates_args=())
+def dropout_add_layer_norm_fp8(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, seed: Tensor | None,
+                               p: float, eps: float, scale: Tensor
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), and y in e4m3 (rounded to its dtype, times `scale`,
+    0-dim fp32, saturated) with its amax (fp32, of the rounded values): the next float8 linear's input, cast where
+    y is made (bert.model.fp8_attention_block hands it to the FFN)."""
+    if scale.shape != ():
+        raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
+    out = _outputs(h, residual, p)
+    if not _on_triton(h, out[3]) or not h.shape[0]:  # the torch path (or no rows): the norm's op, torch's cast
+        y = torch.ops.bert.dropout_add_layer_norm.default(h, residual, weight, bias, None, seed, p, eps)
+        return (*y, saturated_cast(y[0], scale, E4M3), amax_of(y[0]))
+    if p > 0 and seed is None:
+        raise ValueError("dropout needs a seed")
+    y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    with torch.cuda.device(h.device):  # Triton launches on the current device
+        launch_forward(h, residual, weight, bias, None, seed, p, eps, out, (y_q, scale.float(), amaxes))
+    return (*out, y_q, amaxes.amax())
+
+
+@dropout_add_layer_norm_fp8.register_fake
+def _(h, residual, weight, bias, seed, p, eps, scale):
+    out = _outputs(h, residual, p)
+    return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_empty((), dtype=torch.float32))
+
+
+key_on_source("bert::dropout_add_layer_norm_fp8", __file__)
 
 
 class _Float8MatmulResidualNorm(torch.autograd.Function):

@@ -33,6 +33,9 @@ class Stream(NamedTuple):
 
     x: Tensor
     residual: Tensor
+    # x in e4m3 and 1 / its scale, where the close that made x cast it for the next float8 linear
+    # (bert.model.fp8_attention_block's, for the FFN's: its norm's kernel writes both)
+    float8: tuple[Tensor, Tensor] | None = None
 
 
 class BertEmbeddings(nn.Module):
@@ -82,13 +85,15 @@ class BertResidualOutput(nn.Module):
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dropout(self.dense(h)) + residual)
 
-    def after(self, opening: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-        """This close of `opening`(x), the sublayer's first unit: a close fused with its opening
+    def after(self, opening: nn.Module, stream: Stream) -> Tensor:
+        """This close of `opening`(stream.x), the sublayer's first unit: a close fused with its opening
         (bert.model.fp8_feed_forward) runs both at once."""
-        return self(opening(x), residual)
+        return self(opening(stream.x), stream.residual)
 
-    def paired_after(self, opening: nn.Module, x: Tensor, residual: Tensor, *args) -> Stream:
-        """`paired` of `opening`(x, *args), the sublayer's first unit (`after`'s, as a Stream)."""
+    def paired_after(self, opening: nn.Module, x: Tensor, residual: Tensor, *args, into: nn.Module | None = None
+                     ) -> Stream:
+        """`paired` of `opening`(x, *args), the sublayer's first unit (`after`'s, as a Stream). `into`: the next
+        sublayer's first unit, for a close that casts its output for it (bert.model.fp8_attention_block)."""
         return self.paired(opening(x, *args), residual)
 
     def paired(self, h: Tensor, residual: Tensor) -> Stream:
@@ -103,10 +108,12 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertResidualOutput(cfg, cfg.hidden_size)
 
-    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Stream:
-        """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`)."""
+    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None, into: nn.Module | None = None
+                ) -> Stream:
+        """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`).
+        `into`: the unit the output goes into next (`paired_after`)."""
         if rows is None:
-            return self.output.paired_after(self.self, x, x, attend)
+            return self.output.paired_after(self.self, x, x, attend, into=into)
         h = self.self(x, attend)
         return self.output.paired(h.index_select(0, rows), x.index_select(0, rows))
 
@@ -129,8 +136,7 @@ class BertLayer(nn.Module):
         self.output = BertResidualOutput(cfg, cfg.intermediate_size)
 
     def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
-        x, residual = self.attention(x, attend, rows)
-        return self.output.after(self.intermediate, x, residual)
+        return self.output.after(self.intermediate, self.attention(x, attend, rows, into=self.intermediate))
 
 
 class BertEncoder(nn.Module):
