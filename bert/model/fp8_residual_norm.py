@@ -14,9 +14,10 @@ forward kernel unchanged.
 The arithmetic is the unfused path's (a FusedResidualOutput over a DelayedFloat8Linear), step for step: h's gradient
 in fp32, rounded to h's dtype, its amax of that (a non-finite one keeps the old), scaled by the previous step's amax
 and saturated to e5m2. The bias gradient sums the unrounded fp32 values, as the bf16 kernel's does (the unfused path
-sums the rounded gradient). The norm's output still leaves in bf16: its float8 copy, for the next sublayer's linear,
-is cast there (not in this kernel: the norm would need its consumer's scale). On the CPU (and for float64) the same
-runs in torch's ops.
+sums the rounded gradient). Here the norm's output leaves in bf16 and its float8 copy, for the next sublayer's
+linear, is cast there; `dropout_add_layer_norm_fp8` is the norm that casts it too, given the consumer's scale (the
+attention sublayer's close uses it for the FFN, bert.model.fp8_attention_block). On the CPU (and for float64) the
+same runs in torch's ops.
 
 On the fake H100 the step with it moves 103.1 GB (ATTENTION=triton; results/bench/gpu_compile_fp8_norm.json): about
 even with inductor's own LayerNorm, no longer behind it. The residual gradient's add before our op (6.9 GB:
