@@ -30,7 +30,7 @@ from bert.model.fp8_delayed import (
     DelayedFloat8Linear,
     amax_of,
     cast_scale,
-    float8_input_and_weight_grads,
+    float8_grads,
     float8_matmul_forward,
     keep_amax,
     saturated_cast,
@@ -98,14 +98,25 @@ class _Float8QKVAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        qkv, out, lse, bits, cu = ctx.saved_tensors[4:]
-        scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
-        g_q, g_qt, sums, amax = torch.ops.bert.triton_attention_backward_fp8(
-            grad.reshape(out.shape), qkv, out, lse, bits, cu, ctx.max_seqlen, ctx.dropout_p, scale)
-        keep_amax(ctx.amax_grad, amax)  # the next step's scale
-        dx, dw = float8_input_and_weight_grads(ctx, g_q.flatten(1), scale.reciprocal(), ctx.dtypes[0], g_qt)
-        db = sums.flatten().to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
+        dx, dw, db = linear_attention_backward(grad, ctx.saved_tensors[4:], ctx.max_seqlen, ctx.dropout_p,
+                                               ctx.saved_tensors[:4], ctx.dtypes, ctx.amax_grad,
+                                               ctx.needs_input_grad[2])
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+def linear_attention_backward(grad: Tensor, attention_saved, max_seqlen: int, dropout_p: float, linear_saved,
+                              dtypes, amax_grad: Tensor, needs_bias: bool
+                              ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward of our attention over a float8 QKV linear's output, from the attention output's gradient and
+    what the forward saved (qkv, out, lse, bits, cu_seqlens; the linear's four, `float8_linear`; its
+    `linear_dtypes`): (dx, dw, db), the QKV gradient's amax kept in `amax_grad`."""
+    qkv, out, lse, bits, cu = attention_saved
+    scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
+    g_q, g_qt, sums, amax = torch.ops.bert.triton_attention_backward_fp8(
+        grad.reshape(out.shape), qkv, out, lse, bits, cu, max_seqlen, dropout_p, scale)
+    keep_amax(amax_grad, amax)  # the next step's scale
+    dx, dw = float8_grads(linear_saved, dtypes, g_q.flatten(1), scale.reciprocal(), dtypes[0], g_qt)
+    return dx, dw, sums.flatten().to(dtypes[2]) if needs_bias else None
 
 
 class Float8SelfAttention(BertSelfAttention):

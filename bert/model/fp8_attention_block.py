@@ -28,13 +28,11 @@ import torch
 from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
-from bert.model.fp8_attention import Float8SelfAttention
+from bert.model.fp8_attention import Float8SelfAttention, linear_attention_backward
 from bert.model.fp8_delayed import (
     E4M3,
-    E5M2,
     amax_of,
     cast_scale,
-    float8_grads,
     float8_linear,
     keep_amax,
     linear_dtypes,
@@ -43,7 +41,7 @@ from bert.model.fp8_delayed import (
     scaled_cast,
 )
 from bert.model.fp8_feed_forward import Float8FeedForwardOutput
-from bert.model.fp8_residual_norm import Float8ResidualOutput
+from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
 from bert.model.layers import QKV_PARTS, BertLayer, Stream
 from bert.model.philox import dropout_seed
 from bert.model.triton_attention import (
@@ -128,32 +126,20 @@ class _Float8AttentionBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None, *_unused: None):
-        if grad is None:
-            grad, grad2 = grad2, None
+        grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
             return (None,) * 21
         saved = ctx.saved_tensors
-        saved_qkv, (qkv, out, lse, bits, cu), saved_o = saved[:4], saved[4:9], saved[9:13]
-        s, norm_bits, mean, rstd, gamma = saved[13:]
         (amax_g_qkv, amax_g_o), (dtypes_qkv, dtypes_o) = ctx.amax_grads, ctx.dtypes
-        dtype = dtypes_qkv[0]  # the GEMMs' outputs: the input's dtype
-        # the norm and the projection: Float8ResidualOutput's backward, both of the output's gradients
-        scale_o = cast_scale(amax_g_o, E5M2)
-        g_o, ds, sums, amax_o = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
-            grad.contiguous(), s, norm_bits, mean, rstd, gamma, ctx.p, dtype, scale_o,
-            None if grad2 is None else grad2.contiguous())
-        keep_amax(amax_g_o, amax_o)
-        d_out, dw_o = float8_grads(saved_o, dtypes_o, g_o, scale_o.reciprocal(), dtype)
-        db_o = sums[2].to(dtypes_o[2]) if ctx.needs_input_grad[6] else None
+        # the norm and the projection (Float8ResidualOutput's backward, both of the output's gradients), then the
+        # attention and the QKV (Float8SelfAttention's), where anything before it wants a gradient
+        d_out, dw_o, db_o, ds, dgamma, dbeta = linear_norm_backward(grad, grad2, saved[13:], ctx.p, saved[9:13],
+                                                                    dtypes_o, amax_g_o, ctx.needs_input_grad[6])
         dx = dw_qkv = db_qkv = None
-        if d_out is not None:  # the attention and the QKV: Float8SelfAttention's backward
-            scale_qkv = cast_scale(amax_g_qkv, E5M2)
-            g_q, g_qt, sums_qkv, amax_qkv = torch.ops.bert.triton_attention_backward_fp8(
-                d_out.reshape(out.shape), qkv, out, lse, bits, cu, ctx.max_seqlen, ctx.p_attention, scale_qkv)
-            keep_amax(amax_g_qkv, amax_qkv)
-            dx, dw_qkv = float8_grads(saved_qkv, dtypes_qkv, g_q.flatten(1), scale_qkv.reciprocal(), dtype, g_qt)
-            db_qkv = sums_qkv.flatten().to(dtypes_qkv[2]) if ctx.needs_input_grad[2] else None
-        return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, sums[0], sums[1],
+        if d_out is not None:
+            dx, dw_qkv, db_qkv = linear_attention_backward(d_out, saved[4:9], ctx.max_seqlen, ctx.p_attention,
+                                                           saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2])
+        return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, dgamma, dbeta,
                 None, None, None, None, None, None, None, None, None)
 
 

@@ -34,7 +34,7 @@ from bert.model.fp8_delayed import (
     DelayedFloat8Linear,
     amax_of,
     cast_scale,
-    float8_input_and_weight_grads,
+    float8_grads,
     float8_matmul_forward,
     keep_amax,
     saturated_cast,
@@ -134,12 +134,21 @@ class _Float8MatmulGELU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        h = ctx.saved_tensors[4]
-        scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
-        g_q, g_qt, db, amax = torch.ops.bert.gelu_backward_fp8(grad.contiguous(), h, scale)
-        keep_amax(ctx.amax_grad, amax)  # the next step's scale
-        dx, dw = float8_input_and_weight_grads(ctx, g_q, scale.reciprocal(), grad.dtype, g_qt)
-        return dx, dw, db.to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None, None, None
+        dx, dw, db = linear_gelu_backward(grad, ctx.saved_tensors[4], ctx.saved_tensors[:4], ctx.dtypes,
+                                          ctx.amax_grad, ctx.needs_input_grad[2])
+        return dx, dw, db, None, None
+
+
+def linear_gelu_backward(grad: Tensor, h: Tensor, linear_saved, dtypes, amax_grad: Tensor, needs_bias: bool
+                         ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward of GELU(a float8 linear's output h), from the GELU output's gradient and what the forward saved
+    (the linear's four, `float8_linear`; its `linear_dtypes`): (dx, dw, db), the gradient's amax kept in
+    `amax_grad`."""
+    scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
+    g_q, g_qt, db, amax = torch.ops.bert.gelu_backward_fp8(grad.contiguous(), h, scale)
+    keep_amax(amax_grad, amax)  # the next step's scale
+    dx, dw = float8_grads(linear_saved, dtypes, g_q, scale.reciprocal(), grad.dtype, g_qt)
+    return dx, dw, db.to(dtypes[2]) if needs_bias else None
 
 
 class Float8BiasGELU(FusedBiasGELU):

@@ -28,13 +28,11 @@ from torch import Tensor, nn
 
 from bert.model.bias_gelu import TILE, triton
 from bert.model.compile_keys import key_on_source
-from bert.model.fp8_bias_gelu import Float8BiasGELU
+from bert.model.fp8_bias_gelu import Float8BiasGELU, linear_gelu_backward
 from bert.model.fp8_delayed import (
     E4M3,
-    E5M2,
     amax_of,
     cast_scale,
-    float8_grads,
     float8_linear,
     keep_amax,
     linear_dtypes,
@@ -42,7 +40,7 @@ from bert.model.fp8_delayed import (
     saturated_cast,
     scaled_cast,
 )
-from bert.model.fp8_residual_norm import Float8ResidualOutput
+from bert.model.fp8_residual_norm import Float8ResidualOutput, linear_norm_backward
 from bert.model.gelu import rational_gelu_reference
 from bert.model.layers import BertLayer, Stream
 from bert.model.philox import dropout_seed
@@ -147,24 +145,15 @@ class _Float8FeedForward(torch.autograd.Function):
         if grad is None:
             return (None,) * 17
         saved = ctx.saved_tensors
-        saved1, h, saved2, (s, bits, mean, rstd, gamma) = saved[:4], saved[4], saved[5:9], saved[9:]
         (amax_g1, amax_g2), (dtypes1, dtypes2) = ctx.amax_grads, ctx.dtypes
-        dtype = dtypes1[0]  # the GEMMs' outputs: the input's dtype
-        # the norm and the second linear: Float8ResidualOutput's backward
-        scale2 = cast_scale(amax_g2, E5M2)
-        g2_q, ds, sums, amax2 = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
-            grad.contiguous(), s, bits, mean, rstd, gamma, ctx.p, dtype, scale2)
-        keep_amax(amax_g2, amax2)
-        da, dw2 = float8_grads(saved2, dtypes2, g2_q, scale2.reciprocal(), dtype)
-        db2 = sums[2].to(dtypes2[2]) if ctx.needs_input_grad[6] else None
+        # the norm and the second linear (Float8ResidualOutput's backward), then the GELU and the first linear
+        # (Float8BiasGELU's), where anything before it wants a gradient
+        da, dw2, db2, ds, dgamma, dbeta = linear_norm_backward(grad, None, saved[9:], ctx.p, saved[5:9], dtypes2,
+                                                               amax_g2, ctx.needs_input_grad[6])
         dx = dw1 = db1 = None
-        if da is not None:  # the GELU and the first linear: Float8BiasGELU's backward
-            scale1 = cast_scale(amax_g1, E5M2)
-            g1_q, g1_qt, db1, amax1 = torch.ops.bert.gelu_backward_fp8(da, h, scale1)
-            keep_amax(amax_g1, amax1)
-            dx, dw1 = float8_grads(saved1, dtypes1, g1_q, scale1.reciprocal(), dtype, g1_qt)
-            db1 = db1.to(dtypes1[2]) if ctx.needs_input_grad[2] else None
-        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, sums[0], sums[1], None, None, None, None, None
+        if da is not None:
+            dx, dw1, db1 = linear_gelu_backward(da, saved[4], saved[:4], dtypes1, amax_g1, ctx.needs_input_grad[2])
+        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta, None, None, None, None, None
 
 
 class Float8FeedForwardOutput(Float8ResidualOutput):

@@ -47,7 +47,7 @@ from bert.model.fp8_delayed import (
     DelayedFloat8Linear,
     amax_of,
     cast_scale,
-    float8_input_and_weight_grads,
+    float8_grads,
     float8_matmul_forward,
     keep_amax,
     saturated_cast,
@@ -144,21 +144,35 @@ class _Float8MatmulResidualNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None = None):
-        if grad is None:
-            grad, grad2 = grad2, None
+        grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
             return (None,) * 12
-        s, bits, mean, rstd, gamma = ctx.saved_tensors[4:]
-        h_dtype = ctx.dtypes[0]  # the GEMM's output: the input's dtype
-        scale = cast_scale(ctx.amax_grad, E5M2)  # the previous step's amax
-        g_q, ds, sums, amax = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
-            grad.contiguous(), s, bits, mean, rstd, gamma, ctx.p, h_dtype, scale,
-            None if grad2 is None else grad2.contiguous())
-        keep_amax(ctx.amax_grad, amax)  # the next step's scale
-        dx, dw = float8_input_and_weight_grads(ctx, g_q, scale.reciprocal(), h_dtype)
-        db = sums[2].to(ctx.dtypes[2]) if ctx.needs_input_grad[2] else None
-        # autograd casts d s and the norm's sums to the residual's and the parameters' dtypes
-        return dx, dw, db, None, None, ds, sums[0], sums[1], None, None, None, None
+        dx, dw, db, ds, dgamma, dbeta = linear_norm_backward(
+            grad, grad2, ctx.saved_tensors[4:], ctx.p, ctx.saved_tensors[:4], ctx.dtypes, ctx.amax_grad,
+            ctx.needs_input_grad[2])
+        return dx, dw, db, None, None, ds, dgamma, dbeta, None, None, None, None
+
+
+def first_read(grad: Tensor | None, grad2: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """A paired output's two gradients (either None where unread) with the first one a tensor if either is."""
+    return (grad2, None) if grad is None else (grad, grad2)
+
+
+def linear_norm_backward(grad: Tensor, grad2: Tensor | None, norm_saved, p: float, linear_saved, dtypes,
+                         amax_grad: Tensor, needs_bias: bool) -> tuple[Tensor | None, ...]:
+    """The backward of LayerNorm(dropout(a float8 linear's output) + residual), from y's gradient (in two parts
+    where `grad2` is given) and what the forward saved (the norm's s, bits, mean, rstd, gamma; the linear's four,
+    `float8_linear`; its `linear_dtypes`): (dx, dw, db, d residual, d gamma, d beta), the output gradient's amax kept
+    in `amax_grad`. Autograd casts d residual and the norm's sums to their inputs' dtypes."""
+    s, bits, mean, rstd, gamma = norm_saved
+    h_dtype = dtypes[0]  # the GEMM's output: the input's dtype
+    scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
+    g_q, ds, sums, amax = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
+        grad.contiguous(), s, bits, mean, rstd, gamma, p, h_dtype, scale,
+        None if grad2 is None else grad2.contiguous())
+    keep_amax(amax_grad, amax)  # the next step's scale
+    dx, dw = float8_grads(linear_saved, dtypes, g_q, scale.reciprocal(), h_dtype)
+    return dx, dw, sums[2].to(dtypes[2]) if needs_bias else None, ds, sums[0], sums[1]
 
 
 class Float8ResidualOutput(FusedResidualOutput):
