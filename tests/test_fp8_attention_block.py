@@ -158,6 +158,12 @@ def test_the_norm_op_casts_its_output_as_scaled_cast_does():
     assert float(amax) == float(want[0].float().abs().max())
     torch.library.opcheck(torch.ops.bert.dropout_add_layer_norm_fp8.default,
                           (h, residual, gamma, beta, seed, 0.1, 1e-12, scale))
+    op = torch.ops.bert.dropout_add_layer_norm_fp8
+    for args, message in [((h, residual[:3], gamma, beta, seed, 0.1, 1e-12, scale), "must be the same"),
+                          ((h, residual, gamma, beta, None, 0.1, 1e-12, scale), "needs a seed"),
+                          ((h, residual, gamma, beta, seed, 0.1, 1e-12, torch.ones(1)), "0-dim")]:
+        with pytest.raises(ValueError, match=message):
+            op(*args)
 
 
 INTERPRETER = LOOP_BOUND_PATCH + """

@@ -282,11 +282,7 @@ def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias:
                               seed: Tensor | None, p: float, eps: float
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(T, N) `h` and `residual` -> y, s, the mask's bits (T x W uint8; 0 rows when p = 0), mean, rstd (module doc)."""
-    if h.dim() != 2 or h.shape != residual.shape:
-        raise ValueError(f"h {tuple(h.shape)} and residual {tuple(residual.shape)} must be the same (T, N)")
-    drop_threshold(p)  # p in [0, 1)
-    if p > 0 and seed is None:
-        raise ValueError("dropout needs a seed")
+    check_forward(h, residual, p, seed)
     out = _outputs(h, residual, p)
     if not _on_triton(h, out[3]):
         forward_torch(h, residual, weight, bias, dense_bias, seed, p, eps, out)
@@ -294,6 +290,15 @@ def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias:
         with torch.cuda.device(h.device):  # Triton launches on the current device
             launch_forward(h, residual, weight, bias, dense_bias, seed, p, eps, out)
     return out
+
+
+def check_forward(h: Tensor, residual: Tensor, p: float, seed: Tensor | None) -> None:
+    """A ValueError for the forward's inputs: h and the residual one (T, N) shape, p in [0, 1), a seed for p > 0."""
+    if h.dim() != 2 or h.shape != residual.shape:
+        raise ValueError(f"h {tuple(h.shape)} and residual {tuple(residual.shape)} must be the same (T, N)")
+    drop_threshold(p)  # p in [0, 1)
+    if p > 0 and seed is None:
+        raise ValueError("dropout needs a seed")
 
 
 def _outputs(h: Tensor, residual: Tensor, p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -155,10 +155,10 @@ class Float8AttentionOutput(Float8ResidualOutput):
 
     hands_on = False  # whether the FFN after it takes its output in e4m3 (`apply_fp8_attention_block`)
 
-    def paired_after(self, opening: Float8SelfAttention, x: Tensor, residual: Tensor, attend,
-                     into: nn.Module | None = None) -> Stream:
+    def paired_after(self, opening: Float8SelfAttention, x: Tensor, attend, into: nn.Module | None = None
+                     ) -> Stream:
         if not isinstance(attend, TritonAttend):  # another backend's attention: the two units
-            return super().paired_after(opening, x, residual, attend)
+            return super().paired_after(opening, x, attend)
         qkv, proj, norm = opening.qkv, self.dense, self.LayerNorm
         p_attention = opening.dropout_p if opening.training else 0.0
         p = self.dropout.p if self.training else 0.0
@@ -168,7 +168,7 @@ class Float8AttentionOutput(Float8ResidualOutput):
         next_linear = into.dense if self.hands_on and not _autocast(x) else None
         y, alias, amax, *handed = _Float8AttentionBlock.apply(
             flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
-            proj.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
+            proj.amax_grad, x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
             dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
@@ -178,7 +178,7 @@ class Float8AttentionOutput(Float8ResidualOutput):
                 if handed:
                     keep_amax(next_linear.amax_input, handed[2])
         float8 = (handed[0], handed[1]) if handed else None
-        return Stream(y.view(residual.shape), alias.view(residual.shape), float8)
+        return Stream(y.view(x.shape), alias.view(x.shape), float8)
 
 
 def _autocast(x: Tensor) -> bool:

@@ -38,6 +38,8 @@ from bert.model.dropout_add_norm import (
     _on_triton,
     _outputs,
     backward_torch,
+    check_forward,
+    forward_torch,
     launch_backward,
     launch_forward,
 )
@@ -103,14 +105,15 @@ def dropout_add_layer_norm_fp8(h: Tensor, residual: Tensor, weight: Tensor, bias
     """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), and y in e4m3 (rounded to its dtype, times `scale`,
     0-dim fp32, saturated) with its amax (fp32, of the rounded values): the next float8 linear's input, cast where
     y is made (bert.model.fp8_attention_block hands it to the FFN)."""
+    check_forward(h, residual, p, seed)
     if scale.shape != ():
         raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
     out = _outputs(h, residual, p)
-    if not _on_triton(h, out[3]) or not h.shape[0]:  # the torch path (or no rows): the norm's op, torch's cast
-        y = torch.ops.bert.dropout_add_layer_norm.default(h, residual, weight, bias, None, seed, p, eps)
-        return (*y, saturated_cast(y[0], scale, E4M3), amax_of(y[0]))
-    if p > 0 and seed is None:
-        raise ValueError("dropout needs a seed")
+    if not _on_triton(h, out[3]):  # the torch path: the norm's, then torch's cast
+        forward_torch(h, residual, weight, bias, None, seed, p, eps, out)
+        return (*out, saturated_cast(out[0], scale, E4M3), amax_of(out[0]))
+    if not h.shape[0]:
+        return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_zeros((), dtype=torch.float32))
     y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     with torch.cuda.device(h.device):  # Triton launches on the current device
         launch_forward(h, residual, weight, bias, None, seed, p, eps, out, (y_q, scale.float(), amaxes))

@@ -90,11 +90,11 @@ class BertResidualOutput(nn.Module):
         (bert.model.fp8_feed_forward) runs both at once."""
         return self(opening(stream.x), stream.residual)
 
-    def paired_after(self, opening: nn.Module, x: Tensor, residual: Tensor, *args, into: nn.Module | None = None
-                     ) -> Stream:
-        """`paired` of `opening`(x, *args), the sublayer's first unit (`after`'s, as a Stream). `into`: the next
-        sublayer's first unit, for a close that casts its output for it (bert.model.fp8_attention_block)."""
-        return self.paired(opening(x, *args), residual)
+    def paired_after(self, opening: nn.Module, x: Tensor, *args, into: nn.Module | None = None) -> Stream:
+        """`paired` of `opening`(x, *args), the sublayer's first unit, over the residual x (`after`'s, as a Stream).
+        `into`: the next sublayer's first unit, for a close that casts its output for it
+        (bert.model.fp8_attention_block)."""
+        return self.paired(opening(x, *args), x)
 
     def paired(self, h: Tensor, residual: Tensor) -> Stream:
         """The output as a Stream: here one tensor twice, whose two gradients autograd adds."""
@@ -113,7 +113,7 @@ class BertAttention(nn.Module):
         """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`).
         `into`: the unit the output goes into next (`paired_after`)."""
         if rows is None:
-            return self.output.paired_after(self.self, x, x, attend, into=into)
+            return self.output.paired_after(self.self, x, attend, into=into)
         h = self.self(x, attend)
         return self.output.paired(h.index_select(0, rows), x.index_select(0, rows))
 
