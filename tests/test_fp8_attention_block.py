@@ -4,6 +4,7 @@ kernel writing the projection's e4m3 input and its transpose). References: the t
 float8 cast for the op; torch's `opcheck`. The kernel's float8 epilogue is checked against the torch path in
 Triton's interpreter and compiled for sm_90."""
 
+import copy
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from bert.model.bias_gelu import apply_bias_gelu
 from bert.model.dropout_add_norm import apply_residual_norm
 from bert.model.fp8 import convert_to_fp8
 from bert.model.fp8_delayed import E4M3
+from bert.model.layers import Stream
 from bert.synthetic import random_batch
 
 OP = torch.ops.bert.triton_attention_fp8
@@ -52,16 +54,20 @@ def model_pair(dropout=0.1, seed=0, attention="triton", bias_gelu=False):
 
 @pytest.mark.parametrize("amax,last_layer_subset,bias_gelu", [(2.0, False, False), (1e-3, False, False),
                                                              (2.0, True, False), (2.0, False, True),
-                                                             (1e-3, False, True)])
+                                                             (1e-3, False, True), (2.0, True, True)])
 def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_layer_subset, bias_gelu):
     """With dropout on, and a scale that saturates: the loss, every gradient and every amax equal the two units'
     (the attention output's amax, which the op now takes, among them); with the last layer's kept rows its
     sublayer runs as the two units. With the FFN one Function too, the close hands it its input in e4m3, cast by
-    the norm's kernel with the FFN's first linear's delayed scale, and that linear's amax kept there."""
+    the norm's kernel with the FFN's first linear's delayed scale, and that linear's amax kept there; and the first
+    layer's FFN hands the second layer its output, twice apart and in e4m3 for its QKV (which, on the last layer's
+    kept rows, casts its own)."""
     model, reference = model_pair(bias_gelu=bias_gelu)
     closes = [layer.attention.output for layer in model.bert.encoder.layer]
     assert [type(m) for m in closes] == [fab.Float8AttentionOutput] * 2
     assert [m.hands_on for m in closes] == [bias_gelu] * 2
+    if bias_gelu:  # the last layer's FFN has no layer to hand to
+        assert [layer.output.hands_on for layer in model.bert.encoder.layer] == [True, False]
     assert [type(layer.attention.output) for layer in reference.bert.encoder.layer] == [frn.Float8ResidualOutput] * 2
     assert model.state_dict().keys() == reference.state_dict().keys()
     batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)  # 32 tokens: float8's weight GEMMs take 16s
@@ -73,6 +79,16 @@ def test_the_float8_attention_sublayer_is_its_two_units_bit_for_bit(amax, last_l
     for name, value in want_amaxes.items():
         assert torch.equal(amaxes[name], value), name
     assert float(amaxes["bert.encoder.layer.0.attention.output.dense.amax_input"]) != amax  # recorded
+
+
+def test_under_autocast_nothing_is_handed_on_and_it_is_the_units():
+    """Under autocast each float8 linear casts autocast's copy of its input, not the close's output, so no close
+    hands one on: the loss and every gradient as the units'."""
+    model, reference = model_pair(bias_gelu=True)
+    batch = random_batch((9, 5, 18), seed=3, vocab_size=1104)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (loss, grads, _), (want_loss, want_grads, _) = (train_step(m, batch, 2.0) for m in (model, reference))
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], g) for n, g in want_grads.items())
 
 
 def test_with_another_attention_backend_it_is_the_two_units():
@@ -146,18 +162,78 @@ def test_compiled_with_the_ffn_one_function_the_norm_hands_it_its_input_cast():
         assert torch.equal(a, b)
 
 
+def test_compiled_apart_two_layers_hand_over_two_gradients_apart_and_the_input_in_e4m3():
+    """Two float8 layers compiled apart (COMPILE_SCOPE=layers) and traced by AOT autograd: the first layer's FFN
+    norm takes the second layer's two gradients in two parts (no add before it, in either graph), the second
+    layer's forward casts no input of its own (its QKV's came in e4m3), and both layers' gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = model_pair(dropout=0.1, bias_gelu=True)[0]
+    attend = model.plan_attention(random_batch((9, 5, 18), seed=3, vocab_size=1104).seq)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(5))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    def step(first, second):
+        leaf = x.clone().requires_grad_()
+        torch.manual_seed(7)  # the dropout seeds
+        second(first(Stream(leaf, leaf), attend, into=second.attention), attend).x.square().sum().backward()
+        return [leaf.grad] + [p.grad.clone() for p in (*first.parameters(), *second.parameters())]
+
+    want = step(*copy.deepcopy(list(model.bert.encoder.layer)))  # the amaxes as they start, for both
+    torch._dynamo.reset()
+    try:
+        got = step(*(torch.compile(layer, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+                     for layer in model.bert.encoder.layer))
+    finally:
+        torch._dynamo.reset()
+    forward_first, forward_second, backward_second, backward_first = graphs
+    # in backward order, each layer's: the FFN's norm, then the attention's; the last layer's FFN norm gets one
+    assert two_parts(backward_second) == [False, True] and two_parts(backward_first) == [True, True]
+    # and the second layer's two input gradients leave its graph apart, not added there; the first layer's input,
+    # one tensor twice (the embeddings'), has its two added
+    assert [added(g) for g in (backward_second, backward_first)] == [0, 1]
+
+    def e4m3_casts(graph):
+        return sum(n.op == "call_function" and n.kwargs.get("dtype") == E4M3 for n in graph.nodes)
+
+    # the four weights' casts; the first layer casts its QKV's input too
+    assert (e4m3_casts(forward_first), e4m3_casts(forward_second)) == (5, 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def added(graph) -> int:
+    """How many adds of `graph` make a (tokens, hidden) tensor (32 x 32 here): two gradients of the stream summed."""
+    return sum(n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+               and tuple(n.meta["val"].shape) == (32, 32) for n in graph.nodes)
+
+
+def two_parts(graph) -> list[bool]:
+    """For each float8 norm backward of `graph`, in order, whether it takes y's gradient in two parts."""
+    return ["dy2" in n.kwargs or len(n.args) > 9 for n in graph.nodes
+            if n.op == "call_function" and "dropout_add_layer_norm_backward_fp8" in str(n.target)]
+
+
 def test_the_norm_op_casts_its_output_as_scaled_cast_does():
     g = torch.Generator().manual_seed(4)
     h, residual = (torch.randn(24, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     gamma, beta = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
     seed, scale = torch.tensor(9), torch.tensor(200.0)
-    *out, y_q, amax = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale)
+    *out, y_q, amax, y2 = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale)
     want = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, 0.1, 1e-12)
-    assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert all(torch.equal(a, b) for a, b in zip(out, want)) and y2.shape == (0, 32)
+    twice = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale, True)
+    assert torch.equal(twice[-1], want[0]) and twice[-1].data_ptr() != twice[0].data_ptr()  # y again, apart
     assert torch.equal(y_q.view(torch.uint8), (want[0].float() * 200).clamp(-448, 448).to(E4M3).view(torch.uint8))
     assert float(amax) == float(want[0].float().abs().max())
-    torch.library.opcheck(torch.ops.bert.dropout_add_layer_norm_fp8.default,
-                          (h, residual, gamma, beta, seed, 0.1, 1e-12, scale))
+    for twice in (False, True):
+        torch.library.opcheck(torch.ops.bert.dropout_add_layer_norm_fp8.default,
+                              (h, residual, gamma, beta, seed, 0.1, 1e-12, scale, twice))
     op = torch.ops.bert.dropout_add_layer_norm_fp8
     for args, message in [((h, residual[:3], gamma, beta, seed, 0.1, 1e-12, scale), "must be the same"),
                           ((h, residual, gamma, beta, None, 0.1, 1e-12, scale), "needs a seed"),
@@ -171,6 +247,7 @@ import sys, torch
 """ + NARROWING_PATCH + """
 from bert.model import triton_attention as ta
 from bert.model.fp8_delayed import E4M3
+from bert.model.layers import Stream
 
 bad = []
 # (lengths, dtype, p, scale): a sequence cut inside a tile, several tiles, dropout, a scale that saturates

@@ -127,7 +127,7 @@ def compiled_layer_step(model, *needles: str) -> tuple[list[str], list, list]:
 
     def step(module):
         leaf = x.clone().requires_grad_()
-        module(leaf, attend).square().sum().backward()
+        module(leaf, attend).x.square().sum().backward()
         return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
 
     want = step(copy.deepcopy(layer))  # the amaxes as they start, for both

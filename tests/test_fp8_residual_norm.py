@@ -173,7 +173,7 @@ def test_in_a_float8_layer_the_attention_outputs_two_gradients_reach_its_norm_ap
 
     def grads(module):
         leaf = x.clone().requires_grad_()
-        module(leaf, attend).square().sum().backward()
+        module(leaf, attend).x.square().sum().backward()
         return [leaf.grad] + [p.grad.clone() for p in module.parameters()]
 
     want = grads(copy.deepcopy(layer))  # the amaxes as they start, for both
@@ -323,12 +323,14 @@ for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.f
     gamma, beta = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype), (0.3 * torch.randn(n, generator=g)).to(dtype)
     seed = torch.tensor(987654321) if p else None
     out, plain = dan._outputs(h, r, p), dan._outputs(h, r, p)
-    y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(rows)
-    dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, out, (y_q, torch.tensor(scale), amaxes))
+    y_q, amaxes, y2 = torch.empty_like(out[0], dtype=E4M3), torch.empty(rows), torch.full_like(out[0], 7.0)
+    dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, out, (y_q, torch.tensor(scale), amaxes), y2)
     dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, plain)
     case = (rows, n, str(dtype), str(residual_dtype), p, scale)
     if not all(torch.equal(a, b) for a, b in zip(out[:2] + out[3:], plain[:2] + plain[3:])):
         bad.append(case + ("the float8 store changed the norm",))
+    if not torch.equal(y2, plain[0]):  # TWICE: y again, every element
+        bad.append(case + ("y2",))
     want = (out[0].float() * scale).clamp(-448, 448).to(E4M3)  # the kernel's own y, cast as scaled_cast casts
     if not torch.equal(y_q.view(torch.uint8), want.view(torch.uint8)):
         bad.append(case + ("y_q", (y_q.float() != want.float()).float().mean().item()))
@@ -346,7 +348,7 @@ sys.exit(1 if bad else 0)
 @needs_triton
 def test_the_forward_kernels_float8_store_matches_the_torch_cast_in_the_interpreter():
     """`bert::dropout_add_layer_norm_fp8`'s kernel path: the e4m3 copy is the kernel's own y cast as scaled_cast
-    casts, byte for byte, the amax its y's, and the norm's outputs unchanged by it."""
+    casts, byte for byte, the amax its y's, y's second copy (`twice`) y, and the norm's outputs unchanged by them."""
     run_check(FORWARD_INTERPRETER, timeout=600, interpret=True)
 
 

@@ -99,11 +99,12 @@ def _scale(p: float, compute: torch.dtype) -> float:
 if triton is not None:
     @triton.jit
     def _forward_rows(h, res, gamma, beta, dense_bias, seed, y, s, bits, mean_out, rstd_out, yq, cast_scale, amaxes,
-                      n, threshold, scale, eps, W: tl.constexpr, DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr,
-                      FLOAT8: tl.constexpr):
+                      y2, n, threshold, scale, eps, W: tl.constexpr, DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr,
+                      FLOAT8: tl.constexpr, TWICE: tl.constexpr):
         """FLOAT8: y also rounded to its dtype, times cast_scale, saturated and stored in e4m3 into yq, the next
         float8 linear's input, and the row's largest magnitude into amaxes[row] (infinity for a NaN: not kept), as
-        bert.model.fp8_residual_norm's `dropout_add_layer_norm_fp8` hands it on."""
+        bert.model.fp8_residual_norm's `dropout_add_layer_norm_fp8` hands it on. TWICE: y stored into y2 as well, a
+        tensor apart for its second reader (bert.model.layers' Stream across a graph's edge)."""
         t = tl.program_id(0).to(tl.int64)
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
@@ -127,6 +128,8 @@ if triton is not None:
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
         out = d * rstd * w + tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
         tl.store(y + at, out.to(y.dtype.element_ty), mask=inside)
+        if TWICE:
+            tl.store(y2 + at, out.to(y.dtype.element_ty), mask=inside)
         tl.store(s + at, x.to(s.dtype.element_ty), mask=inside)
         if FLOAT8:
             r = tl.where(inside, out.to(y.dtype.element_ty).to(tl.float32), 0.0)
@@ -205,9 +208,10 @@ def _on_triton(t: Tensor, stats: Tensor) -> bool:
 
 def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
                    seed: Tensor | None, p: float, eps: float, out: tuple[Tensor, ...],
-                   float8: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+                   float8: tuple[Tensor, Tensor, Tensor] | None = None, y2: Tensor | None = None) -> None:
     """The forward's Triton kernel into `out` (y, s, bits, mean, rstd), one program a row; on the current device.
-    With `float8` (y's e4m3 copy, the e4m3 scale, 0-dim fp32, and the rows' amaxes, fp32) y is also cast (FLOAT8)."""
+    With `float8` (y's e4m3 copy, the e4m3 scale, 0-dim fp32, and the rows' amaxes, fp32) y is also cast (FLOAT8);
+    with `y2` (y's shape and dtype) y is also stored there (TWICE)."""
     y, s, bits, mean, rstd = out
     rows, n = h.shape
     w = words_per_row(n)
@@ -215,8 +219,9 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
     # a flag off leaves its pointer unread: y stands in (an empty tensor's pointer may be null)
     _forward_rows[(rows,)](h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
                            y if seed is None else seed, y, s, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
-                           n, drop_threshold(p), _scale(p, torch.float32), eps, W=w, DROPOUT=p > 0,
-                           DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None, num_warps=_warps(w))
+                           y if y2 is None else y2, n, drop_threshold(p), _scale(p, torch.float32), eps, W=w,
+                           DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
+                           TWICE=y2 is not None, num_warps=_warps(w))
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,

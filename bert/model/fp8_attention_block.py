@@ -17,7 +17,7 @@ reads it.
 The arithmetic is the two units' step for step, so on the CPU, where the same runs in torch's ops, every output,
 gradient and amax equals theirs bit for bit (the QKV bias's sums as the float8 attention's). The backward is
 theirs in turn, the norm's two gradients apart (the output is a Stream, bert.model.layers). `apply_fp8_attention_block`
-swaps each attention sublayer's close for `Float8AttentionOutput`, whose `paired_after` BertAttention calls with
+swaps each attention sublayer's close for `Float8AttentionOutput`, whose `after` BertAttention calls with
 its opening unit; with another attention backend than ours (the planner is not `TritonAttend`), or on the last
 layer's kept rows (`LAST_LAYER_SUBSET`: the rows are cut between the two), it runs the two units as before.
 """
@@ -32,6 +32,7 @@ from bert.model.fp8_attention import Float8SelfAttention, linear_attention_backw
 from bert.model.fp8_delayed import (
     E4M3,
     amax_of,
+    autocast_on,
     cast_scale,
     float8_linear,
     keep_amax,
@@ -42,7 +43,7 @@ from bert.model.fp8_delayed import (
 )
 from bert.model.fp8_feed_forward import Float8FeedForwardOutput
 from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
-from bert.model.layers import QKV_PARTS, BertLayer, Stream
+from bert.model.layers import QKV_PARTS, BertEncoder, BertLayer, Stream
 from bert.model.philox import dropout_seed
 from bert.model.triton_attention import (
     TritonAttend,
@@ -97,9 +98,10 @@ class _Float8AttentionBlock(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, amax_x: Tensor, amax_g_qkv: Tensor,
                 w_o: Tensor, b_o: Tensor | None, amax_o: Tensor, amax_g_o: Tensor, residual: Tensor, gamma: Tensor,
                 beta: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int, p_attention: float,
-                seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float, amax_next: Tensor | None
-                ) -> tuple[Tensor, ...]:
-        x_q, inv_x = scaled_cast(x, amax_x, E4M3)
+                seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float, amax_next: Tensor | None,
+                x_q: Tensor | None, inv_x: Tensor | None) -> tuple[Tensor, ...]:
+        if x_q is None:  # else x came cast (a Stream's float8: the layer before cast it where it made it)
+            x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype)
         qkv = torch.unflatten(flat, -1, (len(QKV_PARTS), heads, -1))
         scale_o = cast_scale(amax_o, E4M3)  # the previous step's amax of the attention's output
@@ -114,7 +116,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
                                                                                 p, eps)
         else:
             scale_next = cast_scale(amax_next, E4M3)
-            y, s, norm_bits, mean, rstd, y_q, amax_y = torch.ops.bert.dropout_add_layer_norm_fp8(
+            y, s, norm_bits, mean, rstd, y_q, amax_y, _ = torch.ops.bert.dropout_add_layer_norm_fp8(
                 h, residual, gamma, beta, seed, p, eps, scale_next)
             handed = (y_q, scale_next.reciprocal(), amax_y)
         ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o, s, norm_bits, mean, rstd, gamma)
@@ -128,7 +130,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None, *_unused: None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
-            return (None,) * 21
+            return (None,) * 23
         saved = ctx.saved_tensors
         (amax_g_qkv, amax_g_o), (dtypes_qkv, dtypes_o) = ctx.amax_grads, ctx.dtypes
         # the norm and the projection (Float8ResidualOutput's backward, both of the output's gradients), then the
@@ -140,12 +142,13 @@ class _Float8AttentionBlock(torch.autograd.Function):
             dx, dw_qkv, db_qkv = linear_attention_backward(d_out, saved[4:9], ctx.max_seqlen, ctx.p_attention,
                                                            saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2])
         return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, dgamma, dbeta,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 class Float8AttentionOutput(Float8ResidualOutput):
     """An attention sublayer's close (a Float8ResidualOutput, the same submodules) that runs the whole sublayer with
-    its opening Float8SelfAttention as `_Float8AttentionBlock`, under our attention's planner (`paired_after`)."""
+    its opening Float8SelfAttention as `_Float8AttentionBlock`, under our attention's planner (`after`). A Stream whose
+    float8 the layer before cast (bert.model.fp8_feed_forward) gives the QKV its input in e4m3 and its amax."""
 
     @classmethod
     def from_module(cls, module: Float8ResidualOutput) -> Float8AttentionOutput:
@@ -155,40 +158,38 @@ class Float8AttentionOutput(Float8ResidualOutput):
 
     hands_on = False  # whether the FFN after it takes its output in e4m3 (`apply_fp8_attention_block`)
 
-    def paired_after(self, opening: Float8SelfAttention, x: Tensor, attend, into: nn.Module | None = None
-                     ) -> Stream:
+    def after(self, opening: Float8SelfAttention, stream: Stream, attend, into: nn.Module | None = None) -> Stream:
         if not isinstance(attend, TritonAttend):  # another backend's attention: the two units
-            return super().paired_after(opening, x, attend)
+            return super().after(opening, stream, attend)
         qkv, proj, norm = opening.qkv, self.dense, self.LayerNorm
+        x = stream.x
         p_attention = opening.dropout_p if opening.training else 0.0
         p = self.dropout.p if self.training else 0.0
         flat = qkv.flat_input(x)
         seed_attention = dropout_seed(p_attention, x.device)  # drawn in the two units' order
         # the FFN's first linear casts its input itself under autocast (into autocast's dtype, not y's)
-        next_linear = into.dense if self.hands_on and not _autocast(x) else None
+        next_linear = into.dense if self.hands_on and not autocast_on(x) else None
+        x_q, inv_x, amax_x = stream.float8 or (None, None, None)
         y, alias, amax, *handed = _Float8AttentionBlock.apply(
             flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
-            proj.amax_grad, x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
+            proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
-            dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input)
+            dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input, x_q, inv_x)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
-                record_amax(qkv.amax_input, flat)
+                if x_q is None:
+                    record_amax(qkv.amax_input, flat)
+                else:  # the layer before cast it, and took the amax of what it cast
+                    keep_amax(qkv.amax_input, amax_x)
                 keep_amax(proj.amax_input, amax)
-                if handed:
-                    keep_amax(next_linear.amax_input, handed[2])
-        float8 = (handed[0], handed[1]) if handed else None
-        return Stream(y.view(x.shape), alias.view(x.shape), float8)
-
-
-def _autocast(x: Tensor) -> bool:
-    return x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+        return Stream(y.view(x.shape), alias.view(x.shape), tuple(handed) or None)
 
 
 def apply_fp8_attention_block(model: nn.Module) -> list[str]:
     """Swap the close of every layer's BertAttention of `model` whose opening is a Float8SelfAttention and whose
     close a Float8ResidualOutput for a Float8AttentionOutput, in place (after the other float8 swaps, the FFN's
-    first: where the layer's FFN is one Function, the close hands it its input in e4m3); the names swapped."""
+    first); the names swapped. Where a layer's FFN is one Function, the close hands it its input in e4m3; where the
+    next layer's attention is one Function too, the FFN hands that its input (`hands_on`)."""
     swapped = []
     for name, layer in model.named_modules():
         block = getattr(layer, "attention", None)
@@ -197,4 +198,9 @@ def apply_fp8_attention_block(model: nn.Module) -> list[str]:
             block.output = Float8AttentionOutput.from_module(block.output)
             block.output.hands_on = isinstance(layer.output, Float8FeedForwardOutput)
             swapped.append(f"{name}.attention.output")
+    for encoder in model.modules():
+        if isinstance(encoder, BertEncoder):
+            for layer, following in zip(encoder.layer[:-1], encoder.layer[1:]):
+                if isinstance(layer.output, Float8FeedForwardOutput):
+                    layer.output.hands_on = isinstance(following.attention.output, Float8AttentionOutput)
     return swapped

@@ -217,15 +217,21 @@ class DelayedFloat8Linear(nn.Linear):
 
     def flat_input(self, x: Tensor) -> Tensor:
         """`x` as the GEMM takes it: (rows, in_features) row-major (_scaled_mm's first operand), and as nn.Linear
-        under autocast in autocast's dtype (torch 2.11 raises for a device autocast lacks: meta)."""
+        under autocast in autocast's dtype."""
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(flat.device.type):
+        if autocast_on(flat):
             flat = flat.to(torch.get_autocast_dtype(flat.device.type))
         return flat
 
     def records(self) -> bool:
         """Whether this forward records its input's amax: a training step's, not the eval's nor the no-grad's."""
         return self.training and torch.is_grad_enabled()
+
+
+def autocast_on(x: Tensor) -> bool:
+    """Whether autocast is on for x's device (torch 2.11 raises for a device autocast lacks: meta). A float8 close
+    then hands nothing on in e4m3: the next linear casts autocast's copy of its input, not the close's output."""
+    return x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
 
 
 class AmaxState:

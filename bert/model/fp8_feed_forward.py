@@ -17,8 +17,17 @@ Float8ResidualOutput) step for step. The GELU is GELU=rational's formula in fp32
 saturated to e4m3; its amax is of the rounded values, a non-finite one keeping the old. The backward is the two
 units' backwards in turn. So every output, gradient and amax equals theirs bit for bit on the CPU, where the same
 runs in torch's ops. `apply_fp8_feed_forward` swaps each layer's FFN close for `Float8FeedForwardOutput`, whose
-`after` BertLayer calls with the FFN's opening unit, after the other float8 swaps; parameters and their names are
+`ends` BertLayer calls with the FFN's opening unit, after the other float8 swaps; parameters and their names are
 the two units'.
+
+The layer's output. Where the next layer's attention sublayer is one Function too (bert.model.fp8_attention_block;
+`hands_on`), the norm hands it on as the attention's close hands the FFN its input: cast to e4m3 with the next QKV
+linear's delayed scale in the norm's kernel (`bert::dropout_add_layer_norm_fp8`), where inductor cast it again
+(1.8 GB of the all-ours float8 step), and written twice, two tensors apart (`twice`), so that the next layer's two
+gradients, its QKV's input gradient and its norm's residual gradient, reach this norm's backward kernel apart
+(`dy2`), where inductor added them in a pass of their own (3.5 GB). Within a compiled graph an alias would do; this
+output leaves the layer's graph under COMPILE_SCOPE=layers, where AOT autograd folds an alias back into one
+gradient, hence the second write (1.2 GB, against the add's 3.5).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from bert.model.fp8_bias_gelu import Float8BiasGELU, linear_gelu_backward
 from bert.model.fp8_delayed import (
     E4M3,
     amax_of,
+    autocast_on,
     cast_scale,
     float8_linear,
     keep_amax,
@@ -40,7 +50,7 @@ from bert.model.fp8_delayed import (
     saturated_cast,
     scaled_cast,
 )
-from bert.model.fp8_residual_norm import Float8ResidualOutput, linear_norm_backward
+from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
 from bert.model.gelu import rational_gelu_reference
 from bert.model.layers import BertLayer, Stream
 from bert.model.philox import dropout_seed
@@ -122,8 +132,8 @@ class _Float8FeedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, amax_x: Tensor, amax_g1: Tensor, w2: Tensor, b2: Tensor,
                 amax_a: Tensor, amax_g2: Tensor, residual: Tensor, gamma: Tensor, beta: Tensor,
-                seed: Tensor | None, p: float, eps: float, x_q: Tensor | None, inv_x: Tensor | None
-                ) -> tuple[Tensor, Tensor]:
+                seed: Tensor | None, p: float, eps: float, x_q: Tensor | None, inv_x: Tensor | None,
+                amax_next: Tensor | None) -> tuple[Tensor, ...]:
         if x_q is None:  # else x came cast (a Stream's float8: the close before cast it where it made it)
             x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         h, saved1 = float8_linear(x_q, inv_x, w1, b1, ctx.needs_input_grad[:2], x.dtype)
@@ -132,33 +142,42 @@ class _Float8FeedForward(torch.autograd.Function):
         # the GELU output's gradient wherever anything before it wants one
         needs2 = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
         h2, saved2 = float8_linear(a_q, scale_a.reciprocal(), w2, b2, needs2, x.dtype, a_qt)
-        y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h2, residual, gamma, beta, None, seed, p, eps)
+        handed = ()  # with the next layer's QKV's amax: y again, apart, and cast for that linear, 1 / its scale, amax
+        if amax_next is None:
+            y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h2, residual, gamma, beta, None, seed, p,
+                                                                           eps)
+        else:
+            scale_next = cast_scale(amax_next, E4M3)
+            y, s, bits, mean, rstd, y_q, amax_y, y2 = torch.ops.bert.dropout_add_layer_norm_fp8(
+                h2, residual, gamma, beta, seed, p, eps, scale_next, True)
+            handed = (y2, y_q, scale_next.reciprocal(), amax_y)
         ctx.save_for_backward(*saved1, h, *saved2, s, bits, mean, rstd, gamma)
-        ctx.mark_non_differentiable(amax)
+        ctx.mark_non_differentiable(amax, *handed[1:])
         ctx.set_materialize_grads(False)
         ctx.amax_grads, ctx.p = (amax_g1, amax_g2), p  # not saved: written in backward
         ctx.dtypes = (linear_dtypes(x, w1, b1), linear_dtypes(x, w2, b2))
-        return y, amax
+        return y, amax, *handed
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, _amax: None):
+    def backward(ctx, grad: Tensor | None, _amax: None, grad2: Tensor | None = None, *_unused: None):
+        grad, grad2 = first_read(grad, grad2)
         if grad is None:
-            return (None,) * 17
+            return (None,) * 18
         saved = ctx.saved_tensors
         (amax_g1, amax_g2), (dtypes1, dtypes2) = ctx.amax_grads, ctx.dtypes
         # the norm and the second linear (Float8ResidualOutput's backward), then the GELU and the first linear
         # (Float8BiasGELU's), where anything before it wants a gradient
-        da, dw2, db2, ds, dgamma, dbeta = linear_norm_backward(grad, None, saved[9:], ctx.p, saved[5:9], dtypes2,
+        da, dw2, db2, ds, dgamma, dbeta = linear_norm_backward(grad, grad2, saved[9:], ctx.p, saved[5:9], dtypes2,
                                                                amax_g2, ctx.needs_input_grad[6])
         dx = dw1 = db1 = None
         if da is not None:
             dx, dw1, db1 = linear_gelu_backward(da, saved[4], saved[:4], dtypes1, amax_g1, ctx.needs_input_grad[2])
-        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta, None, None, None, None, None
+        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta, None, None, None, None, None, None
 
 
 class Float8FeedForwardOutput(Float8ResidualOutput):
     """A layer's FFN close (a Float8ResidualOutput, the same submodules) that runs the whole FFN with its opening
-    Float8BiasGELU as `_Float8FeedForward` (`after`)."""
+    Float8BiasGELU as `_Float8FeedForward` (`ends`)."""
 
     @classmethod
     def from_module(cls, module: Float8ResidualOutput) -> Float8FeedForwardOutput:
@@ -166,21 +185,33 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
             raise ValueError(f"Float8FeedForwardOutput takes a Float8ResidualOutput, not {type(module).__name__}")
         return super().from_module(module)
 
-    def after(self, opening: Float8BiasGELU, stream: Stream) -> Tensor:
+    hands_on = False  # whether the next layer's attention takes its output in e4m3 (`apply_fp8_attention_block`)
+
+    def ends(self, opening: Float8BiasGELU, stream: Stream, into: nn.Module | None = None) -> Stream:
         fc1, fc2, norm, residual = opening.dense, self.dense, self.LayerNorm, stream.residual
         p = self.dropout.p if self.training else 0.0
         flat = fc1.flat_input(stream.x)
-        x_q, inv_x = stream.float8 or (None, None)
-        y, amax = _Float8FeedForward.apply(
+        x_q, inv_x, amax_x = stream.float8 or (None, None, None)
+        # the next layer's QKV, where its attention sublayer is one Function too (and not under autocast, whose
+        # copy of the input that linear would cast)
+        next_linear = into.self.qkv if into is not None and self.hands_on and not autocast_on(flat) else None
+        y, amax, *handed = _Float8FeedForward.apply(
             flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
             fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
-            dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x)
+            dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x,
+            None if next_linear is None else next_linear.amax_input)
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
-                if x_q is None:  # else the close that cast it kept it
+                if x_q is None:
                     record_amax(fc1.amax_input, flat)
+                else:  # the close that cast it took its amax
+                    keep_amax(fc1.amax_input, amax_x)
                 keep_amax(fc2.amax_input, amax)
-        return y.view(residual.shape)
+        y = y.view(residual.shape)
+        if not handed:  # one tensor twice: no layer after it takes two (the last), or the two would fold again
+            return Stream(y, y)
+        y2, *float8 = handed
+        return Stream(y, y2.view(residual.shape), tuple(float8))
 
 
 def apply_fp8_feed_forward(model: nn.Module) -> list[str]:

@@ -22,9 +22,10 @@ same runs in torch's ops.
 On the fake H100 the step with it moves 103.1 GB (ATTENTION=triton; results/bench/gpu_compile_fp8_norm.json): about
 even with inductor's own LayerNorm, no longer behind it. The residual gradient's add before our op (6.9 GB:
 autograd summed the next sublayer's two gradients first) is half ours now: the attention's norm returns its output
-as a Stream (`paired`, bert.model.layers), whose two gradients the kernel adds (`dy2`); the layer's output, which
-leaves a COMPILE_SCOPE=layers graph, is one tensor still (results/bench/gpu_compile_fp8_stream.json). The output's
-float8 cast (3.6 GB) stays inductor's.
+as a Stream (`paired`, bert.model.layers), whose two gradients the kernel adds (`dy2`;
+results/bench/gpu_compile_fp8_stream.json); the layer's output, which leaves a COMPILE_SCOPE=layers graph, is two
+tensors apart where the FFN is one Function (bert.model.fp8_feed_forward, `twice` below). The output's float8 cast
+(3.6 GB) is the norm's own there too (`dropout_add_layer_norm_fp8`).
 """
 
 from __future__ import annotations
@@ -100,30 +101,39 @@ key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
 
 @torch.library.custom_op("bert::dropout_add_layer_norm_fp8", mutates_args=())
 def dropout_add_layer_norm_fp8(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, seed: Tensor | None,
-                               p: float, eps: float, scale: Tensor
-                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), and y in e4m3 (rounded to its dtype, times `scale`,
+                               p: float, eps: float, scale: Tensor, twice: bool = False
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), y in e4m3 (rounded to its dtype, times `scale`,
     0-dim fp32, saturated) with its amax (fp32, of the rounded values): the next float8 linear's input, cast where
-    y is made (bert.model.fp8_attention_block hands it to the FFN)."""
+    y is made (bert.model.fp8_attention_block hands it to the FFN, bert.model.fp8_feed_forward to the next layer);
+    and with `twice` y again, a tensor apart (else 0 rows): the layer's output as two tensors (bert.model.layers'
+    Stream), written in the same pass."""
     check_forward(h, residual, p, seed)
     if scale.shape != ():
         raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
     out = _outputs(h, residual, p)
+    y2 = _second(out[0], twice)
     if not _on_triton(h, out[3]):  # the torch path: the norm's, then torch's cast
         forward_torch(h, residual, weight, bias, None, seed, p, eps, out)
-        return (*out, saturated_cast(out[0], scale, E4M3), amax_of(out[0]))
+        return (*out, saturated_cast(out[0], scale, E4M3), amax_of(out[0]), y2.copy_(out[0][:len(y2)]))
     if not h.shape[0]:
-        return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_zeros((), dtype=torch.float32))
+        return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_zeros((), dtype=torch.float32), y2)
     y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     with torch.cuda.device(h.device):  # Triton launches on the current device
-        launch_forward(h, residual, weight, bias, None, seed, p, eps, out, (y_q, scale.float(), amaxes))
-    return (*out, y_q, amaxes.amax())
+        launch_forward(h, residual, weight, bias, None, seed, p, eps, out, (y_q, scale.float(), amaxes),
+                       y2 if twice else None)
+    return (*out, y_q, amaxes.amax(), y2)
+
+
+def _second(y: Tensor, twice: bool) -> Tensor:
+    return y.new_empty((y.shape[0] if twice else 0, y.shape[1]))
 
 
 @dropout_add_layer_norm_fp8.register_fake
-def _(h, residual, weight, bias, seed, p, eps, scale):
+def _(h, residual, weight, bias, seed, p, eps, scale, twice=False):
     out = _outputs(h, residual, p)
-    return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_empty((), dtype=torch.float32))
+    return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_empty((), dtype=torch.float32),
+            _second(out[0], twice))
 
 
 key_on_source("bert::dropout_add_layer_norm_fp8", __file__)

@@ -21,21 +21,23 @@ from bert.model.config import BertConfig
 
 
 class Stream(NamedTuple):
-    """The attention sublayer's output as the FFN reads it: `x` for its first linear, `residual` for its closing
+    """A sublayer's output as the next sublayer reads it: `x` for its first linear, `residual` for its closing
     norm's residual, the same values. Two tensors so that their gradients can reach the norm that made them apart:
     under delayed float8 that norm's backward kernel adds them as it reads them (bert.model.fp8_residual_norm), where
     one tensor read twice has autograd add them first, in a pass of its own: a (T, hidden) tensor read twice and
-    written once, 3.5 GB of BERT-large's float8 step at 24,576 tokens on the fake H100. (In bf16 inductor gives
-    that add to cuBLAS, the FFN's input-gradient GEMM adding onto the residual's, free: the other norms return one
-    tensor twice.) An alias, not a copy: a compiled graph that returns both collapses them into one gradient again
-    (AOT autograd regenerates the alias outside the graph), so a layer's own output, which leaves the graph under
-    COMPILE_SCOPE=layers, stays one tensor."""
+    written once, 6.9 GB of BERT-large's float8 step at 24,576 tokens on the fake H100. (In bf16 inductor gives
+    that add to cuBLAS, the next input-gradient GEMM adding onto the residual's, free: the other norms return one
+    tensor twice.) Within a layer an alias will do; a layer's output, which leaves its graph under
+    COMPILE_SCOPE=layers, must be two tensors apart (the norm writes it twice), because a compiled graph that
+    returns an alias collapses the two into one gradient again (AOT autograd regenerates the alias outside the
+    graph)."""
 
     x: Tensor
     residual: Tensor
-    # x in e4m3 and 1 / its scale, where the close that made x cast it for the next float8 linear
-    # (bert.model.fp8_attention_block's, for the FFN's: its norm's kernel writes both)
-    float8: tuple[Tensor, Tensor] | None = None
+    # x in e4m3, 1 / its scale and its amax, where the close that made x cast it for the next float8 linear, with
+    # that linear's delayed scale: the linear skips its own cast and keeps the amax (bert.model.fp8_attention_block
+    # and bert.model.fp8_feed_forward, whose norms' kernels write the copy)
+    float8: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 class BertEmbeddings(nn.Module):
@@ -85,20 +87,22 @@ class BertResidualOutput(nn.Module):
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
         return self.LayerNorm(self.dropout(self.dense(h)) + residual)
 
-    def after(self, opening: nn.Module, stream: Stream) -> Tensor:
-        """This close of `opening`(stream.x), the sublayer's first unit: a close fused with its opening
-        (bert.model.fp8_feed_forward) runs both at once."""
-        return self(opening(stream.x), stream.residual)
-
-    def paired_after(self, opening: nn.Module, x: Tensor, *args, into: nn.Module | None = None) -> Stream:
-        """`paired` of `opening`(x, *args), the sublayer's first unit, over the residual x (`after`'s, as a Stream).
-        `into`: the next sublayer's first unit, for a close that casts its output for it
-        (bert.model.fp8_attention_block)."""
-        return self.paired(opening(x, *args), x)
+    def after(self, opening: nn.Module, stream: Stream, *args, into: nn.Module | None = None) -> Stream:
+        """This close of `opening`(stream.x, *args), the sublayer's first unit, over stream.residual, as a Stream
+        (`paired`). `into`: the unit the output goes into next, for a close that casts its output for it; a close
+        fused with its opening (bert.model.fp8_feed_forward, bert.model.fp8_attention_block) runs both at once."""
+        return self.paired(opening(stream.x, *args), stream.residual)
 
     def paired(self, h: Tensor, residual: Tensor) -> Stream:
         """The output as a Stream: here one tensor twice, whose two gradients autograd adds."""
         y = self(h, residual)
+        return Stream(y, y)
+
+    def ends(self, opening: nn.Module, stream: Stream, into: nn.Module | None = None) -> Stream:
+        """`after`, closing the layer: the output leaves it (a compiled graph's edge under COMPILE_SCOPE=layers,
+        where an alias folds back into one gradient), so it is one tensor twice, unless a close writes it twice
+        apart (bert.model.fp8_feed_forward's). `into`: the next layer's attention."""
+        y = self(opening(stream.x), stream.residual)
         return Stream(y, y)
 
 
@@ -108,14 +112,14 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertResidualOutput(cfg, cfg.hidden_size)
 
-    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None, into: nn.Module | None = None
+    def forward(self, stream: Stream, attend: Attend, rows: Tensor | None = None, into: nn.Module | None = None
                 ) -> Stream:
         """`rows`: after attention, go on with these token rows only (the last-layer subset, `last_layer.py`).
-        `into`: the unit the output goes into next (`paired_after`)."""
+        `into`: the unit the output goes into next (`BertResidualOutput.after`)."""
         if rows is None:
-            return self.output.paired_after(self.self, x, attend, into=into)
-        h = self.self(x, attend)
-        return self.output.paired(h.index_select(0, rows), x.index_select(0, rows))
+            return self.output.after(self.self, stream, attend, into=into)
+        h = self.self(stream.x, attend)
+        return self.output.paired(h.index_select(0, rows), stream.residual.index_select(0, rows))
 
 
 class BertIntermediate(nn.Module):
@@ -135,8 +139,13 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertResidualOutput(cfg, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, attend: Attend, rows: Tensor | None = None) -> Tensor:
-        return self.output.after(self.intermediate, self.attention(x, attend, rows, into=self.intermediate))
+    def forward(self, x: Tensor | Stream, attend: Attend, rows: Tensor | None = None,
+                into: BertAttention | None = None) -> Stream:
+        """The layer over x (a Stream, or one tensor for both its reads); `into`: the next layer's attention, for a
+        close that casts its output for the next float8 linear (bert.model.fp8_feed_forward)."""
+        stream = x if isinstance(x, Stream) else Stream(x, x)
+        stream = self.attention(stream, attend, rows, into=self.intermediate)
+        return self.output.ends(self.intermediate, stream, into=into)
 
 
 class BertEncoder(nn.Module):
@@ -145,11 +154,12 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
     def forward(self, x: Tensor, attend: Attend, last_rows: Tensor | None = None) -> Tensor:
-        """Every layer on every token; `last_rows`: the last layer's output holds only these rows."""
-        *layers, last = self.layer
-        for layer in layers:
-            x = layer(x, attend)
-        return last(x, attend, last_rows)
+        """Every layer on every token; `last_rows`: the last layer's output holds only these rows. Each layer hands
+        the next its output as a Stream, told the next's attention (`into`)."""
+        stream = Stream(x, x)
+        for layer, following in zip(self.layer[:-1], self.layer[1:]):
+            stream = layer(stream, attend, into=following.attention)
+        return self.layer[-1](stream, attend, last_rows).x
 
 
 class BertPooler(nn.Module):
