@@ -15,6 +15,7 @@ from test_fp8_feed_forward import (
     compiled_layer_step,
     train_step,
 )
+from test_fp8_residual_norm import second_gradient
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import from_flat
@@ -147,8 +148,9 @@ def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_
     attention = [name for name in seen if "attention" in name]
     assert attention == ["bert.triton_attention_fp8.default", "bert.triton_attention_backward_fp8.default"], seen
     # forward: the QKV's input and weight, the projection's weight, the FFN's two inputs and two weights; backward:
-    # the projection's and the FFN's two e5m2 gradients (the QKV's comes transposed from its op)
-    assert seen.count("bert.fp8_transpose.default") == (3 + 4) + 3, seen
+    # the FFN's first e5m2 gradient (the QKV's comes transposed from its op, the projection's and the FFN's second
+    # from the norms' backward kernels)
+    assert seen.count("bert.fp8_transpose.default") == (3 + 4) + 1, seen
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -203,8 +205,15 @@ def test_compiled_apart_two_layers_hand_over_two_gradients_apart_and_the_input_i
 
     # the four weights' casts; the first layer casts its QKV's input too
     assert (e4m3_casts(forward_first), e4m3_casts(forward_second)) == (5, 4)
+    # and transposes only the weights (and the first layer its QKV's input): every input's and every gradient's
+    # transposed copy comes from the kernel that made it, the norms' (TRANSPOSE) among them
+    assert [transposes(g) for g in graphs] == [5, 4, 0, 0]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def transposes(graph) -> int:
+    return sum(n.op == "call_function" and "fp8_transpose" in str(n.target) for n in graph.nodes)
 
 
 def added(graph) -> int:
@@ -215,8 +224,9 @@ def added(graph) -> int:
 
 def two_parts(graph) -> list[bool]:
     """For each float8 norm backward of `graph`, in order, whether it takes y's gradient in two parts."""
-    return ["dy2" in n.kwargs or len(n.args) > 9 for n in graph.nodes
+    return [second_gradient(n) for n in graph.nodes
             if n.op == "call_function" and "dropout_add_layer_norm_backward_fp8" in str(n.target)]
+
 
 
 def test_the_norm_op_casts_its_output_as_scaled_cast_does():
@@ -224,16 +234,21 @@ def test_the_norm_op_casts_its_output_as_scaled_cast_does():
     h, residual = (torch.randn(24, 32, generator=g).to(torch.bfloat16) for _ in range(2))
     gamma, beta = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
     seed, scale = torch.tensor(9), torch.tensor(200.0)
-    *out, y_q, amax, y2 = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale)
+    *out, y_q, amax, y2, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12,
+                                                                          scale)
     want = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, 0.1, 1e-12)
-    assert all(torch.equal(a, b) for a, b in zip(out, want)) and y2.shape == (0, 32)
+    assert all(torch.equal(a, b) for a, b in zip(out, want)) and y2.shape == (0, 32) and y_qt.shape == (0, 24)
     twice = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale, True)
-    assert torch.equal(twice[-1], want[0]) and twice[-1].data_ptr() != twice[0].data_ptr()  # y again, apart
+    assert torch.equal(twice[7], want[0]) and twice[7].data_ptr() != twice[0].data_ptr()  # y again, apart
     assert torch.equal(y_q.view(torch.uint8), (want[0].float() * 200).clamp(-448, 448).to(E4M3).view(torch.uint8))
     assert float(amax) == float(want[0].float().abs().max())
-    for twice in (False, True):
+    transposed = torch.ops.bert.dropout_add_layer_norm_fp8(h, residual, gamma, beta, seed, 0.1, 1e-12, scale, False,
+                                                           True)[-1]
+    assert transposed.shape == (32, 24) and transposed.is_contiguous() and transposed.dtype == E4M3
+    assert torch.equal(transposed.view(torch.uint8), y_q.view(torch.uint8).t())  # the same bytes, transposed
+    for twice, transposed in [(False, False), (True, False), (True, True)]:
         torch.library.opcheck(torch.ops.bert.dropout_add_layer_norm_fp8.default,
-                              (h, residual, gamma, beta, seed, 0.1, 1e-12, scale, twice))
+                              (h, residual, gamma, beta, seed, 0.1, 1e-12, scale, twice, transposed))
     op = torch.ops.bert.dropout_add_layer_norm_fp8
     for args, message in [((h, residual[:3], gamma, beta, seed, 0.1, 1e-12, scale), "must be the same"),
                           ((h, residual, gamma, beta, None, 0.1, 1e-12, scale), "needs a seed"),

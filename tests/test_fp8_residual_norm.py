@@ -123,8 +123,12 @@ def test_the_op_in_float64_is_layer_norms_gradient_scaled_and_rounded_to_e5m2():
     y = torch.nn.functional.layer_norm(x, (n,), leaves[2], leaves[3], 1e-12)
     exact = torch.autograd.grad(y, leaves, dy)
     scale = torch.tensor(64.0)
-    q, ds, sums, amax = OP(dy, s, bits, mean, rstd, gamma, p, torch.float64, scale)
+    q, ds, sums, amax, q_t = OP(dy, s, bits, mean, rstd, gamma, p, torch.float64, scale)
     assert (q.dtype, ds.dtype, sums.dtype, amax.dtype) == (E5M2, torch.float64, torch.float64, torch.float32)
+    assert q_t.shape == (0, rows)  # no transpose unless asked
+    q_t = OP(dy, s, bits, mean, rstd, gamma, p, torch.float64, scale, None, True)[4]
+    assert q_t.shape == (n, rows) and q_t.is_contiguous()
+    assert torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
     torch.testing.assert_close(ds, exact[1], rtol=0, atol=1e-12)
     torch.testing.assert_close(sums, torch.stack([exact[2], exact[3], exact[0].sum(0)]), rtol=0, atol=1e-11)
     torch.testing.assert_close(amax.double(), exact[0].abs().max(), rtol=1e-6, atol=0)
@@ -144,6 +148,7 @@ def test_opcheck_and_the_refusal():
                                                                    torch.tensor(11), 0.1, 1e-12)
     torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0)))
     torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0), h))
+    torch.library.opcheck(OP, (dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.tensor(8.0), h, True))
     with pytest.raises(ValueError, match="0-dim"):
         OP(dy, s, bits, mean, rstd, gamma, 0.1, torch.bfloat16, torch.ones(1))
     for wrong in (h[1:], h.double()):
@@ -167,7 +172,7 @@ def test_in_a_float8_layer_the_attention_outputs_two_gradients_reach_its_norm_ap
     parts = []
 
     def record(gm, example_inputs):
-        parts.extend("dy2" in n.kwargs or len(n.args) > 9 for n in gm.graph.nodes
+        parts.extend(second_gradient(n) for n in gm.graph.nodes
                      if n.op == "call_function" and "dropout_add_layer_norm_backward_fp8" in str(n.target))
         return make_boxed_func(gm.forward)
 
@@ -186,6 +191,11 @@ def test_in_a_float8_layer_the_attention_outputs_two_gradients_reach_its_norm_ap
     assert parts == [False, True], parts  # backward order: the FFN's norm first
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def second_gradient(node) -> bool:
+    """Whether a call of the float8 norm backward takes y's gradient in two parts (its `dy2`, the tenth argument)."""
+    return node.kwargs.get("dy2") is not None or (len(node.args) > 9 and node.args[9] is not None)
 
 
 def test_the_float8_model_swaps_each_sublayer_close_and_trains_as_the_unfused_one():
@@ -269,8 +279,11 @@ for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.f
     sc = torch.tensor(scale)
     case = (rows, n, str(dtype), str(residual_dtype), p, scale)
     kernel = frn._grads(dy, s, mean)
-    amax = dan.launch_backward(dy, s, bits, mean, rstd, gamma, p, kernel, (sc, dtype))
+    dht = torch.full((n, rows), 3.0).to(E5M2)
+    amax = dan.launch_backward(dy, s, bits, mean, rstd, gamma, p, kernel, (sc, dtype), None, dht)
     want = frn.dropout_add_layer_norm_backward_fp8(dy, s, bits, mean, rstd, gamma, p, dtype, sc)
+    if not torch.equal(dht.view(torch.uint8), kernel[0].view(torch.uint8).t()):  # TRANSPOSE: the kernel's own bytes
+        bad.append(case + ("dh transposed",))
     # fp32 sums in another order on each side: a rounding of the dtype apart at most
     off = (kernel[0].float() != want[0].float()).float().mean().item()
     if off > 0.01:
@@ -326,6 +339,16 @@ for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.f
     y_q, amaxes, y2 = torch.empty_like(out[0], dtype=E4M3), torch.empty(rows), torch.full_like(out[0], 7.0)
     dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, out, (y_q, torch.tensor(scale), amaxes), y2)
     dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, plain)
+    # TRANSPOSE: ROWS rows a program (the last one cut), every other output as one row a program's
+    rowwise, y_qt = dan._outputs(h, r, p), torch.full((n, rows), 5.0).to(E4M3)
+    y_q2, amaxes2 = torch.empty_like(y_q), torch.empty(rows)
+    dan.launch_forward(h, r, gamma, beta, None, seed, p, 1e-12, rowwise, (y_q2, torch.tensor(scale), amaxes2), None,
+                       y_qt)
+    if not all(torch.equal(a, b) for a, b in zip(rowwise + (y_q2.view(torch.uint8), amaxes2),
+                                                 out + (y_q.view(torch.uint8), amaxes))):
+        bad.append(case + ("ROWS rows a program changed an output",))
+    if not torch.equal(y_qt.view(torch.uint8), y_q.view(torch.uint8).t()):
+        bad.append(case + ("y_q transposed",))
     case = (rows, n, str(dtype), str(residual_dtype), p, scale)
     if not all(torch.equal(a, b) for a, b in zip(out[:2] + out[3:], plain[:2] + plain[3:])):
         bad.append(case + ("the float8 store changed the norm",))
@@ -364,10 +387,12 @@ for dtype, out in [("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp32"
     for w in (32, 256):
         signature = dict(dy=f"*{out}", dy2=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32", rstd_in="*fp32",
                          gamma=f"*{dtype}", dh="*fp8e5", ds=f"*{out}", sums="*fp32", cast_scale="*fp32",
-                         amaxes="*fp32", rows="i32", n="i32", scale="fp32", W="constexpr", ROWS="constexpr",
-                         DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr", SECOND="constexpr")
+                         amaxes="*fp32", dht="*fp8e5", rows="i32", n="i32", scale="fp32", W="constexpr",
+                         ROWS="constexpr", DROPOUT="constexpr", FLOAT8="constexpr", ROUND="constexpr",
+                         SECOND="constexpr", TRANSPOSE="constexpr")
+        # the model's at BERT-large's width: y's two gradients added in the kernel, d h stored transposed too
         constants = dict(W=w, ROWS=dan.ROWS, DROPOUT=True, FLOAT8=True, ROUND=dan.TRITON_DTYPES[round_to],
-                         SECOND=w == 256)  # the model's: y's two gradients added in the kernel
+                         SECOND=w == 256, TRANSPOSE=w == 256)
         try:
             triton.compile(ASTSource(dan._backward_rows, signature, constants), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=dan._warps(w)))

@@ -15,6 +15,12 @@ beta's gradients over the tokens in split reductions. Here:
 - **backward**, ROWS rows per program: read dy, s, the mask bits, mean and rstd; write the residual's gradient
   (LayerNorm's backward, d s) and h's (d s times the mask over 1 - p); gamma's, beta's and the bias's gradients are
   column sums each program keeps for its rows and writes once, summed over the programs after.
+- **transposed float8 copies** (TRANSPOSE, bert.model.fp8_residual_norm's ops): the float8 output (the forward's e4m3
+  y, the backward's e5m2 d h) is the next GEMM's operand, and its weight gradient's wants it transposed, tokens
+  contiguous. A row's transpose is a byte every T bytes, a sector a byte; so the program takes ROWS rows (the
+  forward too, then), and after a barrier reads its own block back (from L2, just written) ROWS x 128 at a time and
+  stores it transposed, ROWS = 32 tokens a column: a full 32-byte sector. `bert::fp8_transpose` read the whole copy
+  back from memory for it (one pass of a byte an element: 2.4 GB of BERT-large's float8 step on the fake H100).
 
 The mask is a pure function of the seed (a fresh 62-bit one each call, from torch's generator) and the element: element
 j of row t is dropped iff word j // W of Philox4x32-10(counter t * W + j % W, key seed) is below round(p * 2^32),
@@ -99,53 +105,78 @@ def _scale(p: float, compute: torch.dtype) -> float:
 if triton is not None:
     @triton.jit
     def _forward_rows(h, res, gamma, beta, dense_bias, seed, y, s, bits, mean_out, rstd_out, yq, cast_scale, amaxes,
-                      y2, n, threshold, scale, eps, W: tl.constexpr, DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr,
-                      FLOAT8: tl.constexpr, TWICE: tl.constexpr):
-        """FLOAT8: y also rounded to its dtype, times cast_scale, saturated and stored in e4m3 into yq, the next
-        float8 linear's input, and the row's largest magnitude into amaxes[row] (infinity for a NaN: not kept), as
-        bert.model.fp8_residual_norm's `dropout_add_layer_norm_fp8` hands it on. TWICE: y stored into y2 as well, a
-        tensor apart for its second reader (bert.model.layers' Stream across a graph's edge)."""
-        t = tl.program_id(0).to(tl.int64)
+                      y2, yqt, rows, n, threshold, scale, eps, W: tl.constexpr, ROWS: tl.constexpr,
+                      DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr, FLOAT8: tl.constexpr, TWICE: tl.constexpr,
+                      TRANSPOSE: tl.constexpr):
+        """ROWS rows a program, one at a time. FLOAT8: y also rounded to its dtype, times cast_scale, saturated and
+        stored in e4m3 into yq, the next float8 linear's input, and the row's largest magnitude into amaxes[row]
+        (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's `dropout_add_layer_norm_fp8` hands it on.
+        TWICE: y stored into y2 as well, a tensor apart for its second reader (bert.model.layers' Stream across a
+        graph's edge). TRANSPOSE (with FLOAT8): the program's rows of yq then stored transposed into yqt
+        (`_transpose_rows`)."""
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
         j = q * W + c  # the row as a (4, W) tile: column j is word q of counter c
         inside = j < n
-        at = t * n + j
-        x = tl.load(h + at, mask=inside, other=0.0).to(tl.float32)
-        if DENSE_BIAS:
-            x += tl.load(dense_bias + j, mask=inside, other=0.0).to(tl.float32)
-        if DROPOUT:
-            r0, r1, r2, r3 = tl.randint4x(tl.load(seed), t * W + tl.arange(0, W))
-            word = tl.where(q == 0, r0[None, :], tl.where(q == 1, r1[None, :], tl.where(q == 2, r2[None, :],
-                                                                                       r3[None, :])))
-            keep = (word.to(tl.int64) >= threshold) & inside  # zero-extended: the words are uint32
-            x = tl.where(keep, x * scale, 0.0)
-            tl.store(bits + t * W + tl.arange(0, W), tl.sum(keep.to(tl.int32) << q, axis=0).to(tl.uint8))
-        x += tl.load(res + at, mask=inside, other=0.0).to(tl.float32)
-        mean = tl.sum(x) / n
-        d = tl.where(inside, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(d * d) / n + eps)
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
-        out = d * rstd * w + tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
-        tl.store(y + at, out.to(y.dtype.element_ty), mask=inside)
-        if TWICE:
-            tl.store(y2 + at, out.to(y.dtype.element_ty), mask=inside)
-        tl.store(s + at, x.to(s.dtype.element_ty), mask=inside)
-        if FLOAT8:
-            r = tl.where(inside, out.to(y.dtype.element_ty).to(tl.float32), 0.0)
-            tl.store(yq + at, tl.clamp(r * tl.load(cast_scale), -448.0, 448.0).to(tl.float8e4nv), mask=inside)
-            tl.store(amaxes + t, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
-        tl.store(mean_out + t, mean)
-        tl.store(rstd_out + t, rstd)
+        b = tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
+        for i in tl.range(0, ROWS, num_stages=2):  # the next row's loads in flight during this one's sums
+            t = tl.program_id(0).to(tl.int64) * ROWS + i
+            here = t < rows
+            live = inside & here
+            at = t * n + j
+            x = tl.load(h + at, mask=live, other=0.0).to(tl.float32)
+            if DENSE_BIAS:
+                x += tl.load(dense_bias + j, mask=inside, other=0.0).to(tl.float32)
+            if DROPOUT:
+                r0, r1, r2, r3 = tl.randint4x(tl.load(seed), t * W + tl.arange(0, W))
+                word = tl.where(q == 0, r0[None, :], tl.where(q == 1, r1[None, :], tl.where(q == 2, r2[None, :],
+                                                                                           r3[None, :])))
+                keep = (word.to(tl.int64) >= threshold) & inside  # zero-extended: the words are uint32
+                x = tl.where(keep, x * scale, 0.0)
+                tl.store(bits + t * W + tl.arange(0, W), tl.sum(keep.to(tl.int32) << q, axis=0).to(tl.uint8),
+                         mask=here)
+            x += tl.load(res + at, mask=live, other=0.0).to(tl.float32)
+            mean = tl.sum(x) / n
+            d = tl.where(inside, x - mean, 0.0)
+            rstd = tl.rsqrt(tl.sum(d * d) / n + eps)
+            out = d * rstd * w + b
+            tl.store(y + at, out.to(y.dtype.element_ty), mask=live)
+            if TWICE:
+                tl.store(y2 + at, out.to(y.dtype.element_ty), mask=live)
+            tl.store(s + at, x.to(s.dtype.element_ty), mask=live)
+            if FLOAT8:
+                r = tl.where(inside, out.to(y.dtype.element_ty).to(tl.float32), 0.0)
+                tl.store(yq + at, tl.clamp(r * tl.load(cast_scale), -448.0, 448.0).to(tl.float8e4nv), mask=live)
+                tl.store(amaxes + t, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0), mask=here)
+            tl.store(mean_out + t, mean, mask=here)
+            tl.store(rstd_out + t, rstd, mask=here)
+        if TRANSPOSE:
+            _transpose_rows(yq, yqt, tl.program_id(0).to(tl.int64) * ROWS, rows, n, ROWS, 128)
 
     @triton.jit
-    def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, rows, n, scale,
-                       W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
-                       ROUND: tl.constexpr, SECOND: tl.constexpr):
+    def _transpose_rows(src, dst, t0, rows, n, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """Rows t0 .. t0 + ROWS of `src` (n wide, row-major: float8, as this program just stored them) into `dst`
+        (n x rows, row-major), transposed: ROWS tokens contiguous a column, a full 32-byte sector for ROWS = 32. The
+        barrier first: the other threads of the program stored those rows, and read back through L2 they cost no
+        pass over memory, where `bert::fp8_transpose` would read the whole copy again."""
+        tl.debug_barrier()
+        r = t0 + tl.arange(0, ROWS)
+        for c0 in range(0, n, COLS):
+            col = c0 + tl.arange(0, COLS)
+            inside = (r[:, None] < rows) & (col[None, :] < n)
+            tile = tl.load(src + r[:, None] * n + col[None, :], mask=inside)
+            tl.store(dst + col[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+    @triton.jit
+    def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, dht, rows, n,
+                       scale, W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
+                       ROUND: tl.constexpr, SECOND: tl.constexpr, TRANSPOSE: tl.constexpr):
         """FLOAT8: dh is h's gradient rounded to ROUND, times cast_scale, saturated to e5m2, and amaxes[program]
         its rows' largest magnitude (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's float8 dense
         takes it. SECOND: y's gradient is dy + dy2, rounded to dy's dtype as autograd's add rounds it
-        (bert.model.fp8_residual_norm's paired output)."""
+        (bert.model.fp8_residual_norm's paired output). TRANSPOSE (with FLOAT8): the program's rows of dh then stored
+        transposed into dht, the dense layer's weight-gradient operand (`_transpose_rows`)."""
         program = tl.program_id(0)
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
@@ -191,6 +222,8 @@ if triton is not None:
         tl.store(out + 2 * n, dbias, mask=inside)
         if FLOAT8:
             tl.store(amaxes + program, tl.max(tl.max(top, 1), 0))
+        if TRANSPOSE:
+            _transpose_rows(dh, dht, program.to(tl.int64) * ROWS, rows, n, ROWS, 128)
 
 
 TRITON_DTYPES = {} if triton is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -208,32 +241,40 @@ def _on_triton(t: Tensor, stats: Tensor) -> bool:
 
 def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
                    seed: Tensor | None, p: float, eps: float, out: tuple[Tensor, ...],
-                   float8: tuple[Tensor, Tensor, Tensor] | None = None, y2: Tensor | None = None) -> None:
+                   float8: tuple[Tensor, Tensor, Tensor] | None = None, y2: Tensor | None = None,
+                   yqt: Tensor | None = None) -> None:
     """The forward's Triton kernel into `out` (y, s, bits, mean, rstd), one program a row; on the current device.
     With `float8` (y's e4m3 copy, the e4m3 scale, 0-dim fp32, and the rows' amaxes, fp32) y is also cast (FLOAT8);
-    with `y2` (y's shape and dtype) y is also stored there (TWICE)."""
+    with `y2` (y's shape and dtype) y is also stored there (TWICE); with `yqt` (N x T, e4m3: with `float8`) the
+    copy is stored transposed there too (TRANSPOSE), ROWS rows a program."""
     y, s, bits, mean, rstd = out
     rows, n = h.shape
     w = words_per_row(n)
     yq, cast_scale, amaxes = float8 or (y, y, y)  # unread without FLOAT8
+    if yqt is not None and float8 is None:
+        raise ValueError("the transposed e4m3 copy needs the e4m3 copy (float8)")
+    per_program = 1 if yqt is None else ROWS  # a row's transpose is a byte a sector: ROWS rows' is a sector
     # a flag off leaves its pointer unread: y stands in (an empty tensor's pointer may be null)
-    _forward_rows[(rows,)](h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
-                           y if seed is None else seed, y, s, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
-                           y if y2 is None else y2, n, drop_threshold(p), _scale(p, torch.float32), eps, W=w,
-                           DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
-                           TWICE=y2 is not None, num_warps=_warps(w))
+    _forward_rows[(triton.cdiv(rows, per_program),)](
+        h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
+        y if seed is None else seed, y, s, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
+        y if y2 is None else y2, y if yqt is None else yqt, rows, n, drop_threshold(p), _scale(p, torch.float32), eps,
+        W=w, ROWS=per_program, DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
+        TWICE=y2 is not None, TRANSPOSE=yqt is not None, num_warps=_warps(w))
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
                     out: tuple[Tensor, ...], float8: tuple[Tensor, torch.dtype] | None = None,
-                    dy2: Tensor | None = None) -> Tensor | None:
+                    dy2: Tensor | None = None, dht: Tensor | None = None) -> Tensor | None:
     """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after.
     With `float8` (the e5m2 scale, 0-dim fp32, and the dtype h's gradient is rounded to) d h is e5m2 (`out[0]`'s
     dtype) and its amax is returned (the kernel's FLOAT8). With `dy2` (dy's shape and dtype), y's gradient is
-    dy + dy2 (SECOND)."""
+    dy + dy2 (SECOND). With `dht` (N x T, e5m2: with `float8`) d h is stored transposed there too (TRANSPOSE)."""
     dh, ds, sums = out
     rows, n = s.shape
     w = words_per_row(n)
+    if dht is not None and float8 is None:
+        raise ValueError("the transposed e5m2 gradient needs the e5m2 gradient (float8)")
     programs = triton.cdiv(rows, ROWS)
     partial = sums.new_empty((programs, 3, n))
     amaxes = sums.new_empty(programs if float8 else 0)
@@ -241,9 +282,10 @@ def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Ten
     dy = dy.contiguous()
     second = dy if dy2 is None else dy2.contiguous()  # unread without SECOND
     _backward_rows[(programs,)](dy, second, s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial,
-                                cast_scale, amaxes if float8 else sums, rows, n, _scale(p, torch.float32), W=w,
-                                ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None, ROUND=TRITON_DTYPES[round_to],
-                                SECOND=dy2 is not None, num_warps=_warps(w))
+                                cast_scale, amaxes if float8 else sums, dh if dht is None else dht, rows, n,
+                                _scale(p, torch.float32), W=w, ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None,
+                                ROUND=TRITON_DTYPES[round_to], SECOND=dy2 is not None, TRANSPOSE=dht is not None,
+                                num_warps=_warps(w))
     torch.sum(partial, 0, out=sums)  # one launch
     return amaxes.amax() if float8 else None
 

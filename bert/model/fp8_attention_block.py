@@ -35,11 +35,13 @@ from bert.model.fp8_delayed import (
     autocast_on,
     cast_scale,
     float8_linear,
+    handed_on,
     keep_amax,
     linear_dtypes,
     record_amax,
     saturated_cast,
     scaled_cast,
+    wants_transpose,
 )
 from bert.model.fp8_feed_forward import Float8FeedForwardOutput
 from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
@@ -99,10 +101,11 @@ class _Float8AttentionBlock(torch.autograd.Function):
                 w_o: Tensor, b_o: Tensor | None, amax_o: Tensor, amax_g_o: Tensor, residual: Tensor, gamma: Tensor,
                 beta: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int, p_attention: float,
                 seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float, amax_next: Tensor | None,
-                x_q: Tensor | None, inv_x: Tensor | None) -> tuple[Tensor, ...]:
+                transposed: bool, x_q: Tensor | None, inv_x: Tensor | None, x_qt: Tensor | None
+                ) -> tuple[Tensor, ...]:
         if x_q is None:  # else x came cast (a Stream's float8: the layer before cast it where it made it)
             x_q, inv_x = scaled_cast(x, amax_x, E4M3)
-        flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype)
+        flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype, x_qt)
         qkv = torch.unflatten(flat, -1, (len(QKV_PARTS), heads, -1))
         scale_o = cast_scale(amax_o, E4M3)  # the previous step's amax of the attention's output
         out, lse, bits, o_q, o_qt, amax = torch.ops.bert.triton_attention_fp8(
@@ -110,15 +113,17 @@ class _Float8AttentionBlock(torch.autograd.Function):
         # the attention output's gradient wherever anything before it wants one
         needs_o = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
         h, saved_o = float8_linear(o_q.flatten(1), scale_o.reciprocal(), w_o, b_o, needs_o, x.dtype, o_qt)
-        handed = ()  # with the next linear's amax: y cast for it where the norm makes it, 1 / the scale, the amax
+        # with the next linear's amax: y cast for it where the norm makes it, 1 / the scale, the amax, and with
+        # `transposed` the cast copy transposed (else 0 rows), that linear's weight-gradient operand
+        handed = ()
         if amax_next is None:
             y, s, norm_bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed,
                                                                                 p, eps)
         else:
             scale_next = cast_scale(amax_next, E4M3)
-            y, s, norm_bits, mean, rstd, y_q, amax_y, _ = torch.ops.bert.dropout_add_layer_norm_fp8(
-                h, residual, gamma, beta, seed, p, eps, scale_next)
-            handed = (y_q, scale_next.reciprocal(), amax_y)
+            y, s, norm_bits, mean, rstd, y_q, amax_y, _, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(
+                h, residual, gamma, beta, seed, p, eps, scale_next, False, transposed)
+            handed = (y_q, scale_next.reciprocal(), amax_y, y_qt)
         ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o, s, norm_bits, mean, rstd, gamma)
         ctx.mark_non_differentiable(amax, *handed)
         ctx.set_materialize_grads(False)  # an output unread: no zeros to add
@@ -130,7 +135,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None, *_unused: None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
-            return (None,) * 23
+            return (None,) * 25
         saved = ctx.saved_tensors
         (amax_g_qkv, amax_g_o), (dtypes_qkv, dtypes_o) = ctx.amax_grads, ctx.dtypes
         # the norm and the projection (Float8ResidualOutput's backward, both of the output's gradients), then the
@@ -142,7 +147,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
             dx, dw_qkv, db_qkv = linear_attention_backward(d_out, saved[4:9], ctx.max_seqlen, ctx.p_attention,
                                                            saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2])
         return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, dgamma, dbeta,
-                None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 class Float8AttentionOutput(Float8ResidualOutput):
@@ -169,12 +174,13 @@ class Float8AttentionOutput(Float8ResidualOutput):
         seed_attention = dropout_seed(p_attention, x.device)  # drawn in the two units' order
         # the FFN's first linear casts its input itself under autocast (into autocast's dtype, not y's)
         next_linear = into.dense if self.hands_on and not autocast_on(x) else None
-        x_q, inv_x, amax_x = stream.float8 or (None, None, None)
+        x_q, inv_x, amax_x, x_qt = stream.float8 or (None, None, None, None)
         y, alias, amax, *handed = _Float8AttentionBlock.apply(
             flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
             proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
-            dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input, x_q, inv_x)
+            dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input,
+            wants_transpose(next_linear), x_q, inv_x, x_qt)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:
@@ -182,7 +188,7 @@ class Float8AttentionOutput(Float8ResidualOutput):
                 else:  # the layer before cast it, and took the amax of what it cast
                     keep_amax(qkv.amax_input, amax_x)
                 keep_amax(proj.amax_input, amax)
-        return Stream(y.view(x.shape), alias.view(x.shape), tuple(handed) or None)
+        return Stream(y.view(x.shape), alias.view(x.shape), handed_on(handed, next_linear))
 
 
 def apply_fp8_attention_block(model: nn.Module) -> list[str]:

@@ -14,9 +14,11 @@ in the same pass. The weights, small, are scaled by their current amax.
 
 `torch._scaled_mm` takes its first operand row-major and its second column-major, so the backward's GEMMs read
 x_q, w_q and g_q transposed. The forward saves x_q's and w_q's transposed copies (only the ones a gradient needs),
-the backward makes g_q's. Each is made by `bert::fp8_transpose` (bert.model.fp8_transpose), a kernel inductor
-cannot fuse into the cast's: fused there, as `t().contiguous()` was, the row-wise kernels stored the copy a byte
-per 32-byte sector, and float8 ran slower than bf16 on an H200 (627 against 772 samples/s, 2026-11-27).
+the backward makes g_q's. Where our own kernel made the float8 tensor (the fused norms, GELU and attention of
+bert.model.fp8_*), it wrote the transpose too, a tile at a time; else it is made by `bert::fp8_transpose`
+(bert.model.fp8_transpose), a kernel inductor cannot fuse into the cast's: fused there, as `t().contiguous()` was,
+the row-wise kernels stored the copy a byte per 32-byte sector, and float8 ran slower than bf16 on an H200 (627
+against 772 samples/s, 2026-11-27).
 
 The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
 start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
@@ -232,6 +234,23 @@ def autocast_on(x: Tensor) -> bool:
     """Whether autocast is on for x's device (torch 2.11 raises for a device autocast lacks: meta). A float8 close
     then hands nothing on in e4m3: the next linear casts autocast's copy of its input, not the close's output."""
     return x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+
+
+def wants_transpose(linear: DelayedFloat8Linear | None) -> bool:
+    """Whether a close handing `linear` its input in e4m3 writes the copy transposed too, that linear's
+    weight-gradient operand: where its weight's gradient will be wanted (a training forward, the weight not
+    frozen), as `float8_linear` saves it."""
+    return linear is not None and torch.is_grad_enabled() and linear.weight.requires_grad
+
+
+def handed_on(handed, linear: DelayedFloat8Linear | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """A Stream's float8 from what a close's Function handed on (the e4m3 copy, 1 / its scale, its amax, its
+    transpose): the transpose None where `wants_transpose` did not ask for it (0 rows); None where nothing was
+    handed."""
+    if not handed:
+        return None
+    y_q, inv, amax, y_qt = handed
+    return y_q, inv, amax, y_qt if wants_transpose(linear) else None
 
 
 class AmaxState:

@@ -44,11 +44,13 @@ from bert.model.fp8_delayed import (
     autocast_on,
     cast_scale,
     float8_linear,
+    handed_on,
     keep_amax,
     linear_dtypes,
     record_amax,
     saturated_cast,
     scaled_cast,
+    wants_transpose,
 )
 from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
 from bert.model.gelu import rational_gelu_reference
@@ -133,24 +135,26 @@ class _Float8FeedForward(torch.autograd.Function):
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, amax_x: Tensor, amax_g1: Tensor, w2: Tensor, b2: Tensor,
                 amax_a: Tensor, amax_g2: Tensor, residual: Tensor, gamma: Tensor, beta: Tensor,
                 seed: Tensor | None, p: float, eps: float, x_q: Tensor | None, inv_x: Tensor | None,
-                amax_next: Tensor | None) -> tuple[Tensor, ...]:
+                x_qt: Tensor | None, amax_next: Tensor | None, transposed: bool) -> tuple[Tensor, ...]:
         if x_q is None:  # else x came cast (a Stream's float8: the close before cast it where it made it)
             x_q, inv_x = scaled_cast(x, amax_x, E4M3)
-        h, saved1 = float8_linear(x_q, inv_x, w1, b1, ctx.needs_input_grad[:2], x.dtype)
+        h, saved1 = float8_linear(x_q, inv_x, w1, b1, ctx.needs_input_grad[:2], x.dtype, x_qt)
         scale_a = cast_scale(amax_a, E4M3)  # the previous step's amax of the GELU's output
         a_q, a_qt, amax = torch.ops.bert.gelu_fp8(h, scale_a)
         # the GELU output's gradient wherever anything before it wants one
         needs2 = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
         h2, saved2 = float8_linear(a_q, scale_a.reciprocal(), w2, b2, needs2, x.dtype, a_qt)
-        handed = ()  # with the next layer's QKV's amax: y again, apart, and cast for that linear, 1 / its scale, amax
+        # with the next layer's QKV's amax: y again, apart, and cast for that linear, 1 / its scale, amax, and with
+        # `transposed` the cast copy transposed (else 0 rows)
+        handed = ()
         if amax_next is None:
             y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h2, residual, gamma, beta, None, seed, p,
                                                                            eps)
         else:
             scale_next = cast_scale(amax_next, E4M3)
-            y, s, bits, mean, rstd, y_q, amax_y, y2 = torch.ops.bert.dropout_add_layer_norm_fp8(
-                h2, residual, gamma, beta, seed, p, eps, scale_next, True)
-            handed = (y2, y_q, scale_next.reciprocal(), amax_y)
+            y, s, bits, mean, rstd, y_q, amax_y, y2, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(
+                h2, residual, gamma, beta, seed, p, eps, scale_next, True, transposed)
+            handed = (y2, y_q, scale_next.reciprocal(), amax_y, y_qt)
         ctx.save_for_backward(*saved1, h, *saved2, s, bits, mean, rstd, gamma)
         ctx.mark_non_differentiable(amax, *handed[1:])
         ctx.set_materialize_grads(False)
@@ -162,7 +166,7 @@ class _Float8FeedForward(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, _amax: None, grad2: Tensor | None = None, *_unused: None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:
-            return (None,) * 18
+            return (None,) * 20
         saved = ctx.saved_tensors
         (amax_g1, amax_g2), (dtypes1, dtypes2) = ctx.amax_grads, ctx.dtypes
         # the norm and the second linear (Float8ResidualOutput's backward), then the GELU and the first linear
@@ -172,7 +176,8 @@ class _Float8FeedForward(torch.autograd.Function):
         dx = dw1 = db1 = None
         if da is not None:
             dx, dw1, db1 = linear_gelu_backward(da, saved[4], saved[:4], dtypes1, amax_g1, ctx.needs_input_grad[2])
-        return dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta, None, None, None, None, None, None
+        return (dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta,
+                None, None, None, None, None, None, None, None)
 
 
 class Float8FeedForwardOutput(Float8ResidualOutput):
@@ -191,15 +196,15 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
         fc1, fc2, norm, residual = opening.dense, self.dense, self.LayerNorm, stream.residual
         p = self.dropout.p if self.training else 0.0
         flat = fc1.flat_input(stream.x)
-        x_q, inv_x, amax_x = stream.float8 or (None, None, None)
+        x_q, inv_x, amax_x, x_qt = stream.float8 or (None, None, None, None)
         # the next layer's QKV, where its attention sublayer is one Function too (and not under autocast, whose
         # copy of the input that linear would cast)
         next_linear = into.self.qkv if into is not None and self.hands_on and not autocast_on(flat) else None
         y, amax, *handed = _Float8FeedForward.apply(
             flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
             fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
-            dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x,
-            None if next_linear is None else next_linear.amax_input)
+            dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x, x_qt,
+            None if next_linear is None else next_linear.amax_input, wants_transpose(next_linear))
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:
@@ -211,7 +216,7 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
         if not handed:  # one tensor twice: no layer after it takes two (the last), or the two would fold again
             return Stream(y, y)
         y2, *float8 = handed
-        return Stream(y, y2.view(residual.shape), tuple(float8))
+        return Stream(y, y2.view(residual.shape), handed_on(float8, next_linear))
 
 
 def apply_fp8_feed_forward(model: nn.Module) -> list[str]:

@@ -25,7 +25,9 @@ autograd summed the next sublayer's two gradients first) is half ours now: the a
 as a Stream (`paired`, bert.model.layers), whose two gradients the kernel adds (`dy2`;
 results/bench/gpu_compile_fp8_stream.json); the layer's output, which leaves a COMPILE_SCOPE=layers graph, is two
 tensors apart where the FFN is one Function (bert.model.fp8_feed_forward, `twice` below). The output's float8 cast
-(3.6 GB) is the norm's own there too (`dropout_add_layer_norm_fp8`).
+(3.6 GB) is the norm's own there too (`dropout_add_layer_norm_fp8`). Both kernels also write their float8 output
+transposed (`transposed`, the kernels' TRANSPOSE), the weight gradient's operand, where `bert::fp8_transpose` read
+the copy back for it (96 calls, 2.4 GB of the step).
 """
 
 from __future__ import annotations
@@ -63,26 +65,31 @@ from bert.model.swap import swap_modules
 @torch.library.custom_op("bert::dropout_add_layer_norm_backward_fp8", mutates_args=())
 def dropout_add_layer_norm_backward_fp8(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor,
                                         weight: Tensor, p: float, h_dtype: torch.dtype, scale: Tensor,
-                                        dy2: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                        dy2: Tensor | None = None, transposed: bool = False
+                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`bert::dropout_add_layer_norm_backward`'s gradients with d h in e5m2 (rounded to `h_dtype` first, times
     `scale`, 0-dim fp32, saturated), and its amax (fp32, of the rounded values): d h, d s, the column sums (3, N),
-    the amax (module doc). `dy2`: y's gradient is dy + dy2, added in the kernel's pass (the paired output's)."""
+    the amax, and with `transposed` d h transposed ((N, T) contiguous: the dense layer's weight-gradient operand,
+    written by the same kernel; else 0 rows) (module doc). `dy2`: y's gradient is dy + dy2, added in the kernel's
+    pass (the paired output's)."""
     if scale.shape != ():
         raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
     if dy2 is not None and (dy2.shape != dy.shape or dy2.dtype != dy.dtype):
         raise ValueError(f"the second gradient {tuple(dy2.shape)} {dy2.dtype} must be the first's "
                          f"{tuple(dy.shape)} {dy.dtype}")
     dh, ds, sums = _grads(dy, s, mean)
+    dht = _transposed(dh, transposed)
     if not _on_triton(s, mean) or h_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         rounded = torch.empty_like(s, dtype=h_dtype)
         backward_torch(dy if dy2 is None else dy + dy2, s, bits, mean, rstd, weight, p, (rounded, ds, sums))
         dh.copy_(saturated_cast(rounded, scale, E5M2))
-        return dh, ds, sums, amax_of(rounded)
+        return dh, ds, sums, amax_of(rounded), dht.copy_(dh.t()[:len(dht)])
     if not s.shape[0]:
-        return dh, ds, sums.zero_(), scale.new_zeros((), dtype=torch.float32)
+        return dh, ds, sums.zero_(), scale.new_zeros((), dtype=torch.float32), dht
     with torch.cuda.device(s.device):  # Triton launches on the current device
-        amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype), dy2)
-    return dh, ds, sums, amax
+        amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype), dy2,
+                               dht if transposed else None)
+    return dh, ds, sums, amax, dht
 
 
 def _grads(dy: Tensor, s: Tensor, mean: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,9 +97,15 @@ def _grads(dy: Tensor, s: Tensor, mean: Tensor) -> tuple[Tensor, Tensor, Tensor]
             torch.empty((3, s.shape[1]), dtype=mean.dtype, device=s.device))
 
 
+def _transposed(t: Tensor, transposed: bool, dtype: torch.dtype | None = None) -> Tensor:
+    """An (N, T) tensor (of `dtype`, else `t`'s) for (T, N) `t` transposed, or (0, T) without `transposed`."""
+    return t.new_empty((t.shape[1] if transposed else 0, t.shape[0]), dtype=dtype or t.dtype)
+
+
 @dropout_add_layer_norm_backward_fp8.register_fake
-def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None):
-    return (*_grads(dy, s, mean), scale.new_empty((), dtype=torch.float32))
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None, transposed=False):
+    dh, ds, sums = _grads(dy, s, mean)
+    return dh, ds, sums, scale.new_empty((), dtype=torch.float32), _transposed(dh, transposed)
 
 
 # traced into compiled graphs by the op's name: an edit here (or of the norm's kernels, keyed there) must miss them
@@ -101,28 +114,31 @@ key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
 
 @torch.library.custom_op("bert::dropout_add_layer_norm_fp8", mutates_args=())
 def dropout_add_layer_norm_fp8(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, seed: Tensor | None,
-                               p: float, eps: float, scale: Tensor, twice: bool = False
-                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                               p: float, eps: float, scale: Tensor, twice: bool = False, transposed: bool = False
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), y in e4m3 (rounded to its dtype, times `scale`,
     0-dim fp32, saturated) with its amax (fp32, of the rounded values): the next float8 linear's input, cast where
     y is made (bert.model.fp8_attention_block hands it to the FFN, bert.model.fp8_feed_forward to the next layer);
-    and with `twice` y again, a tensor apart (else 0 rows): the layer's output as two tensors (bert.model.layers'
-    Stream), written in the same pass."""
+    with `twice` y again, a tensor apart (else 0 rows): the layer's output as two tensors (bert.model.layers'
+    Stream); and with `transposed` the e4m3 copy transposed ((N, T) contiguous, else 0 rows): the next linear's
+    weight-gradient operand. All written in the same kernel."""
     check_forward(h, residual, p, seed)
     if scale.shape != ():
         raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
     out = _outputs(h, residual, p)
     y2 = _second(out[0], twice)
+    y_qt = _transposed(out[0], transposed, E4M3)
     if not _on_triton(h, out[3]):  # the torch path: the norm's, then torch's cast
         forward_torch(h, residual, weight, bias, None, seed, p, eps, out)
-        return (*out, saturated_cast(out[0], scale, E4M3), amax_of(out[0]), y2.copy_(out[0][:len(y2)]))
+        y_q = saturated_cast(out[0], scale, E4M3)
+        return (*out, y_q, amax_of(out[0]), y2.copy_(out[0][:len(y2)]), y_qt.copy_(y_q.t()[:len(y_qt)]))
     if not h.shape[0]:
-        return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_zeros((), dtype=torch.float32), y2)
+        return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_zeros((), dtype=torch.float32), y2, y_qt)
     y_q, amaxes = torch.empty_like(out[0], dtype=E4M3), torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     with torch.cuda.device(h.device):  # Triton launches on the current device
         launch_forward(h, residual, weight, bias, None, seed, p, eps, out, (y_q, scale.float(), amaxes),
-                       y2 if twice else None)
-    return (*out, y_q, amaxes.amax(), y2)
+                       y2 if twice else None, y_qt if transposed else None)
+    return (*out, y_q, amaxes.amax(), y2, y_qt)
 
 
 def _second(y: Tensor, twice: bool) -> Tensor:
@@ -130,10 +146,10 @@ def _second(y: Tensor, twice: bool) -> Tensor:
 
 
 @dropout_add_layer_norm_fp8.register_fake
-def _(h, residual, weight, bias, seed, p, eps, scale, twice=False):
+def _(h, residual, weight, bias, seed, p, eps, scale, twice=False, transposed=False):
     out = _outputs(h, residual, p)
-    return (*out, torch.empty_like(out[0], dtype=E4M3), scale.new_empty((), dtype=torch.float32),
-            _second(out[0], twice))
+    y_q = torch.empty_like(out[0], dtype=E4M3)
+    return (*out, y_q, scale.new_empty((), dtype=torch.float32), _second(out[0], twice), _transposed(y_q, transposed))
 
 
 key_on_source("bert::dropout_add_layer_norm_fp8", __file__)
@@ -180,11 +196,12 @@ def linear_norm_backward(grad: Tensor, grad2: Tensor | None, norm_saved, p: floa
     s, bits, mean, rstd, gamma = norm_saved
     h_dtype = dtypes[0]  # the GEMM's output: the input's dtype
     scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
-    g_q, ds, sums, amax = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
+    wants_dw = linear_saved[0] is not None  # the input's transpose saved: the weight's gradient is wanted
+    g_q, ds, sums, amax, g_qt = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
         grad.contiguous(), s, bits, mean, rstd, gamma, p, h_dtype, scale,
-        None if grad2 is None else grad2.contiguous())
+        None if grad2 is None else grad2.contiguous(), wants_dw)
     keep_amax(amax_grad, amax)  # the next step's scale
-    dx, dw = float8_grads(linear_saved, dtypes, g_q, scale.reciprocal(), h_dtype)
+    dx, dw = float8_grads(linear_saved, dtypes, g_q, scale.reciprocal(), h_dtype, g_qt if wants_dw else None)
     return dx, dw, sums[2].to(dtypes[2]) if needs_bias else None, ds, sums[0], sums[1]
 
 

@@ -34,10 +34,11 @@ class Stream(NamedTuple):
 
     x: Tensor
     residual: Tensor
-    # x in e4m3, 1 / its scale and its amax, where the close that made x cast it for the next float8 linear, with
-    # that linear's delayed scale: the linear skips its own cast and keeps the amax (bert.model.fp8_attention_block
-    # and bert.model.fp8_feed_forward, whose norms' kernels write the copy)
-    float8: tuple[Tensor, Tensor, Tensor] | None = None
+    # x in e4m3, 1 / its scale, its amax and the copy transposed (None where that linear's weight wants no
+    # gradient), where the close that made x cast it for the next float8 linear, with that linear's delayed scale:
+    # the linear skips its own cast and its input's transpose and keeps the amax (bert.model.fp8_attention_block
+    # and bert.model.fp8_feed_forward, whose norms' kernels write the copies)
+    float8: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None
 
 
 class BertEmbeddings(nn.Module):
