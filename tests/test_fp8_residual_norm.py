@@ -264,11 +264,12 @@ from bert.model.fp8_delayed import E5M2
 
 bad = []
 # (rows, n, dtype, residual dtype, p, scale): a last program cut, a row not a power of two, autocast's fp32
-# residual, a scale that saturates
+# residual, a scale that saturates, a row wider than a transposed tile
 for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.float32, 0.1, 40.0),
                                                  (70, 100, torch.bfloat16, torch.bfloat16, 0.3, 3e4),
                                                  (33, 128, torch.bfloat16, torch.float32, 0.0, 1.0),
-                                                 (40, 64, torch.float16, torch.float16, 0.1, 500.0)]:
+                                                 (40, 64, torch.float16, torch.float16, 0.1, 500.0),
+                                                 (36, 300, torch.bfloat16, torch.bfloat16, 0.1, 1e3)]:
     g = torch.Generator().manual_seed(rows)
     h, r = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(residual_dtype)
     gamma, beta = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype), (0.3 * torch.randn(n, generator=g)).to(dtype)
@@ -327,10 +328,11 @@ from bert.model.fp8_delayed import E4M3
 
 bad = []
 # (rows, n, dtype, residual dtype, p, scale): a row not a power of two, autocast's fp32 residual, a scale that
-# saturates
+# saturates, a row wider than a transposed tile
 for rows, n, dtype, residual_dtype, p, scale in [(45, 96, torch.float32, torch.float32, 0.1, 40.0),
                                                  (30, 100, torch.bfloat16, torch.bfloat16, 0.3, 3e3),
-                                                 (33, 128, torch.bfloat16, torch.float32, 0.0, 1.0)]:
+                                                 (33, 128, torch.bfloat16, torch.float32, 0.0, 1.0),
+                                                 (40, 300, torch.bfloat16, torch.bfloat16, 0.1, 20.0)]:
     g = torch.Generator().manual_seed(rows)
     h, r = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(residual_dtype)
     gamma, beta = (1 + 0.3 * torch.randn(n, generator=g)).to(dtype), (0.3 * torch.randn(n, generator=g)).to(dtype)
@@ -429,3 +431,31 @@ def test_cuda_the_kernel_matches_the_torch_path(monkeypatch):
     torch.testing.assert_close(got[1].float(), want[1].float(), rtol=2**-7, atol=2**-5)
     torch.testing.assert_close(got[2], want[2], rtol=1e-3, atol=1e-1)
     torch.testing.assert_close(got[3], want[3], rtol=1e-2, atol=0)
+    # TRANSPOSE: d h's bytes transposed, every other output the kernel's without it (the same programs' order)
+    transposed = OP(dy, s, bits, mean, rstd, gamma, p, torch.bfloat16, scale, None, True)
+    plain = OP(dy, s, bits, mean, rstd, gamma, p, torch.bfloat16, scale)
+    assert torch.equal(transposed[4].view(torch.uint8), transposed[0].view(torch.uint8).t())
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(transposed[:4], plain[:4]))
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor's bytes (torch.equal compares them, not float8 values, which it cannot), else the tensor."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_forward_kernel_rows_a_program_and_its_transpose():
+    """`bert::dropout_add_layer_norm_fp8` at BERT-large's width in bf16 (24,405 tokens, the last program's rows cut):
+    with `transposed` (ROWS rows a program, each block read back after the barrier) every output is the one-row
+    kernel's bit for bit, and the transposed copy is the e4m3 copy's bytes transposed: a missing barrier shows here."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    rows, n = 24405, 1024
+    h, r = (torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    gamma = (1 + 0.3 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
+    beta = 0.3 * torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+    args = (h, r, gamma, beta, torch.tensor(3, device="cuda"), 0.1, 1e-12, torch.tensor(50.0, device="cuda"), True)
+    plain, transposed = torch.ops.bert.dropout_add_layer_norm_fp8(*args), torch.ops.bert.dropout_add_layer_norm_fp8(
+        *args, True)
+    assert plain[8].shape == (0, rows) and transposed[8].shape == (n, rows)
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(plain[:8], transposed[:8]))
+    assert torch.equal(transposed[8].view(torch.uint8), transposed[5].view(torch.uint8).t())
