@@ -185,10 +185,12 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
     attend = ta.triton_varlen(SeqLayout.from_lengths(LENGTHS))
     x, grad = data(torch.float32, seed=4)
     want = step(eager, attend, x, grad)
-    seen, got = compiled_ops(compiled_module, lambda m: step(m, attend, x, grad), "triton_attention", "fp8_transpose")
-    # the forward transposes x_q and w_q; the backward's gradient comes transposed from the op, so none there
-    assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.triton_attention.default",
-                                                         "bert.triton_attention_backward_fp8.default"], seen
+    seen, got = compiled_ops(compiled_module, lambda m: step(m, attend, x, grad), "triton_attention", "fp8_transpose",
+                             "fp8_cast_transpose")
+    # the forward casts w with its transpose and transposes x_q; the backward's gradient comes transposed from the
+    # op, so none there
+    assert seen == ["bert.fp8_cast_transpose.default", "bert.fp8_transpose.default", "bert.triton_attention.default",
+                    "bert.triton_attention_backward_fp8.default"], seen
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)
 

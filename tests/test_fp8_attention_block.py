@@ -144,13 +144,15 @@ def test_compiled_the_outputs_copy_is_not_transposed_again_and_the_step_matches_
     """AOT autograd's graphs of one layer: the attention's op writes the projection's transposed input, so the
     forward transposes only the QKV's input and the four weights and the FFN's two inputs. Compiled by inductor,
     the step equals eager."""
-    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "triton_attention")
+    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "fp8_cast_transpose",
+                                           "triton_attention")
     attention = [name for name in seen if "attention" in name]
     assert attention == ["bert.triton_attention_fp8.default", "bert.triton_attention_backward_fp8.default"], seen
-    # forward: the QKV's input and weight, the projection's weight, the FFN's two inputs and two weights; backward:
-    # the FFN's first e5m2 gradient (the QKV's comes transposed from its op, the projection's and the FFN's second
-    # from the norms' backward kernels)
-    assert seen.count("bert.fp8_transpose.default") == (3 + 4) + 1, seen
+    # forward: the QKV's input and the FFN's two inputs; backward: the FFN's first e5m2 gradient (the QKV's comes
+    # transposed from its op, the projection's and the FFN's second from the norms' backward kernels); the four
+    # weights are cast with their transposes
+    assert seen.count("bert.fp8_transpose.default") == 3 + 1, seen
+    assert seen.count("bert.fp8_cast_transpose.default") == 4, seen
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -203,17 +205,19 @@ def test_compiled_apart_two_layers_hand_over_two_gradients_apart_and_the_input_i
     def e4m3_casts(graph):
         return sum(n.op == "call_function" and n.kwargs.get("dtype") == E4M3 for n in graph.nodes)
 
-    # the four weights' casts; the first layer casts its QKV's input too
-    assert (e4m3_casts(forward_first), e4m3_casts(forward_second)) == (5, 4)
-    # and transposes only the weights (and the first layer its QKV's input): every input's and every gradient's
+    # only the first layer casts an input, its QKV's (the four weights are cast by their op, with their transposes)
+    assert (e4m3_casts(forward_first), e4m3_casts(forward_second)) == (1, 0)
+    assert [ops(g, "fp8_cast_transpose") for g in graphs] == [4, 4, 0, 0]
+    # and transposes nothing else (but the first layer its QKV's input): every input's and every gradient's
     # transposed copy comes from the kernel that made it, the norms' (TRANSPOSE) among them
-    assert [transposes(g) for g in graphs] == [5, 4, 0, 0]
+    assert [ops(g, "fp8_transpose") for g in graphs] == [1, 0, 0, 0]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
-def transposes(graph) -> int:
-    return sum(n.op == "call_function" and "fp8_transpose" in str(n.target) for n in graph.nodes)
+def ops(graph, name: str) -> int:
+    """How many calls of our op `name` (`bert::<name>`) `graph` holds."""
+    return sum(n.op == "call_function" and str(n.target) == f"bert.{name}.default" for n in graph.nodes)
 
 
 def added(graph) -> int:

@@ -187,9 +187,12 @@ def test_compiled_the_op_is_one_node_of_the_backward_and_the_step_matches_eager(
     g = torch.Generator().manual_seed(4)
     x, grad = torch.randn(32, 64, generator=g), torch.randn(32, 128, generator=g)
     want = step(eager, x, grad)
-    seen, got = compiled_ops(compiled_module, lambda m: step(m, x, grad), "gelu_backward_fp8", "fp8_transpose")
-    # the forward transposes x_q and w_q; the backward's g_q comes transposed from the op, so none there
-    assert seen == ["bert.fp8_transpose.default"] * 2 + ["bert.gelu_backward_fp8.default"], seen
+    seen, got = compiled_ops(compiled_module, lambda m: step(m, x, grad), "gelu_backward_fp8", "fp8_transpose",
+                             "fp8_cast_transpose")
+    # the forward casts w with its transpose and transposes x_q; the backward's g_q comes transposed from the op, so
+    # none there
+    assert seen == ["bert.fp8_cast_transpose.default", "bert.fp8_transpose.default",
+                    "bert.gelu_backward_fp8.default"], seen
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)
 

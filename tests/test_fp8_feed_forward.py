@@ -172,14 +172,15 @@ def test_compiled_the_gelus_copy_is_not_transposed_again_and_the_step_matches_ea
     """AOT autograd's graphs of one layer: the forward transposes the first linear's input and the two weights, the
     GELU's op writes the second input's transposed copy; the backward transposes neither of the FFN's gradients (the
     norm's and the GELU backward's kernels write them transposed too). Compiled by inductor, the step equals eager."""
-    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "gelu_fp8",
-                                           "gelu_backward_fp8")
+    seen, got, want = compiled_layer_step(model_pair(dropout=0.0)[0], "fp8_transpose", "fp8_cast_transpose",
+                                           "gelu_fp8", "gelu_backward_fp8")
     ffn = [name for name in seen if "gelu" in name]
     assert ffn == ["bert.gelu_fp8.default", "bert.gelu_backward_fp8.default"], seen
-    # forward: the attention sublayer's two linears' inputs and weights, the FFN's first input and two weights;
-    # backward: the QKV's gradient, cast by inductor under padded attention (the out-projection's and the FFN's
-    # second come transposed from the norms' backward kernels)
-    assert seen.count("bert.fp8_transpose.default") == (4 + 3) + 1, seen
+    # forward: the attention sublayer's two linears' inputs, the FFN's first input; backward: the QKV's gradient,
+    # cast by inductor under padded attention (the out-projection's and the FFN's second come transposed from the
+    # norms' backward kernels); the four weights are cast with their transposes
+    assert seen.count("bert.fp8_transpose.default") == (2 + 1) + 1, seen
+    assert seen.count("bert.fp8_cast_transpose.default") == 4, seen
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

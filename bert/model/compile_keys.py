@@ -42,7 +42,7 @@ SOURCES: dict[str, str] = {}  # "torch.ops.<namespace>.<op>" -> its module's has
 OP_MODULES = ("bert.model.cuda_varlen", "bert.model.cudnn_varlen", "bert.model.fp8_transpose",
               "bert.optim.bias_correction", "bert.model.dropout_add_norm", "bert.model.triton_attention",
               "bert.model.bias_gelu", "bert.model.fp8_bias_gelu", "bert.model.fp8_residual_norm",
-              "bert.model.fp8_attention")
+              "bert.model.fp8_attention", "bert.model.fp8_feed_forward", "bert.model.fp8_attention_block")
 
 
 def source_hash(file: str | Path) -> str:

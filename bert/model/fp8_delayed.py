@@ -5,7 +5,8 @@ pass over the tensor after a reduction over it. Compiled, that ran BERT-large at
 (2026-11-26). With delayed scaling the input's and the output gradient's scales come from the previous step's
 amax: the cast needs nothing computed from the tensor itself, so inductor can fuse it into the kernel that makes
 the tensor (LayerNorm, GELU, the attention output), with this step's amax, the next step's scale, as a reduction
-in the same pass. The weights, small, are scaled by their current amax.
+in the same pass. The weights, small, are scaled by their current amax (a reduction of inductor's, then one
+pass of ours that writes the e4m3 copy and its transpose, `bert::fp8_cast_transpose`).
 
     forward   y  = (x_q @ w_q^T) / (s_x s_w) + b        x_q = e4m3(x s_x), w_q = e4m3(w s_w)
     backward  dx = (g_q @ w_q) / (s_g s_w)              g_q = e5m2(g s_g)
@@ -40,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from bert.model.fp8_transpose import fp8_transpose
+from bert.model.fp8_transpose import fp8_cast_transpose, fp8_transpose
 from bert.model.swap import swap_modules
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -113,13 +114,15 @@ def float8_linear(x_q: Tensor, inv_x: Tensor, w: Tensor, bias: Tensor | None, ne
     """x @ w^T + b in `dtype` from the input already in e4m3 (x_q, and 1 / its scale), and the backward's four
     operands (`float8_grads`) for `needs` (whether dx, dw are wanted); `x_qt`, x_q transposed (contiguous), where
     the kernel that made x_q wrote it too, else made here."""
-    w_q, inv_w = scaled_cast(w, w.detach().abs().amax(), E4M3)
     # the backward's operands in its GEMMs' layouts (module doc): x_q^T for dw and w_q^T for dx, row-major;
     # neither in an eval or no-grad forward
     needs_dx, needs_dw = needs
+    scale_w = cast_scale(w.detach().abs().amax(), E4M3)
+    w_q, w_qt = fp8_cast_transpose(w, scale_w) if needs_dx else (saturated_cast(w, scale_w, E4M3), None)
+    inv_w = scale_w.reciprocal()
     if needs_dw and x_qt is None:
         x_qt = fp8_transpose(x_q)
-    saved = [x_qt if needs_dw else None, fp8_transpose(w_q) if needs_dx else None, inv_x, inv_w]
+    saved = [x_qt if needs_dw else None, w_qt, inv_x, inv_w]
     return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w,
                             bias=None if bias is None else bias.to(dtype), out_dtype=dtype), saved
 

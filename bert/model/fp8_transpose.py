@@ -15,9 +15,12 @@ here). On CUDA it is a Triton kernel of 64 x 64-byte tiles, on the CPU a transpo
 moved, so the result is exact whatever the float8 format (the test checks every byte against torch's transpose,
 the Triton kernel in Triton's interpreter).
 
-Each transpose is a custom op called from Python, launching its kernel from Python: about 290 a BERT-large step,
-host time that hides behind the GPU's only while the step is GPU-bound (not measured yet; `torch.library.triton_op`
-would let inductor launch the kernel from its own wrapper).
+Most float8 tensors now come transposed from the kernel that made them (the norms', the GELU's, the attention's);
+what is left here is the first layer's input and the last layer's on its kept rows, 4 calls a BERT-large step. A
+weight is cast and transposed in one pass (`bert::fp8_cast_transpose`, 96 calls a step: its e4m3 copy, the forward
+GEMM's, and the copy transposed, the input gradient's), a 64 x 64 tile at a time as the plain transpose. Each is a
+custom op launching its kernel from Python, host time that hides behind the GPU's only while the step is
+GPU-bound (not measured yet; `torch.library.triton_op` would let inductor launch the kernel from its own wrapper).
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ if triton is not None:
         inside = (r[:, None] < rows) & (c[None, :] < cols)
         tile = tl.load(src + r[:, None].to(tl.int64) * cols + c[None, :], mask=inside)
         tl.store(dst + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+    @triton.jit
+    def _cast_transpose_tiles(src, scale, dst, dst_t, rows, cols, TILE: tl.constexpr):
+        r = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        at = r[:, None].to(tl.int64) * cols + c[None, :]
+        x = tl.load(src + at, mask=inside, other=0.0).to(tl.float32)
+        # saturated_cast's arithmetic: fp32 product, clamped to e4m3's largest, rounded to nearest even
+        q = tl.clamp(x * tl.load(scale), -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(dst + at, q, mask=inside)
+        tl.store(dst_t + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(q), mask=tl.trans(inside))
 
 
 def launch_transpose(src: Tensor, dst: Tensor) -> None:
@@ -75,6 +91,42 @@ def _(t: Tensor) -> Tensor:
     return t.new_empty((t.shape[1], t.shape[0]))
 
 
+def launch_cast_transpose(src: Tensor, scale: Tensor, dst: Tensor, dst_t: Tensor) -> None:
+    """The Triton kernel: `dst` (rows x cols) = e4m3(`src` x `scale`, saturated) and `dst_t` (cols x rows) the same
+    transposed, both contiguous e4m3; `src` contiguous, `scale` 0-dim fp32."""
+    rows, cols = src.shape
+    _cast_transpose_tiles[(triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))](src, scale, dst, dst_t, rows, cols,
+                                                                               TILE=TILE)
+
+
+@torch.library.custom_op("bert::fp8_cast_transpose", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def fp8_cast_transpose(t: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The 2-d `t` times `scale` (0-dim fp32), saturated and cast to e4m3 (bert.model.fp8_delayed's
+    `saturated_cast`), and that copy transposed, both contiguous, in one pass: a weight's two float8 copies, the
+    forward GEMM's and the input gradient's. Inductor cast the weight in a kernel of its own and this op's plain
+    transpose read the copy back (0.7 GB of BERT-large's float8 step on the fake H100, 96 launches each)."""
+    from bert.model.fp8_delayed import E4M3, saturated_cast  # that module imports this one
+
+    if t.dim() != 2 or scale.shape != ():
+        raise ValueError(f"fp8_cast_transpose takes a 2-d tensor and a 0-dim scale, got {tuple(t.shape)} and "
+                         f"{tuple(scale.shape)}")
+    if not (t.is_cuda and triton is not None and t.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        q = saturated_cast(t, scale, E4M3)
+        return q, q.t().clone(memory_format=torch.contiguous_format)
+    q, q_t = t.new_empty(t.shape, dtype=E4M3), t.new_empty((t.shape[1], t.shape[0]), dtype=E4M3)
+    if t.numel():
+        with torch.cuda.device(t.device):  # Triton launches on the current device
+            launch_cast_transpose(t.contiguous(), scale.float(), q, q_t)
+    return q, q_t
+
+
+@fp8_cast_transpose.register_fake
+def _(t: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    e4m3 = torch.float8_e4m3fn
+    return t.new_empty(t.shape, dtype=e4m3), t.new_empty((t.shape[1], t.shape[0]), dtype=e4m3)
+
+
 # called inside delayed float8's autograd Function, which is traced into cached graphs by the op's name: an edit
 # here must miss them (bert.model.compile_keys)
 key_on_source("bert::fp8_transpose", __file__)
+key_on_source("bert::fp8_cast_transpose", __file__)
