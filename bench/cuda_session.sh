@@ -266,7 +266,7 @@ skip() {  # name why
 }
 
 # Every name checked before the first step: a typo found at its turn would come after device time spent on the rest.
-STEPS=(setup shards tests host-syncs model model-compiled model-ours model-attention attention-tiles model-graphs model-optimizer fp8-linear)
+STEPS=(setup shards tests tests-fp8 host-syncs model model-compiled model-ours model-attention attention-tiles model-graphs model-optimizer fp8-linear)
 for name in "$@"; do
   if [[ $name == driver-* ]]; then
     [[ -v DRIVERS[${name#driver-}] ]] ||
@@ -311,6 +311,11 @@ for name in "$@"; do
         tests/test_resume.py::test_the_shared_state_is_loaded_onto_this_ranks_device \
         tests/test_grad_reduce.py::test_cuda_hierarchical_sum_chains_its_steps_on_streams_over_nccl \
         tests/test_ps.py::test_cuda_buckets_go_through_pinned_copies_and_come_back_summed ;;
+    tests-fp8)
+      # the float8 units' kernels on the GPU (their interpreter and sm_90 checks ran on the CPU): the CUDA tests only
+      step tests-fp8 180 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs -k cuda \
+        tests/test_fp8_bias_gelu.py tests/test_fp8_residual_norm.py tests/test_fp8_attention.py \
+        tests/test_fp8_feed_forward.py tests/test_fp8_attention_block.py ;;
     host-syncs)
       # the bf16 cases (the H100 configs' family); fp16: the check before plain LAMB, the skip over masters
       step host-syncs 240 python3 bench/host_syncs.py --device cuda --only " bf16 " "fp16 clip=after" \

@@ -42,8 +42,8 @@ fp8_linear = load_script("bench/fp8_linear.py")
 attention_tiles = load_script("bench/attention_tiles.py")
 
 SCRIPT = ROOT / "bench" / "cuda_session.sh"
-STEPS = ["setup", "shards", "tests", "model", "model-compiled", "model-ours", "model-attention", "attention-tiles",
-         "model-graphs", "model-optimizer", "host-syncs", "fp8-linear"]
+STEPS = ["setup", "shards", "tests", "tests-fp8", "model", "model-compiled", "model-ours", "model-attention",
+         "attention-tiles", "model-graphs", "model-optimizer", "host-syncs", "fp8-linear"]
 
 
 def brought_back(out: Path) -> dict[str, bytes]:
