@@ -459,3 +459,17 @@ def test_cuda_the_forward_kernel_rows_a_program_and_its_transpose():
     assert plain[8].shape == (0, rows) and transposed[8].shape == (n, rows)
     assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(plain[:8], transposed[:8]))
     assert torch.equal(transposed[8].view(torch.uint8), transposed[5].view(torch.uint8).t())
+
+
+def test_a_transposed_copy_without_the_float8_copy_is_refused():
+    """The kernels' TRANSPOSE transposes their own float8 output: asked for without FLOAT8 there is nothing to
+    transpose, and the launchers refuse before any kernel starts."""
+    from bert.model import dropout_add_norm as dan
+
+    h = torch.randn(4, 8)
+    out = dan._outputs(h, h, 0.0)
+    with pytest.raises(ValueError, match="needs the e4m3 copy"):
+        dan.launch_forward(h, h, torch.ones(8), torch.zeros(8), None, None, 0.0, 1e-12, out, yqt=torch.empty(8, 4))
+    with pytest.raises(ValueError, match="needs the e5m2 gradient"):
+        dan.launch_backward(h, out[1], out[2], out[3], out[4], torch.ones(8), 0.0, frn._grads(h, out[1], out[3]),
+                            dht=torch.empty(8, 4))

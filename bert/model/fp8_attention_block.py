@@ -175,12 +175,13 @@ class Float8AttentionOutput(Float8ResidualOutput):
         # the FFN's first linear casts its input itself under autocast (into autocast's dtype, not y's)
         next_linear = into.dense if self.hands_on and not autocast_on(x) else None
         x_q, inv_x, amax_x, x_qt = stream.float8 or (None, None, None, None)
+        transposed = wants_transpose(next_linear)
         y, alias, amax, *handed = _Float8AttentionBlock.apply(
             flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
             proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
             dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input,
-            wants_transpose(next_linear), x_q, inv_x, x_qt)
+            transposed, x_q, inv_x, x_qt)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:
@@ -188,7 +189,7 @@ class Float8AttentionOutput(Float8ResidualOutput):
                 else:  # the layer before cast it, and took the amax of what it cast
                     keep_amax(qkv.amax_input, amax_x)
                 keep_amax(proj.amax_input, amax)
-        return Stream(y.view(x.shape), alias.view(x.shape), handed_on(handed, next_linear))
+        return Stream(y.view(x.shape), alias.view(x.shape), handed_on(handed, transposed))
 
 
 def apply_fp8_attention_block(model: nn.Module) -> list[str]:

@@ -246,14 +246,14 @@ def wants_transpose(linear: DelayedFloat8Linear | None) -> bool:
     return linear is not None and torch.is_grad_enabled() and linear.weight.requires_grad
 
 
-def handed_on(handed, linear: DelayedFloat8Linear | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+def handed_on(handed, transposed: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
     """A Stream's float8 from what a close's Function handed on (the e4m3 copy, 1 / its scale, its amax, its
-    transpose): the transpose None where `wants_transpose` did not ask for it (0 rows); None where nothing was
-    handed."""
+    transpose): the transpose None where the close was not asked for it (`transposed`: 0 rows then); None where
+    nothing was handed."""
     if not handed:
         return None
     y_q, inv, amax, y_qt = handed
-    return y_q, inv, amax, y_qt if wants_transpose(linear) else None
+    return y_q, inv, amax, y_qt if transposed else None
 
 
 class AmaxState:

@@ -200,11 +200,12 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
         # the next layer's QKV, where its attention sublayer is one Function too (and not under autocast, whose
         # copy of the input that linear would cast)
         next_linear = into.self.qkv if into is not None and self.hands_on and not autocast_on(flat) else None
+        transposed = wants_transpose(next_linear)
         y, amax, *handed = _Float8FeedForward.apply(
             flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
             fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
             dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x, x_qt,
-            None if next_linear is None else next_linear.amax_input, wants_transpose(next_linear))
+            None if next_linear is None else next_linear.amax_input, transposed)
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:
@@ -216,7 +217,7 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
         if not handed:  # one tensor twice: no layer after it takes two (the last), or the two would fold again
             return Stream(y, y)
         y2, *float8 = handed
-        return Stream(y, y2.view(residual.shape), handed_on(float8, next_linear))
+        return Stream(y, y2.view(residual.shape), handed_on(float8, transposed))
 
 
 def apply_fp8_feed_forward(model: nn.Module) -> list[str]:
