@@ -96,6 +96,12 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                       "precision": "fp8", "fp8_recipe": "delayed",
                                                       "static_tokens": 512, "attention": "triton",
                                                       "residual_norm": "fused", "bias_gelu": "fused"}, "step"),
+    # the same with RESIDUAL_NORM=fused-lean: each norm's backward from its output, no sum written
+    "fp8-delayed-lean-norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                           "precision": "fp8", "fp8_recipe": "delayed",
+                                                           "static_tokens": 512, "attention": "triton",
+                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
+                                                          "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
 }

@@ -90,7 +90,8 @@ class ModelConfig:
     residual_norm: str = opt("torch", "how each sublayer closes, dropout(dense + bias) + residual -> LayerNorm: "
                              "torch's modules (eager, or fused by inductor under COMPILE), or fused: one Triton kernel "
                              "each way with a Philox call per four elements and the mask kept as bits "
-                             "(bert.model.dropout_add_norm)", env="RESIDUAL_NORM",
+                             "(bert.model.dropout_add_norm), or fused-lean: the same, its backward from the output "
+                             "as apex's memory-efficient LayerNorm, no sum kept", env="RESIDUAL_NORM",
                              registry="bert.model.dropout_add_norm:RESIDUAL_NORMS")
     gelu: str = opt("torch", "the FFN's and MLM head's exact GELU: torch's (erf), or rational: erfc as a rational "
                     "function of one exp2, fewer instructions an element in the compiled GELU kernels, within 6e-8 |x| "

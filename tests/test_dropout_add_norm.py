@@ -333,26 +333,27 @@ for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32
                              cast_scale="*fp32", amaxes="*fp32", y2=f"*{out}",
                              yqt="*fp8e4nv" if float8 else f"*{out}", rows="i32", n="i32", threshold=threshold,
                              scale="fp32", eps="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr",
-                             DENSE_BIAS="constexpr", FLOAT8="constexpr", TWICE="constexpr", TRANSPOSE="constexpr")
+                             DENSE_BIAS="constexpr", FLOAT8="constexpr", TWICE="constexpr", TRANSPOSE="constexpr",
+                             SUM="constexpr")
             # TWICE and TRANSPOSE with FLOAT8: the float8 FFN's close, which writes the layer's output twice and its
             # e4m3 copy transposed, ROWS rows a program
             handing = float8 and w == 256
             try:
                 compile(dan._forward_rows, signature, dict(W=w, ROWS=dan.ROWS if handing else 1, DROPOUT=dropout,
                                                            DENSE_BIAS=dense_bias, FLOAT8=float8, TWICE=handing,
-                                                           TRANSPOSE=handing), w)
+                                                           TRANSPOSE=handing, SUM=w != 32), w)
             except Exception as e:
                 bad.append(("forward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
         for dropout in (True, False):
             signature = dict(dy=f"*{out}", dy2=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32",
-                             rstd_in="*fp32", gamma=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}", sums="*fp32",
-                             cast_scale="*fp32", amaxes="*fp32", dht=f"*{dtype}", rows="i32", n="i32",
+                             rstd_in="*fp32", gamma=f"*{dtype}", beta=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}",
+                             sums="*fp32", cast_scale="*fp32", amaxes="*fp32", dht=f"*{dtype}", rows="i32", n="i32",
                              scale="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr", FLOAT8="constexpr",
-                             ROUND="constexpr", SECOND="constexpr", TRANSPOSE="constexpr")
-            try:
+                             ROUND="constexpr", SECOND="constexpr", TRANSPOSE="constexpr", FROM_Y="constexpr")
+            try:  # x_hat from y (RESIDUAL_NORM=fused-lean) with dropout, from s without
                 compile(dan._backward_rows, signature, dict(W=w, ROWS=dan.ROWS, DROPOUT=dropout, FLOAT8=False,
                                                             ROUND=dan.TRITON_DTYPES[torch.float32], SECOND=False,
-                                                            TRANSPOSE=False), w)
+                                                            TRANSPOSE=False, FROM_Y=dropout), w)
             except Exception as e:
                 bad.append(("backward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
 print("bad", bad)

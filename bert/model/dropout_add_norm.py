@@ -21,6 +21,13 @@ beta's gradients over the tokens in split reductions. Here:
   forward too, then), and after a barrier reads its own block back (from L2, just written) ROWS x 128 at a time and
   stores it transposed, ROWS = 32 tokens a column: a full 32-byte sector. `bert::fp8_transpose` read the whole copy
   back from memory for it (one pass of a byte an element: 2.4 GB of BERT-large's float8 step on the fake H100).
+- **the backward from the output** (`from_output`, RESIDUAL_NORM=fused-lean), as apex's memory-efficient LayerNorm
+  (and Megatron's `--memory-efficient-layer-norm`): the forward writes no sum (SUM off) and the backward reads y,
+  recovering x_hat = (y - beta) / gamma (FROM_Y). y is written anyway, for the next sublayer, so one (T, N) store
+  a norm goes: 48 of BERT-large's step, 50 MB each at 24,576 tokens. Under float8 y becomes the saved tensor in
+  the sum's place (the next linear saves its e4m3 copy, not y); in bf16 the next linear saves y already, so the sum's
+  memory goes too. The price is y's rounding (bf16) carried into x_hat, times |beta / gamma| where that is large; a
+  gamma of 0 loses x_hat (NaN gradients, which the driver's NaN check stops on). Opt-in, as in apex.
 
 The mask is a pure function of the seed (a fresh 62-bit one each call, from torch's generator) and the element: element
 j of row t is dropped iff word j // W of Philox4x32-10(counter t * W + j % W, key seed) is below round(p * 2^32),
@@ -52,7 +59,9 @@ try:
 except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
     triton = None
 
-RESIDUAL_NORMS = ("torch", "fused")  # RESIDUAL_NORM: nn.Dropout + add + nn.LayerNorm (eager or compiled), or this
+# RESIDUAL_NORM: nn.Dropout + add + nn.LayerNorm (eager or compiled), or this, keeping the sum for the backward or
+# (fused-lean) recovering x_hat from the output
+RESIDUAL_NORMS = ("torch", "fused", "fused-lean")
 ROWS = 32  # rows a backward program takes: its column sums are written once per ROWS rows
 
 
@@ -107,13 +116,14 @@ if triton is not None:
     def _forward_rows(h, res, gamma, beta, dense_bias, seed, y, s, bits, mean_out, rstd_out, yq, cast_scale, amaxes,
                       y2, yqt, rows, n, threshold, scale, eps, W: tl.constexpr, ROWS: tl.constexpr,
                       DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr, FLOAT8: tl.constexpr, TWICE: tl.constexpr,
-                      TRANSPOSE: tl.constexpr):
+                      TRANSPOSE: tl.constexpr, SUM: tl.constexpr):
         """ROWS rows a program, one at a time. FLOAT8: y also rounded to its dtype, times cast_scale, saturated and
         stored in e4m3 into yq, the next float8 linear's input, and the row's largest magnitude into amaxes[row]
         (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's `dropout_add_layer_norm_fp8` hands it on.
         TWICE: y stored into y2 as well, a tensor apart for its second reader (bert.model.layers' Stream across a
         graph's edge). TRANSPOSE (with FLOAT8): the program's rows of yq then stored transposed into yqt
-        (`_transpose_rows`)."""
+        (`_transpose_rows`). SUM: the sum stored into s, the backward's input; without it the backward reads y
+        (FROM_Y)."""
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
         j = q * W + c  # the row as a (4, W) tile: column j is word q of counter c
@@ -144,7 +154,8 @@ if triton is not None:
             tl.store(y + at, out.to(y.dtype.element_ty), mask=live)
             if TWICE:
                 tl.store(y2 + at, out.to(y.dtype.element_ty), mask=live)
-            tl.store(s + at, x.to(s.dtype.element_ty), mask=live)
+            if SUM:
+                tl.store(s + at, x.to(s.dtype.element_ty), mask=live)
             if FLOAT8:
                 r = tl.where(inside, out.to(y.dtype.element_ty).to(tl.float32), 0.0)
                 tl.store(yq + at, tl.clamp(r * tl.load(cast_scale), -448.0, 448.0).to(tl.float8e4nv), mask=live)
@@ -169,20 +180,24 @@ if triton is not None:
             tl.store(dst + col[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile), mask=tl.trans(inside))
 
     @triton.jit
-    def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, dh, ds, sums, cast_scale, amaxes, dht, rows, n,
-                       scale, W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
-                       ROUND: tl.constexpr, SECOND: tl.constexpr, TRANSPOSE: tl.constexpr):
+    def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, beta, dh, ds, sums, cast_scale, amaxes, dht, rows,
+                       n, scale, W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
+                       ROUND: tl.constexpr, SECOND: tl.constexpr, TRANSPOSE: tl.constexpr, FROM_Y: tl.constexpr):
         """FLOAT8: dh is h's gradient rounded to ROUND, times cast_scale, saturated to e5m2, and amaxes[program]
         its rows' largest magnitude (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's float8 dense
         takes it. SECOND: y's gradient is dy + dy2, rounded to dy's dtype as autograd's add rounds it
         (bert.model.fp8_residual_norm's paired output). TRANSPOSE (with FLOAT8): the program's rows of dh then stored
-        transposed into dht, the dense layer's weight-gradient operand (`_transpose_rows`)."""
+        transposed into dht, the dense layer's weight-gradient operand (`_transpose_rows`). FROM_Y: `s` is the
+        forward's output y, and x_hat is (y - beta) / gamma (the forward stored no sum: its SUM off)."""
         program = tl.program_id(0)
         q = tl.arange(0, 4)[:, None]
         c = tl.arange(0, W)[None, :]
         j = q * W + c
         inside = j < n
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
+        if FROM_Y:
+            b = tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
+            inv_w = tl.where(inside, 1.0 / w, 0.0)
         dgamma = tl.zeros((4, W), dtype=tl.float32)
         dbeta = tl.zeros((4, W), dtype=tl.float32)
         dbias = tl.zeros((4, W), dtype=tl.float32)
@@ -196,8 +211,11 @@ if triton is not None:
                 g = (g + tl.load(dy2 + at, mask=live, other=0.0).to(tl.float32)).to(dy.dtype.element_ty)
                 g = g.to(tl.float32)
             rstd = tl.load(rstd_in + t, mask=t < rows, other=0.0).to(tl.float32)
-            xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32)
-                    - tl.load(mean_in + t, mask=t < rows, other=0.0).to(tl.float32)) * rstd
+            if FROM_Y:
+                xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32) - b) * inv_w
+            else:
+                xhat = (tl.load(s + at, mask=live, other=0.0).to(tl.float32)
+                        - tl.load(mean_in + t, mask=t < rows, other=0.0).to(tl.float32)) * rstd
             xhat = tl.where(live, xhat, 0.0)
             gx = g * w
             d_sum = rstd * (gx - tl.sum(gx) / n - xhat * (tl.sum(gx * xhat) / n))
@@ -246,9 +264,11 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
     """The forward's Triton kernel into `out` (y, s, bits, mean, rstd), one program a row; on the current device.
     With `float8` (y's e4m3 copy, the e4m3 scale, 0-dim fp32, and the rows' amaxes, fp32) y is also cast (FLOAT8);
     with `y2` (y's shape and dtype) y is also stored there (TWICE); with `yqt` (N x T, e4m3: with `float8`) the
-    copy is stored transposed there too (TRANSPOSE), ROWS rows a program."""
+    copy is stored transposed there too (TRANSPOSE), ROWS rows a program. An `s` of 0 rows is not written (SUM
+    off: the backward works from y)."""
     y, s, bits, mean, rstd = out
     rows, n = h.shape
+    keeps_sum = s.shape[0] == rows
     w = words_per_row(n)
     yq, cast_scale, amaxes = float8 or (y, y, y)  # unread without FLOAT8
     if yqt is not None and float8 is None:
@@ -257,19 +277,21 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
     # a flag off leaves its pointer unread: y stands in (an empty tensor's pointer may be null)
     _forward_rows[(triton.cdiv(rows, per_program),)](
         h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
-        y if seed is None else seed, y, s, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
+        y if seed is None else seed, y, s if keeps_sum else y, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
         y if y2 is None else y2, y if yqt is None else yqt, rows, n, drop_threshold(p), _scale(p, torch.float32), eps,
         W=w, ROWS=per_program, DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
-        TWICE=y2 is not None, TRANSPOSE=yqt is not None, num_warps=_warps(w))
+        TWICE=y2 is not None, TRANSPOSE=yqt is not None, SUM=keeps_sum, num_warps=_warps(w))
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
                     out: tuple[Tensor, ...], float8: tuple[Tensor, torch.dtype] | None = None,
-                    dy2: Tensor | None = None, dht: Tensor | None = None) -> Tensor | None:
+                    dy2: Tensor | None = None, dht: Tensor | None = None, beta: Tensor | None = None
+                    ) -> Tensor | None:
     """The backward's Triton kernel into `out` (d h, d s, sums), ROWS rows a program, their column sums added after.
     With `float8` (the e5m2 scale, 0-dim fp32, and the dtype h's gradient is rounded to) d h is e5m2 (`out[0]`'s
     dtype) and its amax is returned (the kernel's FLOAT8). With `dy2` (dy's shape and dtype), y's gradient is
-    dy + dy2 (SECOND). With `dht` (N x T, e5m2: with `float8`) d h is stored transposed there too (TRANSPOSE)."""
+    dy + dy2 (SECOND). With `dht` (N x T, e5m2: with `float8`) d h is stored transposed there too (TRANSPOSE).
+    With `beta` (the norm's), `s` is the output y, x_hat recovered from it (FROM_Y)."""
     dh, ds, sums = out
     rows, n = s.shape
     w = words_per_row(n)
@@ -281,13 +303,20 @@ def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Ten
     cast_scale, round_to = float8 or (sums, torch.float32)  # unread without FLOAT8
     dy = dy.contiguous()
     second = dy if dy2 is None else dy2.contiguous()  # unread without SECOND
-    _backward_rows[(programs,)](dy, second, s, bits if p > 0 else s, mean, rstd, weight, dh, ds, partial,
-                                cast_scale, amaxes if float8 else sums, dh if dht is None else dht, rows, n,
+    _backward_rows[(programs,)](dy, second, s, bits if p > 0 else s, mean, rstd, weight,
+                                weight if beta is None else beta, dh, ds, partial, cast_scale,
+                                amaxes if float8 else sums, dh if dht is None else dht, rows, n,
                                 _scale(p, torch.float32), W=w, ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None,
                                 ROUND=TRITON_DTYPES[round_to], SECOND=dy2 is not None, TRANSPOSE=dht is not None,
-                                num_warps=_warps(w))
+                                FROM_Y=beta is not None, num_warps=_warps(w))
     torch.sum(partial, 0, out=sums)  # one launch
     return amaxes.amax() if float8 else None
+
+
+def x_hat_from_output(y: Tensor, gamma: Tensor, beta: Tensor, compute: torch.dtype) -> Tensor:
+    """LayerNorm's x_hat from its output, (y - beta) * (1 / gamma), as apex's memory-efficient LayerNorm recovers
+    it (the kernels' FROM_Y): y's rounding, amplified where |beta / gamma| is large; a zero gamma gives a NaN."""
+    return (y.to(compute) - beta.to(compute)) * (1 / gamma.to(compute))
 
 
 def forward_torch(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
@@ -306,15 +335,17 @@ def forward_torch(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, den
     mean.copy_(x.mean(-1))
     rstd.copy_(torch.rsqrt((x - mean[:, None]).square().mean(-1) + eps))
     y.copy_((x - mean[:, None]) * rstd[:, None] * weight.to(compute) + bias.to(compute))
-    s.copy_(x)
+    if s.shape == x.shape:  # else 0 rows: the backward works from y
+        s.copy_(x)
 
 
 def backward_torch(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
-                   out: tuple[Tensor, ...]) -> None:
-    """The backward in torch's ops, into `out` as `launch_backward`'s."""
+                   out: tuple[Tensor, ...], beta: Tensor | None = None) -> None:
+    """The backward in torch's ops, into `out` as `launch_backward`'s (with `beta`, `s` is y)."""
     dh, ds, sums = out
     compute = mean.dtype
-    xhat = (s.to(compute) - mean[:, None]) * rstd[:, None]
+    xhat = (s.to(compute) - mean[:, None]) * rstd[:, None] if beta is None else x_hat_from_output(s, weight, beta,
+                                                                                                compute)
     g = dy.to(compute)
     gx = g * weight.to(compute)
     d_sum = rstd[:, None] * (gx - gx.mean(-1, keepdim=True) - xhat * (gx * xhat).mean(-1, keepdim=True))
@@ -326,11 +357,12 @@ def backward_torch(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tens
 
 @torch.library.custom_op("bert::dropout_add_layer_norm", mutates_args=())
 def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
-                              seed: Tensor | None, p: float, eps: float
+                              seed: Tensor | None, p: float, eps: float, from_output: bool = False
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(T, N) `h` and `residual` -> y, s, the mask's bits (T x W uint8; 0 rows when p = 0), mean, rstd (module doc)."""
+    """(T, N) `h` and `residual` -> y, s, the mask's bits (T x W uint8; 0 rows when p = 0), mean, rstd (module doc);
+    with `from_output` s has 0 rows (unwritten): the backward recovers x_hat from y (RESIDUAL_NORM=fused-lean)."""
     check_forward(h, residual, p, seed)
-    out = _outputs(h, residual, p)
+    out = _outputs(h, residual, p, from_output)
     if not _on_triton(h, out[3]):
         forward_torch(h, residual, weight, bias, dense_bias, seed, p, eps, out)
     elif h.shape[0]:
@@ -348,31 +380,34 @@ def check_forward(h: Tensor, residual: Tensor, p: float, seed: Tensor | None) ->
         raise ValueError("dropout needs a seed")
 
 
-def _outputs(h: Tensor, residual: Tensor, p: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _outputs(h: Tensor, residual: Tensor, p: float, from_output: bool = False
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     rows, n = h.shape
     dtype = torch.promote_types(h.dtype, residual.dtype)
     stats = dict(dtype=_compute_dtype(dtype), device=h.device)
-    return (h.new_empty((rows, n), dtype=dtype), h.new_empty((rows, n), dtype=dtype),
+    return (h.new_empty((rows, n), dtype=dtype), h.new_empty((0 if from_output else rows, n), dtype=dtype),
             h.new_empty((rows if p > 0 else 0, words_per_row(n)), dtype=torch.uint8),
             torch.empty(rows, **stats), torch.empty(rows, **stats))
 
 
 @dropout_add_layer_norm_op.register_fake
-def _(h, residual, weight, bias, dense_bias, seed, p, eps):
-    return _outputs(h, residual, p)
+def _(h, residual, weight, bias, dense_bias, seed, p, eps, from_output=False):
+    return _outputs(h, residual, p, from_output)
 
 
 @torch.library.custom_op("bert::dropout_add_layer_norm_backward", mutates_args=())
 def dropout_add_layer_norm_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor,
-                                    p: float, h_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                                    p: float, h_dtype: torch.dtype, beta: Tensor | None = None
+                                    ) -> tuple[Tensor, Tensor, Tensor]:
     """d h (`h_dtype`), d s (s's dtype: the residual's gradient), and the column sums (3, N) of dy * x_hat, dy and
-    d h (gamma's, beta's and the dense bias's gradients) in the statistics' dtype."""
+    d h (gamma's, beta's and the dense bias's gradients) in the statistics' dtype. With `beta` (the norm's), `s` is
+    the forward's output y, x_hat recovered from it (`x_hat_from_output`)."""
     out = _grads(dy, s, mean, h_dtype)
     if not _on_triton(s, mean):
-        backward_torch(dy, s, bits, mean, rstd, weight, p, out)
+        backward_torch(dy, s, bits, mean, rstd, weight, p, out, beta)
     elif s.shape[0]:
         with torch.cuda.device(s.device):
-            launch_backward(dy, s, bits, mean, rstd, weight, p, out)
+            launch_backward(dy, s, bits, mean, rstd, weight, p, out, beta=beta)
     else:
         out[2].zero_()
     return out
@@ -384,14 +419,14 @@ def _grads(dy: Tensor, s: Tensor, mean: Tensor, h_dtype: torch.dtype) -> tuple[T
 
 
 @dropout_add_layer_norm_backward.register_fake
-def _(dy, s, bits, mean, rstd, weight, p, h_dtype):
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype, beta=None):
     return _grads(dy, s, mean, h_dtype)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    h, _residual, weight, _bias, dense_bias, _seed, p, _eps = inputs
-    _y, s, bits, mean, rstd = output
-    ctx.save_for_backward(s, bits, mean, rstd, weight)
+    h, _residual, weight, beta, dense_bias, _seed, p, _eps, from_output = inputs
+    y, s, bits, mean, rstd = output
+    ctx.save_for_backward(*saved_norm(y, s, beta, from_output), bits, mean, rstd, weight)
     ctx.mark_non_differentiable(s, bits, mean, rstd)
     ctx.set_materialize_grads(False)  # else eager autograd fills a zero gradient for s, bits, mean and rstd each call
     ctx.p, ctx.h_dtype, ctx.dense_bias = p, h.dtype, dense_bias is not None
@@ -401,50 +436,62 @@ def _backward(ctx, dy, *_aux):
     """Autograd casts each gradient to its input's dtype where they differ (the residual's, under autocast, and the
     fp32 column sums for bf16 parameters); d h comes in h's dtype from the kernel."""
     if dy is None:  # y unused
-        return (None,) * 8
-    s, bits, mean, rstd, weight = ctx.saved_tensors
-    dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, ctx.h_dtype)
-    return dh, ds, sums[0], sums[1], sums[2] if ctx.dense_bias else None, None, None, None
+        return (None,) * 9
+    s, beta, bits, mean, rstd, weight = ctx.saved_tensors
+    dh, ds, sums = torch.ops.bert.dropout_add_layer_norm_backward(dy, s, bits, mean, rstd, weight, ctx.p, ctx.h_dtype,
+                                                                  beta)
+    return dh, ds, sums[0], sums[1], sums[2] if ctx.dense_bias else None, None, None, None, None
 
 
 dropout_add_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def saved_norm(y: Tensor, s: Tensor, beta: Tensor, from_output: bool) -> tuple[Tensor, Tensor | None]:
+    """What the backward reads x_hat from: (y, beta) with `from_output`, else (s, None)."""
+    return (y, beta) if from_output else (s, None)
+
+
 def dropout_add_layer_norm(h: Tensor, residual: Tensor, norm: nn.LayerNorm, p: float,
-                           dense_bias: Tensor | None = None) -> Tensor:
+                           dense_bias: Tensor | None = None, from_output: bool = False) -> Tensor:
     """`norm`(dropout(h + dense_bias, p) + residual) over the last axis, any leading shape; a fresh seed per call
-    from torch's generator on h's device (so a rank's masks follow its seed, as nn.Dropout's do)."""
+    from torch's generator on h's device (so a rank's masks follow its seed, as nn.Dropout's do). `from_output`: the
+    backward from y, no sum kept."""
     n = residual.shape[-1]
     y = torch.ops.bert.dropout_add_layer_norm(h.reshape(-1, n), residual.reshape(-1, n), norm.weight, norm.bias,
-                                              dense_bias, dropout_seed(p, h.device), p, norm.eps)[0]
+                                              dense_bias, dropout_seed(p, h.device), p, norm.eps, from_output)[0]
     return y.view(residual.shape)
 
 
 class FusedResidualOutput(BertResidualOutput):
     """BertResidualOutput through `bert::dropout_add_layer_norm`, with the same submodules (names, checkpoints and
     optimizer groups unchanged). A plain nn.Linear's bias is added in the kernel, its gradient summed there; a float8
-    linear (bert.model.fp8) keeps its bias in its own GEMM."""
+    linear (bert.model.fp8) keeps its bias in its own GEMM. `from_output` (RESIDUAL_NORM=fused-lean): the backward
+    recovers x_hat from y, and the forward keeps no sum."""
+
+    from_output = False
 
     @classmethod
     def from_module(cls, module: BertResidualOutput) -> FusedResidualOutput:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.dense, new.LayerNorm, new.dropout = module.dense, module.LayerNorm, module.dropout
+        new.from_output = getattr(module, "from_output", False)
         return new.train(module.training)
 
     def forward(self, h: Tensor, residual: Tensor) -> Tensor:
         p = self.dropout.p if self.training else 0.0
         if type(self.dense) is nn.Linear:
-            return dropout_add_layer_norm(F.linear(h, self.dense.weight), residual, self.LayerNorm, p, self.dense.bias)
-        return dropout_add_layer_norm(self.dense(h), residual, self.LayerNorm, p)
+            return dropout_add_layer_norm(F.linear(h, self.dense.weight), residual, self.LayerNorm, p, self.dense.bias,
+                                          self.from_output)
+        return dropout_add_layer_norm(self.dense(h), residual, self.LayerNorm, p, None, self.from_output)
 
 
 def check_residual_norm(kind: str, device: torch.device) -> None:
     """A ValueError for a RESIDUAL_NORM that cannot run as asked on `device` (the fused one's GPU kernels are
     Triton's)."""
     _known(kind)
-    if kind == "fused" and device.type == "cuda" and triton is None:
-        raise ValueError("RESIDUAL_NORM=fused needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
+    if kind != "torch" and device.type == "cuda" and triton is None:
+        raise ValueError(f"RESIDUAL_NORM={kind} needs Triton on CUDA (it ships with torch's CUDA wheels); it is not "
                          "installed here")
 
 
@@ -455,11 +502,17 @@ def _known(kind: str) -> str:
 
 
 def apply_residual_norm(model: nn.Module, kind: str) -> list[str]:
-    """RESIDUAL_NORM: with `fused`, swap every BertResidualOutput of `model` for a FusedResidualOutput, in place;
-    the names swapped (none for `torch`)."""
+    """RESIDUAL_NORM: with `fused` (or `fused-lean`, whose backward works from the output), swap every
+    BertResidualOutput of `model` for a FusedResidualOutput, in place; the names swapped (none for `torch`)."""
     if _known(kind) == "torch":
         return []
-    return swap_modules(model, lambda module, _: type(module) is BertResidualOutput, FusedResidualOutput.from_module)
+
+    def fused(module: BertResidualOutput) -> FusedResidualOutput:
+        new = FusedResidualOutput.from_module(module)
+        new.from_output = kind == "fused-lean"
+        return new
+
+    return swap_modules(model, lambda module, _: type(module) is BertResidualOutput, fused)
 
 
 # traced into compiled graphs by the ops' names, with this module's fakes and backward: an edit here must miss them

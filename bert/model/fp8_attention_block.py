@@ -44,7 +44,7 @@ from bert.model.fp8_delayed import (
     wants_transpose,
 )
 from bert.model.fp8_feed_forward import Float8FeedForwardOutput
-from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
+from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward, norm_saved
 from bert.model.layers import QKV_PARTS, BertEncoder, BertLayer, Stream
 from bert.model.philox import dropout_seed
 from bert.model.triton_attention import (
@@ -101,8 +101,8 @@ class _Float8AttentionBlock(torch.autograd.Function):
                 w_o: Tensor, b_o: Tensor | None, amax_o: Tensor, amax_g_o: Tensor, residual: Tensor, gamma: Tensor,
                 beta: Tensor, cu_seqlens: Tensor, max_seqlen: int, heads: int, p_attention: float,
                 seed_attention: Tensor | None, p: float, seed: Tensor | None, eps: float, amax_next: Tensor | None,
-                transposed: bool, x_q: Tensor | None, inv_x: Tensor | None, x_qt: Tensor | None
-                ) -> tuple[Tensor, ...]:
+                transposed: bool, x_q: Tensor | None, inv_x: Tensor | None, x_qt: Tensor | None,
+                from_output: bool) -> tuple[Tensor, ...]:
         if x_q is None:  # else x came cast (a Stream's float8: the layer before cast it where it made it)
             x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype, x_qt)
@@ -118,13 +118,14 @@ class _Float8AttentionBlock(torch.autograd.Function):
         handed = ()
         if amax_next is None:
             y, s, norm_bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed,
-                                                                                p, eps)
+                                                                                p, eps, from_output)
         else:
             scale_next = cast_scale(amax_next, E4M3)
             y, s, norm_bits, mean, rstd, y_q, amax_y, _, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(
-                h, residual, gamma, beta, seed, p, eps, scale_next, False, transposed)
+                h, residual, gamma, beta, seed, p, eps, scale_next, False, transposed, from_output)
             handed = (y_q, scale_next.reciprocal(), amax_y, y_qt)
-        ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o, s, norm_bits, mean, rstd, gamma)
+        ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o,
+                              *norm_saved(y, s, norm_bits, mean, rstd, gamma, beta, from_output))
         ctx.mark_non_differentiable(amax, *handed)
         ctx.set_materialize_grads(False)  # an output unread: no zeros to add
         ctx.amax_grads, ctx.max_seqlen, ctx.p_attention, ctx.p = (amax_g_qkv, amax_g_o), max_seqlen, p_attention, p
@@ -135,7 +136,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None, *_unused: None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
-            return (None,) * 25
+            return (None,) * 26
         saved = ctx.saved_tensors
         (amax_g_qkv, amax_g_o), (dtypes_qkv, dtypes_o) = ctx.amax_grads, ctx.dtypes
         # the norm and the projection (Float8ResidualOutput's backward, both of the output's gradients), then the
@@ -147,7 +148,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
             dx, dw_qkv, db_qkv = linear_attention_backward(d_out, saved[4:9], ctx.max_seqlen, ctx.p_attention,
                                                            saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2])
         return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, dgamma, dbeta,
-                None, None, None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 class Float8AttentionOutput(Float8ResidualOutput):
@@ -181,7 +182,7 @@ class Float8AttentionOutput(Float8ResidualOutput):
             proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
             dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input,
-            transposed, x_q, inv_x, x_qt)
+            transposed, x_q, inv_x, x_qt, self.from_output)
         if qkv.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:

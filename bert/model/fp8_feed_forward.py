@@ -52,7 +52,7 @@ from bert.model.fp8_delayed import (
     scaled_cast,
     wants_transpose,
 )
-from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward
+from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward, norm_saved
 from bert.model.gelu import rational_gelu_reference
 from bert.model.layers import BertLayer, Stream
 from bert.model.philox import dropout_seed
@@ -135,7 +135,8 @@ class _Float8FeedForward(torch.autograd.Function):
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, amax_x: Tensor, amax_g1: Tensor, w2: Tensor, b2: Tensor,
                 amax_a: Tensor, amax_g2: Tensor, residual: Tensor, gamma: Tensor, beta: Tensor,
                 seed: Tensor | None, p: float, eps: float, x_q: Tensor | None, inv_x: Tensor | None,
-                x_qt: Tensor | None, amax_next: Tensor | None, transposed: bool) -> tuple[Tensor, ...]:
+                x_qt: Tensor | None, amax_next: Tensor | None, transposed: bool, from_output: bool
+                ) -> tuple[Tensor, ...]:
         if x_q is None:  # else x came cast (a Stream's float8: the close before cast it where it made it)
             x_q, inv_x = scaled_cast(x, amax_x, E4M3)
         h, saved1 = float8_linear(x_q, inv_x, w1, b1, ctx.needs_input_grad[:2], x.dtype, x_qt)
@@ -149,13 +150,13 @@ class _Float8FeedForward(torch.autograd.Function):
         handed = ()
         if amax_next is None:
             y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h2, residual, gamma, beta, None, seed, p,
-                                                                           eps)
+                                                                           eps, from_output)
         else:
             scale_next = cast_scale(amax_next, E4M3)
             y, s, bits, mean, rstd, y_q, amax_y, y2, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(
-                h2, residual, gamma, beta, seed, p, eps, scale_next, True, transposed)
+                h2, residual, gamma, beta, seed, p, eps, scale_next, True, transposed, from_output)
             handed = (y2, y_q, scale_next.reciprocal(), amax_y, y_qt)
-        ctx.save_for_backward(*saved1, h, *saved2, s, bits, mean, rstd, gamma)
+        ctx.save_for_backward(*saved1, h, *saved2, *norm_saved(y, s, bits, mean, rstd, gamma, beta, from_output))
         ctx.mark_non_differentiable(amax, *handed[1:])
         ctx.set_materialize_grads(False)
         ctx.amax_grads, ctx.p = (amax_g1, amax_g2), p  # not saved: written in backward
@@ -166,7 +167,7 @@ class _Float8FeedForward(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, _amax: None, grad2: Tensor | None = None, *_unused: None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:
-            return (None,) * 20
+            return (None,) * 21
         saved = ctx.saved_tensors
         (amax_g1, amax_g2), (dtypes1, dtypes2) = ctx.amax_grads, ctx.dtypes
         # the norm and the second linear (Float8ResidualOutput's backward), then the GELU and the first linear
@@ -177,7 +178,7 @@ class _Float8FeedForward(torch.autograd.Function):
         if da is not None:
             dx, dw1, db1 = linear_gelu_backward(da, saved[4], saved[:4], dtypes1, amax_g1, ctx.needs_input_grad[2])
         return (dx, dw1, db1, None, None, dw2, db2, None, None, ds, dgamma, dbeta,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 class Float8FeedForwardOutput(Float8ResidualOutput):
@@ -205,7 +206,7 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
             flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
             fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
             dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x, x_qt,
-            None if next_linear is None else next_linear.amax_input, transposed)
+            None if next_linear is None else next_linear.amax_input, transposed, self.from_output)
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
             with torch.no_grad():
                 if x_q is None:

@@ -45,6 +45,7 @@ from bert.model.dropout_add_norm import (
     forward_torch,
     launch_backward,
     launch_forward,
+    saved_norm,
 )
 from bert.model.fp8_delayed import (
     E4M3,
@@ -65,13 +66,13 @@ from bert.model.swap import swap_modules
 @torch.library.custom_op("bert::dropout_add_layer_norm_backward_fp8", mutates_args=())
 def dropout_add_layer_norm_backward_fp8(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor,
                                         weight: Tensor, p: float, h_dtype: torch.dtype, scale: Tensor,
-                                        dy2: Tensor | None = None, transposed: bool = False
-                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                        dy2: Tensor | None = None, transposed: bool = False,
+                                        beta: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`bert::dropout_add_layer_norm_backward`'s gradients with d h in e5m2 (rounded to `h_dtype` first, times
     `scale`, 0-dim fp32, saturated), and its amax (fp32, of the rounded values): d h, d s, the column sums (3, N),
     the amax, and with `transposed` d h transposed ((N, T) contiguous: the dense layer's weight-gradient operand,
     written by the same kernel; else 0 rows) (module doc). `dy2`: y's gradient is dy + dy2, added in the kernel's
-    pass (the paired output's)."""
+    pass (the paired output's). With `beta` (the norm's), `s` is the forward's output y (RESIDUAL_NORM=fused-lean)."""
     if scale.shape != ():
         raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
     if dy2 is not None and (dy2.shape != dy.shape or dy2.dtype != dy.dtype):
@@ -81,14 +82,14 @@ def dropout_add_layer_norm_backward_fp8(dy: Tensor, s: Tensor, bits: Tensor, mea
     dht = _transposed(dh, transposed)
     if not _on_triton(s, mean) or h_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         rounded = torch.empty_like(s, dtype=h_dtype)
-        backward_torch(dy if dy2 is None else dy + dy2, s, bits, mean, rstd, weight, p, (rounded, ds, sums))
+        backward_torch(dy if dy2 is None else dy + dy2, s, bits, mean, rstd, weight, p, (rounded, ds, sums), beta)
         dh.copy_(saturated_cast(rounded, scale, E5M2))
         return dh, ds, sums, amax_of(rounded), dht.copy_(dh.t()[:len(dht)])
     if not s.shape[0]:
         return dh, ds, sums.zero_(), scale.new_zeros((), dtype=torch.float32), dht
     with torch.cuda.device(s.device):  # Triton launches on the current device
         amax = launch_backward(dy, s, bits, mean, rstd, weight, p, (dh, ds, sums), (scale.float(), h_dtype), dy2,
-                               dht if transposed else None)
+                               dht if transposed else None, beta)
     return dh, ds, sums, amax, dht
 
 
@@ -103,7 +104,7 @@ def _transposed(t: Tensor, transposed: bool, dtype: torch.dtype | None = None) -
 
 
 @dropout_add_layer_norm_backward_fp8.register_fake
-def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None, transposed=False):
+def _(dy, s, bits, mean, rstd, weight, p, h_dtype, scale, dy2=None, transposed=False, beta=None):
     dh, ds, sums = _grads(dy, s, mean)
     return dh, ds, sums, scale.new_empty((), dtype=torch.float32), _transposed(dh, transposed)
 
@@ -114,18 +115,20 @@ key_on_source("bert::dropout_add_layer_norm_backward_fp8", __file__)
 
 @torch.library.custom_op("bert::dropout_add_layer_norm_fp8", mutates_args=())
 def dropout_add_layer_norm_fp8(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, seed: Tensor | None,
-                               p: float, eps: float, scale: Tensor, twice: bool = False, transposed: bool = False
+                               p: float, eps: float, scale: Tensor, twice: bool = False, transposed: bool = False,
+                               from_output: bool = False
                                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """`bert::dropout_add_layer_norm`'s (y, s, bits, mean, rstd), y in e4m3 (rounded to its dtype, times `scale`,
     0-dim fp32, saturated) with its amax (fp32, of the rounded values): the next float8 linear's input, cast where
     y is made (bert.model.fp8_attention_block hands it to the FFN, bert.model.fp8_feed_forward to the next layer);
     with `twice` y again, a tensor apart (else 0 rows): the layer's output as two tensors (bert.model.layers'
     Stream); and with `transposed` the e4m3 copy transposed ((N, T) contiguous, else 0 rows): the next linear's
-    weight-gradient operand. All written in the same kernel."""
+    weight-gradient operand. All written in the same kernel. `from_output`: s has 0 rows (unwritten), the backward
+    works from y."""
     check_forward(h, residual, p, seed)
     if scale.shape != ():
         raise ValueError(f"the e4m3 scale must be 0-dim, got {tuple(scale.shape)}")
-    out = _outputs(h, residual, p)
+    out = _outputs(h, residual, p, from_output)
     y2 = _second(out[0], twice)
     y_qt = _transposed(out[0], transposed, E4M3)
     if not _on_triton(h, out[3]):  # the torch path: the norm's, then torch's cast
@@ -146,8 +149,8 @@ def _second(y: Tensor, twice: bool) -> Tensor:
 
 
 @dropout_add_layer_norm_fp8.register_fake
-def _(h, residual, weight, bias, seed, p, eps, scale, twice=False, transposed=False):
-    out = _outputs(h, residual, p)
+def _(h, residual, weight, bias, seed, p, eps, scale, twice=False, transposed=False, from_output=False):
+    out = _outputs(h, residual, p, from_output)
     y_q = torch.empty_like(out[0], dtype=E4M3)
     return (*out, y_q, scale.new_empty((), dtype=torch.float32), _second(out[0], twice), _transposed(y_q, transposed))
 
@@ -158,15 +161,16 @@ key_on_source("bert::dropout_add_layer_norm_fp8", __file__)
 class _Float8MatmulResidualNorm(torch.autograd.Function):
     """LayerNorm(dropout(x @ w^T + b) + residual), the GEMM in float8 with delayed scaling (bert.model.fp8_delayed),
     its output gradient cast to e5m2 in the norm backward's pass (module doc). With `twice`, the output twice, an
-    alias (a Stream), whose two gradients the kernel adds."""
+    alias (a Stream), whose two gradients the kernel adds. `from_output`: the norm's backward from y (no sum kept)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, bias: Tensor | None, amax_input: Tensor, amax_grad: Tensor,
                 residual: Tensor, gamma: Tensor, beta: Tensor, seed: Tensor | None, p: float, eps: float,
-                twice: bool) -> Tensor | tuple[Tensor, Tensor]:
+                twice: bool, from_output: bool) -> Tensor | tuple[Tensor, Tensor]:
         h, saved = float8_matmul_forward(ctx, x, w, bias, amax_input, amax_grad)
-        y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p, eps)
-        ctx.save_for_backward(*saved, s, bits, mean, rstd, gamma)
+        y, s, bits, mean, rstd = torch.ops.bert.dropout_add_layer_norm(h, residual, gamma, beta, None, seed, p, eps,
+                                                                       from_output)
+        ctx.save_for_backward(*saved, *norm_saved(y, s, bits, mean, rstd, gamma, beta, from_output))
         ctx.set_materialize_grads(False)  # an output unread: no zeros to add
         ctx.p = p
         return (y, y.view_as(y)) if twice else y
@@ -175,11 +179,19 @@ class _Float8MatmulResidualNorm(torch.autograd.Function):
     def backward(ctx, grad: Tensor | None, grad2: Tensor | None = None):
         grad, grad2 = first_read(grad, grad2)
         if grad is None:  # no output read
-            return (None,) * 12
+            return (None,) * 13
         dx, dw, db, ds, dgamma, dbeta = linear_norm_backward(
             grad, grad2, ctx.saved_tensors[4:], ctx.p, ctx.saved_tensors[:4], ctx.dtypes, ctx.amax_grad,
             ctx.needs_input_grad[2])
-        return dx, dw, db, None, None, ds, dgamma, dbeta, None, None, None, None
+        return dx, dw, db, None, None, ds, dgamma, dbeta, None, None, None, None, None
+
+
+def norm_saved(y: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, gamma: Tensor, beta: Tensor,
+               from_output: bool) -> tuple[Tensor | None, ...]:
+    """What a norm's backward reads (`linear_norm_backward`'s `norm_saved`): y and beta with `from_output`, else
+    s (beta None)."""
+    x, beta_or_none = saved_norm(y, s, beta, from_output)
+    return x, bits, mean, rstd, gamma, beta_or_none
 
 
 def first_read(grad: Tensor | None, grad2: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -190,16 +202,16 @@ def first_read(grad: Tensor | None, grad2: Tensor | None) -> tuple[Tensor | None
 def linear_norm_backward(grad: Tensor, grad2: Tensor | None, norm_saved, p: float, linear_saved, dtypes,
                          amax_grad: Tensor, needs_bias: bool) -> tuple[Tensor | None, ...]:
     """The backward of LayerNorm(dropout(a float8 linear's output) + residual), from y's gradient (in two parts
-    where `grad2` is given) and what the forward saved (the norm's s, bits, mean, rstd, gamma; the linear's four,
+    where `grad2` is given) and what the forward saved (the norm's `norm_saved`; the linear's four,
     `float8_linear`; its `linear_dtypes`): (dx, dw, db, d residual, d gamma, d beta), the output gradient's amax kept
     in `amax_grad`. Autograd casts d residual and the norm's sums to their inputs' dtypes."""
-    s, bits, mean, rstd, gamma = norm_saved
+    s, bits, mean, rstd, gamma, beta = norm_saved  # s: y where beta is given
     h_dtype = dtypes[0]  # the GEMM's output: the input's dtype
     scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
     wants_dw = linear_saved[0] is not None  # the input's transpose saved: the weight's gradient is wanted
     g_q, ds, sums, amax, g_qt = torch.ops.bert.dropout_add_layer_norm_backward_fp8(
         grad.contiguous(), s, bits, mean, rstd, gamma, p, h_dtype, scale,
-        None if grad2 is None else grad2.contiguous(), wants_dw)
+        None if grad2 is None else grad2.contiguous(), wants_dw, beta)
     keep_amax(amax_grad, amax)  # the next step's scale
     dx, dw = float8_grads(linear_saved, dtypes, g_q, scale.reciprocal(), h_dtype, g_qt if wants_dw else None)
     return dx, dw, sums[2].to(dtypes[2]) if needs_bias else None, ds, sums[0], sums[1]
@@ -230,7 +242,7 @@ class Float8ResidualOutput(FusedResidualOutput):
         norm = self.LayerNorm
         flat = residual.reshape(-1, residual.shape[-1]).contiguous()
         return self.dense.through(_Float8MatmulResidualNorm, h, flat, norm.weight, norm.bias,
-                                  dropout_seed(p, h.device), p, norm.eps, twice)
+                                  dropout_seed(p, h.device), p, norm.eps, twice, self.from_output)
 
 
 def apply_fp8_residual_norm(model: nn.Module) -> list[str]:
