@@ -221,3 +221,29 @@ def test_cuda_the_kernels_from_the_output_match_the_cpu_path(monkeypatch):
     dy = torch.randn(24576, 1024, dtype=torch.bfloat16)
     for got, want in zip(torch.autograd.grad(outs[0][0], cuda, dy.cuda()), torch.autograd.grad(outs[1][0], cpu, dy)):
         torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=2**-5 * (1 + want.abs().max()))
+
+
+def test_the_bench_sees_a_gamma_near_zero_beside_a_beta(tmp_path):
+    """bench/norm_from_output.py on a checkpoint whose one norm has a feature of |beta / gamma| = 1000: there the
+    lean norm's gamma gradient is far off float64's (y's bf16 rounding times 1000), the sum-keeping one's is not; the
+    other norms' are as close as each other."""
+    from safetensors.torch import save_file
+    from script_modules import load_script
+
+    from bert.model import BertConfig, BertForPreTraining
+
+    bench = load_script("bench/norm_from_output.py")
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.load("tiny"), attention="padded")
+    norm = model.bert.encoder.layer[1].attention.output.LayerNorm
+    with torch.no_grad():
+        norm.weight[7], norm.bias[7] = 1e-3, 1.0
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "ckpt.safetensors")
+    batches = [random_batch((40, 30, 20), seed=1, vocab_size=30522)]
+    rows = {r["norm"]: r for r in bench.measure("tiny", str(tmp_path / "ckpt.safetensors"), batches)["norms"]}
+    bad = rows["bert.encoder.layer.1.attention.output"]
+    assert bad["max_beta_over_gamma"] == pytest.approx(1000, rel=1e-3)
+    assert bad["worst_feature_error_fused-lean"] > 0.1 > 10 * bad["worst_feature_error_fused"], bad
+    for name, row in rows.items():
+        if row is not bad:
+            assert row["dgamma_error_fused-lean"] < 2 * row["dgamma_error_fused"] + 1e-3, (name, row)
