@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_dropout_add_norm import SEED, inputs, reference
 from test_fp8_bias_gelu import NARROWING_PATCH
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton_checks import LOOP_BOUND_PATCH, needs_triton, refuse_torch_path_on_cuda, run_check
 
 from bert.config import ConfigError, from_env_and_args, from_flat
@@ -116,17 +117,37 @@ def test_the_float8_ops_from_the_output_are_the_sums(twice, transposed):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=str(i))
 
 
+class NormCalls(TorchDispatchMode):
+    """Each call of a norm op of ours: whether it worked from the output (a forward's `from_output`, a backward's
+    `beta` given), by the op's schema."""
+
+    def __init__(self):
+        super().__init__()
+        self.lean: dict[str, list[bool]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if func.namespace == "bert" and "layer_norm" in name:
+            given = {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+                     for i, a in enumerate(func._schema.arguments)}
+            lean = given["beta"] is not None if "backward" in name else given["from_output"]
+            self.lean.setdefault(name, []).append(lean)
+        return func(*args, **kwargs)
+
+
 def train_step(residual_norm: str, **settings):
     """One training step of the tiny model built by the driver's own code: the loss, every parameter's gradient,
-    and the fused closes."""
+    the fused closes, and the norm ops' calls (`NormCalls`)."""
     torch.manual_seed(0)
     model = build_model(from_flat(residual_norm=residual_norm, bert_config_path="tiny", **settings).model,
                         torch.device("cpu"))
     torch.manual_seed(5)  # the dropout masks: the same both sides
-    loss = model(random_batch((9, 5, 18), seed=3, vocab_size=30522)).loss
-    loss.backward()
+    with NormCalls() as calls:
+        loss = model(random_batch((9, 5, 18), seed=3, vocab_size=30522)).loss
+        loss.backward()
     closes = [m for m in model.modules() if isinstance(m, FusedResidualOutput)]
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, closes
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, closes, calls.lean
 
 
 @pytest.mark.parametrize("settings", [{}, dict(precision="fp8", fp8_recipe="delayed", static_tokens=512,
@@ -135,10 +156,13 @@ def train_step(residual_norm: str, **settings):
 def test_the_config_builds_it_and_it_trains_as_the_sum_keeping_norm(settings):
     """Every sublayer's close (the float8 attention and FFN Functions' too) works from its output; the same loss, and
     every gradient within fp32's rounding of the RESIDUAL_NORM=fused model's."""
-    loss, grads, closes = train_step("fused-lean", **settings)
-    want_loss, want_grads, want_closes = train_step("fused", **settings)
+    loss, grads, closes, calls = train_step("fused-lean", **settings)
+    want_loss, want_grads, want_closes, want_calls = train_step("fused", **settings)
     assert len(closes) == len(want_closes) == 4
     assert all(c.from_output for c in closes) and not any(c.from_output for c in want_closes)
+    # each of the 4 norms once each way, through whichever op its Function calls, all from the output or none
+    assert sum(len(v) for v in calls.values()) == sum(len(v) for v in want_calls.values()) == 8, calls
+    assert all(all(v) for v in calls.values()) and not any(any(v) for v in want_calls.values()), (calls, want_calls)
     assert [type(c) for c in closes] == [type(c) for c in want_closes]
     assert torch.equal(loss, want_loss)
     for name, grad in grads.items():
