@@ -271,3 +271,39 @@ def test_the_bench_sees_a_gamma_near_zero_beside_a_beta(tmp_path):
     for name, row in rows.items():
         if row is not bad:
             assert row["dgamma_error_fused-lean"] < 2 * row["dgamma_error_fused"] + 1e-3, (name, row)
+
+
+def test_traced_by_aot_autograd_the_backward_reads_the_output_and_matches_eager():
+    """Dynamo and AOT autograd keep the op one node each way with no break, the forward told `from_output` and the
+    backward given beta (the output its saved tensor); every gradient equals eager's bit for bit."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from bert.model import BertConfig
+    from bert.model.layers import BertResidualOutput
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64).with_dropout(0.1)
+    layer = FusedResidualOutput.from_module(BertResidualOutput(cfg, 64))
+    layer.from_output = True
+    h, residual = torch.randn(16, 64, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    calls = []
+
+    def keep(gm, example_inputs):
+        calls.extend(n for n in gm.graph.nodes if "dropout_add_layer_norm" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    def grads(fn):
+        torch.manual_seed(5)
+        return torch.autograd.grad(fn(h, residual).square().sum(), (h, residual, *layer.parameters()))
+
+    want = grads(layer)
+    torch._dynamo.reset()
+    got = grads(torch.compile(layer, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True))
+    torch._dynamo.reset()
+    forward, backward = calls
+    assert str(forward.target) == "bert.dropout_add_layer_norm.default" and forward.args[-1] is True
+    assert str(backward.target) == "bert.dropout_add_layer_norm_backward.default"
+    assert backward.args[-1] is not None  # beta: x_hat from y
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
