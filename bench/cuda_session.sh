@@ -104,6 +104,8 @@ declare -A DRIVERS=(
   [compiled-opt-norm-triton]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --bench-repeats 0"
   # and BIAS_GELU=fused as well: every pass of ours at once
   [compiled-opt-norm-triton-biasgelu]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused --env BIAS_GELU=fused --bench-repeats 0"
+  # the same with each norm's backward from its output (RESIDUAL_NORM=fused-lean: no sum written)
+  [compiled-opt-lean-norm-triton-biasgelu]="--compile default --attention triton --env COMPILE_OPTIMIZER=1 --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --bench-repeats 0"
   # the sharded masters (bert.optim.sharded_master) at world 1: that they run on NCCL, and what their eager update and
   # copies cost against the compiled unsharded one (at 8 GPUs each rank updates 1/8 of the rows)
   [compiled-sharded]="--compile default --env COMPILE_OPTIMIZER=0 --env OPTIMIZER_SHARDING=1 --env OPTIMIZER_LAYOUT=flat --bench-repeats 0"

@@ -65,6 +65,10 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     # all three of our kernels' settings: the candidate fastest bf16 layer (driver-compiled-opt-norm-triton-biasgelu)
     "norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers", "residual_norm": "fused",
                                           "attention": "triton", "bias_gelu": "fused"}, "step"),
+    # the same with RESIDUAL_NORM=fused-lean: each norm's backward from its output, no sum written
+    "lean-norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                               "residual_norm": "fused-lean", "attention": "triton",
+                                               "bias_gelu": "fused"}, "step"),
     # GELU=rational (bert.model.gelu): its autograd Function inside the driver's one graph, dynamic over the tokens
     "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
     # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
