@@ -11,6 +11,12 @@ Dropout is off, so the three runs see one function. Random tokens at Wikipedia-l
 
     .venv/bin/python bench/norm_from_output.py --checkpoint work/data/phase1/minilm_mlm.safetensors \
         --json results/bench/norm_from_output.json
+
+`--driver` runs the driver instead (`./run_and_time.sh`, bench/trial.py's `run_trial`): config_CPU_1x2.sh's phase 2
+from that checkpoint, 2 gloo ranks, one seed for every run, 480 samples, in fp32 and in bf16 with fp32 masters,
+each under both norms; it prints each run's loss every 10 steps and its three evals.
+
+    .venv/bin/python bench/norm_from_output.py --driver --json results/bench/norm_from_output_driver.json
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from bert.model import BertConfig, BertForPreTraining  # noqa: E402
 from bert.model.dropout_add_norm import FusedResidualOutput, apply_residual_norm  # noqa: E402
@@ -32,6 +39,11 @@ from bert.model.init_checkpoint import load_init_checkpoint  # noqa: E402
 from bert.synthetic import random_batch  # noqa: E402
 
 KINDS = ("fused", "fused-lean")
+# config_CPU_1x2.sh's own run (phase 2 of MiniLM from the checkpoint), on top of bench/trial.py's BASE, to 480 samples
+DRIVER = {"BERT_CONFIG": "minilm", "OPTIMIZER": "adam", "LR": "0.0001", "BATCHSIZE": "4", "WARMUP_STEPS": "5",
+          "OPT_LAMB_BETA_2": "0.999", "EPSILON": "1e-6", "WEIGHT_DECAY_RATE": "0.01", "TARGET_MLM_ACCURACY": "0.9",
+          "MAX_SAMPLES_TERMINATION": "480", "LOG_FREQ": "10", "BUCKET_CAP_MB": "25"}
+PRECISIONS = {"fp32": {"PRECISION": "fp32"}, "bf16-masters": {"PRECISION": "bf16", "MASTER_WEIGHTS": "1"}}
 
 
 def build(config: str, checkpoint: str, kind: str, dtype: torch.dtype) -> BertForPreTraining:
@@ -72,17 +84,57 @@ def measure(config: str, checkpoint: str, batches: list) -> dict:
     return {"norms": norms, **everything}
 
 
+def driver_runs(checkpoint: str, data: str, seed: int) -> list[dict]:
+    """Each precision x norm as one driver run at `seed`: its losses (metrics.jsonl) and evals (the result log)."""
+    import tempfile
+
+    from trial import run_trial
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision, settings in PRECISIONS.items():
+            for kind in KINDS:
+                out = Path(tmp) / f"{precision}-{kind}"
+                run = run_trial({**DRIVER, **settings, "BERT_DATA": data, "INIT_CHECKPOINT": checkpoint,
+                                 "SEED": str(seed), "RESIDUAL_NORM": kind}, out)
+                metrics = [json.loads(line) for line in (out / "output/metrics.jsonl").read_text().splitlines()]
+                runs.append({"precision": precision, "residual_norm": kind, "status": run["status"],
+                             "evals": run["evals"], "wall_s": run["wall_s"],
+                             "losses": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
+    return runs
+
+
+def print_driver(runs: list[dict]) -> None:
+    print(f"{'precision':<13} {'norm':<11} {'status':<8} {'loss at steps 10, 20, ...':<52} evals at 160, 320, 480")
+    for r in runs:
+        losses = " ".join(f"{loss:.4f}" for _, loss in r["losses"])
+        evals = " ".join(f"{accuracy:.4f}" for _, accuracy in r["evals"])
+        print(f"{r['precision']:<13} {r['residual_norm']:<11} {r['status']:<8} {losses:<52} {evals}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default=str(ROOT / "work/data/phase1/minilm_mlm.safetensors"))
     parser.add_argument("--config", default="minilm", help="BERT_CONFIG of the checkpoint")
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--driver", action="store_true", help="the driver's runs instead (module doc)")
+    parser.add_argument("--data", default=str(ROOT / "work/data"), help="BERT_DATA, for --driver")
+    parser.add_argument("--seed", type=int, default=7, help="SEED of every --driver run")
     args = parser.parse_args(argv)
     if not Path(args.checkpoint).exists():
         print(f"no checkpoint at {args.checkpoint}: make it with data/phase1_heads.py (scripts/demo.sh does)",
               file=sys.stderr)
         return 1
+    if args.driver:
+        runs = driver_runs(str(Path(args.checkpoint).resolve()), args.data, args.seed)
+        print_driver(runs)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"machine": platform.node(), "torch": torch.__version__,
+                                             "checkpoint": Path(args.checkpoint).name, "seed": args.seed,
+                                             "settings": DRIVER, "runs": runs}, indent=1) + "\n")
+        return 0
     lengths = [[512, 384, 200, 128, 96, 60, 40, 32] for _ in range(args.batches)]
     batches = [random_batch(ls, seed=i, vocab_size=BertConfig.load(args.config).vocab_size)
                for i, ls in enumerate(lengths)]
