@@ -152,6 +152,56 @@ class Launches:
 
 
 LAUNCHES = Launches()
+
+
+@dataclasses.dataclass
+class CudaGraphs:
+    """What inductor's CUDA graph trees (COMPILE=reduce-overhead) would make of the compiled graphs, which the fake
+    cannot capture: every graph inductor hands to `cudagraphify` (its compile-time checks passed), and every skip it
+    logs (`log_cudagraph_skip_and_bump_counter`: the compile's reasons, and the trees' own at a call). The trees'
+    check at a call, that a graph mutates only its static inputs (parameters and buffers in a forward, the saved
+    tensors in a backward) or tensors that captured graphs made, is torch's own here
+    (`cudagraph_utils.check_for_mutation`), a tensor counted as made by a captured graph when its storage is one
+    of their outputs'."""
+
+    graphs: list = dataclasses.field(default_factory=list)  # one dict per graph handed to cudagraphify
+    skips: list = dataclasses.field(default_factory=list)  # each skip's message, as torch logs it
+    made: set = dataclasses.field(default_factory=set)  # storages of the captured graphs' outputs
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def cudagraphify(self, model, static_input_idxs=(), *, is_backward: bool, is_inference: bool,
+                     placeholders=(), mutated_input_idxs=(), **_):
+        """compile_fx.cudagraphify's stand-in: the graph runs as compiled (on the fake's tensors), checked at each
+        call as the trees check it."""
+        from torch._inductor.cudagraph_utils import check_for_mutation
+
+        graph = {"kind": "inference" if is_inference else "backward" if is_backward else "forward",
+                 "inputs": len(placeholders), "static_inputs": len(static_input_idxs),
+                 "mutated_inputs": len(mutated_input_idxs), "calls": 0, "eager": False}
+        self.graphs.append(graph)
+        func = types.SimpleNamespace(mutated_input_idxs=mutated_input_idxs, static_input_idxs=static_input_idxs,
+                                     placeholders=placeholders)  # what the trees' check reads of their function
+
+        def run(inputs):
+            why = check_for_mutation(func, inputs, lambda t: _storage(t) in self.made)
+            if why and not graph["eager"]:  # the trees warn once per graph, and run it eagerly
+                graph["eager"] = True
+                self.skips.append(why)
+            graph["calls"] += 1
+            out = model(inputs)
+            self.made.update(_storage(t) for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+            return out
+
+        return run
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+CUDA_GRAPHS = CudaGraphs()
 # a store whose index steps along a reduction's row axis (r0_<n>, the lanes' own) by a stride other than 1
 _ROW_STRIDED = re.compile(r"tl\.store\(\w+ \+ \(([^)]*)\)")
 
@@ -392,6 +442,18 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
             LAUNCHES.in_triton = False
 
     triton_heuristics.CachingAutotuner.run = run
+    # CUDA graphs (reduce-overhead): recorded, not captured (CudaGraphs)
+    from torch._inductor import cudagraph_trees, cudagraph_utils, output_code
+
+    real_skip = cudagraph_utils.log_cudagraph_skip_and_bump_counter
+
+    def skip(msg: str) -> None:
+        CUDA_GRAPHS.skips.append(msg)
+        real_skip(msg)
+
+    for module in (cudagraph_utils, compile_fx, output_code, cudagraph_trees):
+        module.log_cudagraph_skip_and_bump_counter = skip
+    compile_fx.cudagraphify = CUDA_GRAPHS.cudagraphify
     benchmarking.benchmarker.benchmark_gpu = lambda *a, **k: 1.0
 
     activate_triton_driver()

@@ -55,9 +55,11 @@ sys.path.insert(0, str(ROOT / "bench"))  # fake_h100, train_gpu
 
 CACHES = ROOT / ".compile_cache"
 MADE_FOR = "made_for.json"  # in the caches' folder: the key parts each file was made with
-# what the fake cannot compile as the GPU does: CUDA graphs are recorded on a device, collectives need a group, and a
-# compile that times its choices (GEMM templates, the C++ wrapper's first pass) would keep the fake's equal timings
-REFUSED = {"COMPILE": ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), "OPTIMIZER_SHARDING": ("1",),
+# what the fake cannot compile as the GPU does: collectives need a group, and a compile that times its choices (GEMM
+# templates, the C++ wrapper's first pass) would keep the fake's equal timings. COMPILE=reduce-overhead compiles
+# (its graphs are inductor's, keyed with CUDA graphs on; the trees record them on the GPU, from the cached graphs:
+# fake_h100.CudaGraphs stands in for them here)
+REFUSED = {"COMPILE": ("max-autotune", "max-autotune-no-cudagraphs"), "OPTIMIZER_SHARDING": ("1",),
            "TORCHINDUCTOR_CPP_WRAPPER": ("1",), "TORCHINDUCTOR_MAX_AUTOTUNE": ("1",),
            "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": ("1",), "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": ("1",)}
 
@@ -193,8 +195,8 @@ def driver_environment(row: str, gpu_name: str, caches: Path, data: Path, out: P
     env = train_gpu.driver_env(args, out)
     for name, values in REFUSED.items():
         if env.get(name) in values:
-            raise ValueError(f"driver-{row}: {name}={env[name]} is not compiled here (CUDA graphs are recorded on a "
-                             "GPU, collectives need one, and autotuning would keep the fake's timings)")
+            raise ValueError(f"driver-{row}: {name}={env[name]} is not compiled here (collectives need a GPU, and "
+                             "autotuning would keep the fake's timings)")
     if env.get("COMPILE", "off") == "off":
         raise ValueError(f"driver-{row}: COMPILE=off compiles nothing")
     return env
@@ -211,6 +213,7 @@ def compile_as_the_driver(gpu: str) -> dict:
     from torch._dynamo.utils import counters
 
     from bert.config import from_env_and_args
+    from bert.data.index import LengthIndex
     from bert.dist.env import read_env
     from bert.model.precision import compute_dtype
     from bert.optim import build_optimizer, build_schedule
@@ -232,8 +235,10 @@ def compile_as_the_driver(gpu: str) -> dict:
     with mode:  # compiled as the driver compiles, with no default device: its batches are made on the host
         build_schedule(optimizer, cfg.optim)  # the LR as the schedule's device tensor, an input of the update's graph
         eval_set = build_eval_set(cfg, env, device, sample_limits(model.config, cfg.data.max_seq_length))
-        # what compile_before_run reads of a run: no DDP (one rank compiles the bare model), loader or clipping
-        run = Run(cfg, env, types.SimpleNamespace(module=model), None, optimizer, None, None, None, eval_set,
+        # what compile_before_run reads of a run: no DDP (one rank compiles the bare model) or clipping, and of the
+        # loader the training set's lengths (under CUDA graphs the warm-up runs each token bucket they will fill)
+        loader = types.SimpleNamespace(sample_lengths=LengthIndex.scan(cfg.data.input_dir).lengths)
+        run = Run(cfg, env, types.SimpleNamespace(module=model), None, optimizer, None, None, loader, eval_set,
                   autocast_for(cfg.model.precision, device, cfg.optim.master_weights), log, None, None,
                   eval_samples=eval_set.num_examples)
         compile_before_run(run, log, device)
@@ -245,7 +250,10 @@ def compile_as_the_driver(gpu: str) -> dict:
             "graphs_compiled": inductor["fxgraph_cache_miss"],
             "graphs_from_cache": inductor["fxgraph_cache_hit"], "aot_from_cache": aot["autograd_cache_hit"],
             "aot_traced": aot["autograd_cache_miss"], "aot_uncacheable": aot["autograd_cache_bypass"],
-            "key": key_parts()}
+            # under CUDA graphs: the graphs inductor handed to the trees (by kind) and the skips it logged
+            "cudagraphs": {kind: sum(g["kind"] == kind for g in fake_h100.CUDA_GRAPHS.graphs)
+                           for kind in ("forward", "backward", "inference")},
+            "cudagraph_skips": fake_h100.CUDA_GRAPHS.skips, "key": key_parts()}
 
 
 def run_child(gpu: str, env: dict[str, str], native: dict[str, str], timeout: int) -> dict:
@@ -337,6 +345,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     if made:  # for the session's setup step (`--key`) to compare with the machine's
         file = args.caches / MADE_FOR
+        file.parent.mkdir(parents=True, exist_ok=True)  # every row may have failed before writing its file
         made = {**(json.loads(file.read_text()) if file.is_file() else {}), **made}
         file.write_text(json.dumps({f: key for f, key in made.items() if key}, indent=1) + "\n")
     args.json.parent.mkdir(parents=True, exist_ok=True)

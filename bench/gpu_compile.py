@@ -27,6 +27,7 @@ update eager, not run).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -108,6 +109,21 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                           "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
+    # the float8 candidate as the driver runs it (driver-fp8-delayed-lean-norm-triton-biasgelu): the model as one
+    # graph, where the rows above compile each layer apart
+    "fp8-delayed-lean-norm-triton-biasgelu-model-step": ({"compile": "default", "compile_scope": "model",
+                                                          "precision": "fp8", "fp8_recipe": "delayed",
+                                                          "static_tokens": 512, "attention": "triton",
+                                                          "residual_norm": "fused-lean", "bias_gelu": "fused"},
+                                                         "step"),
+    # under CUDA graphs (COMPILE=reduce-overhead): does inductor hand every graph to its CUDA graph trees, or skip
+    # one, and why (fake_h100.CudaGraphs)? bf16 first, as driver-graphs-opt ran it on an H200 (785 samples/s)
+    "graphs-step": ({"compile": "reduce-overhead", "compile_scope": "model", "static_tokens": 512}, "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-graphs-step": ({"compile": "reduce-overhead", "compile_scope": "model",
+                                                           "precision": "fp8", "fp8_recipe": "delayed",
+                                                           "static_tokens": 512, "attention": "triton",
+                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
+                                                          "step"),
 }
 H100_TB_S = 3.35  # an H100 SXM's memory bandwidth: GB / (TB/s) = ms
 
@@ -132,6 +148,7 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
     from torch._inductor import metrics
 
     from bert.config import from_flat
+    from bert.model.compile import CUDA_GRAPH_MODES
     from bert.optim import build_optimizer
     from bert.optim.compiled import compile_step
     from bert.synthetic import random_batch
@@ -202,6 +219,8 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                pow_launches=sum(launched.pow.values()), pow_kernels=dict(launched.pow),
                duplicate_store_launches=sum(launched.duplicate.values()),
                duplicate_store_kernels=dict(launched.duplicate))
+    if settings.get("compile") in CUDA_GRAPH_MODES:  # what the CUDA graph trees would capture, and what they skip
+        row.update(cudagraph_graphs=fake_h100.CUDA_GRAPHS.graphs, cudagraph_skips=fake_h100.CUDA_GRAPHS.skips)
     return row
 
 
@@ -240,6 +259,11 @@ def main() -> int:
         print(f"{row['target']:28} {'compiled' if row['compiled'] else 'FAILED':9} {graphs!s:>2} graphs "
               f"{row.get('graph_breaks', '-')!s:>2} breaks {kernels!s:>4} kernels {seconds!s:>5} s {launched}  "
               f"{row.get('error') or ''}")
+        if "cudagraph_graphs" in row:
+            kinds = collections.Counter(g["kind"] for g in row["cudagraph_graphs"])
+            print(f"{'':28} CUDA graphs: {dict(kinds)} handed to the trees, {len(row['cudagraph_skips'])} skipped")
+            for reason in row["cudagraph_skips"]:
+                print(f"{'':28}   {reason.splitlines()[0][:200]}")
         if row.get("where"):
             print(f"{'':28} at {row['where']}")
     import torch

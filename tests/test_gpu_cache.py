@@ -86,7 +86,7 @@ def test_rows_the_fake_cannot_compile_are_refused_by_name(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "data/make_random_shards.py"), "--out", str(data), "--samples", "200",
                     "--shards", "1", "--eval-samples", "100"], check=True, capture_output=True)
     name = fake_h100.GPUS["h100"][0]
-    for row, why in [("graphs-opt", "COMPILE=reduce-overhead is not compiled here"),
+    for row, why in [("compiled-autotune", "COMPILE=max-autotune-no-cudagraphs is not compiled here"),
                      ("compiled-sharded", "OPTIMIZER_SHARDING=1 is not compiled here"),
                      ("bf16", "COMPILE=off compiles nothing")]:
         with pytest.raises(ValueError, match=why):
@@ -95,6 +95,9 @@ def test_rows_the_fake_cannot_compile_are_refused_by_name(tmp_path):
     # where the session's driver on that card will look for it (cuda_session.sh: nvidia-smi's name, made a folder)
     assert env["COMPILE_CACHE"] == str(tmp_path / "caches" / "NVIDIA_H100_80GB_HBM3" / "compiled-flat.bin.gz")
     assert (env["DEVICE"], env["COMPILE"], env["OPTIMIZER_LAYOUT"]) == ("cuda", "default", "flat")
+    # CUDA graphs are the trees' on the GPU, from graphs inductor compiles as here (fake_h100.CudaGraphs)
+    env = gpu_cache.driver_environment("graphs-opt", name, tmp_path / "caches", data, tmp_path / "graphs")
+    assert (env["COMPILE"], env["STATIC_TOKENS"]) == ("reduce-overhead", "512"), env
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build, Triton and a C compiler: {WHY}")
@@ -123,6 +126,25 @@ def test_a_rows_cache_made_here_serves_every_graph_to_a_later_process(tmp_path):
     # what the session's setup step compares with the machine's own key parts
     made = {"NVIDIA_H100_80GB_HBM3/compiled-flat.bin.gz": first["key"]}
     assert json.loads((caches / gpu_cache.MADE_FOR).read_text()) == made
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build, Triton and a C compiler: {WHY}")
+def test_a_cuda_graph_rows_cache_is_made_here_with_every_graph_handed_to_the_trees(tmp_path):
+    """COMPILE=reduce-overhead (driver-graphs): the driver's own warm-up (each token bucket twice) compiles under the
+    fake, inductor hands every graph to the CUDA graph trees and skips none (fake_h100.CudaGraphs), and a later
+    process takes every graph from the file."""
+    out, caches = tmp_path / "gpu_cache.json", tmp_path / "caches"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_cache.py"), "--gpus", "h100", "--rows", "graphs",
+                           "--flags", "--bert-config tiny --batchsize 8", "--caches", str(caches),
+                           "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    first, again = row["compile"], row["from_file"]
+    assert row["served"] and again["graphs_compiled"] == 0 and again["graphs_from_cache"] == first["graphs_compiled"]
+    for report in (first, again):
+        assert report["cudagraph_skips"] == [], report
+        # the training step's graphs, forward and backward (the run stops before an evaluation: no eval forward)
+        assert report["cudagraphs"]["forward"] == report["cudagraphs"]["backward"] >= 1, report["cudagraphs"]
 
 
 def test_the_setup_step_says_whether_the_carried_caches_fit_the_machine(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -222,3 +223,74 @@ def test_the_backwards_stand_ins_are_built_once_and_a_broken_build_is_replaced(t
     assert fake_h100.native_env(tmp_path) == env and (built / "libcuda.so.1").exists()
     assert str(built) in env["LD_LIBRARY_PATH"].split(":")
 
+
+
+# a child under the fake (fake_h100.install patches its process): three functions compiled for CUDA graphs, what the
+# trees' recorder (fake_h100.CudaGraphs) makes of each
+GRAPHS_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fake_h100
+mode = fake_h100.install()
+import torch
+
+class Counter(torch.nn.Module):  # a buffer bumped in the forward, as delayed float8's amaxes are
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        return x * 2
+
+options = {"backend": "inductor", "mode": "reduce-overhead", "dynamic": True}
+with mode, torch.device("cuda", 0):
+    x = torch.zeros(64)
+    torch.compile(lambda t: t.add_(1), **options)(x)  # its own input mutated: neither static nor a graph's output
+    counter = Counter()
+    counter.compile(**options)
+    y = counter(x)
+    torch.compile(lambda t: t.mul_(3), **options)(y)  # a captured graph's output, mutated: the trees' own memory
+print("ROW " + json.dumps({"graphs": fake_h100.CUDA_GRAPHS.graphs, "skips": fake_h100.CUDA_GRAPHS.skips}))
+"""
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
+def test_the_fake_tells_a_graph_the_cuda_graph_trees_would_run_eagerly(tmp_path):
+    """COMPILE=reduce-overhead on the fake (bench/fake_h100.py's CudaGraphs): every graph inductor hands to the trees
+    is recorded, and torch's own check at a call skips the one that mutates an input that is neither static (a
+    buffer) nor made by a captured graph, as the trees would on a GPU, running it eagerly."""
+    done = subprocess.run([sys.executable, "-c", GRAPHS_CHILD, str(ROOT / "bench")], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    row = json.loads(done.stdout.split("ROW ", 1)[1])
+    assert [(g["kind"], g["mutated_inputs"], g["eager"]) for g in row["graphs"]] == [
+        ("inference", 1, True), ("inference", 1, False), ("inference", 1, False)], row
+    assert len(row["skips"]) == 1 and row["skips"][0].startswith("skipping cudagraphs due to mutated inputs"), row
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
+def test_the_float8_candidate_is_captured_whole_under_cuda_graphs(tmp_path):
+    """COMPILE=reduce-overhead over the float8 candidate (delayed scaling, our attention, the lean norm, BIAS_GELU
+    fused) with the model as one graph: inductor hands each of the step's graphs to the CUDA graph trees and none is
+    skipped; the forward and the backward each mutate one amax of every float8 linear (the input's, the gradient's),
+    all of them buffers, static to the trees. The bf16 step is the control (the H200 captured it: driver-graphs-opt)."""
+    out, wide = tmp_path / "gpu_compile.json", tmp_path / "wide.json"
+    layers = 2
+    wide.write_text(json.dumps({"hidden_size": 1024, "num_hidden_layers": layers, "num_attention_heads": 16,
+                                "intermediate_size": 4096, "vocab_size": 1024}))
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--targets", "graphs-step",
+                           "fp8-delayed-lean-norm-triton-biasgelu-graphs-step", "--bert-config", str(wide),
+                           "--tokens", "4096", "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = {r["target"]: r for r in json.loads(out.read_text())["rows"]}
+    for row in rows.values():
+        assert row["compiled"] and row["cudagraph_skips"] == [], row
+        kinds = [g["kind"] for g in row["cudagraph_graphs"]]
+        assert kinds.count("forward") == kinds.count("backward") >= 1 and all(g["calls"] for g in
+                                                                               row["cudagraph_graphs"]), kinds
+    fp8 = rows["fp8-delayed-lean-norm-triton-biasgelu-graphs-step"]["cudagraph_graphs"]
+    assert sorted(g["mutated_inputs"] for g in fp8 if g["kind"] == "forward") == [0, 4 * layers], fp8
+    assert sorted(g["mutated_inputs"] for g in fp8 if g["kind"] == "backward") == [0, 4 * layers], fp8
+    assert all(g["mutated_inputs"] == 0 for g in rows["graphs-step"]["cudagraph_graphs"])
