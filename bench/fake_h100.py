@@ -130,6 +130,10 @@ class Launches:
     aten: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     aten_gb: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     gb_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # summed over launches
+    launches_by_kernel: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # launches whose estimate is under TINY_GB: a kernel's fixed cost (a launch, a wave that barely fills) is then
+    # most of its time, a few microseconds each on the GPU, CUDA graphs or not
+    tiny: int = 0
     # our custom ops (`bert::`: flash attention, the fused residual LayerNorm), by name, with the bytes of every tensor
     # each takes or makes: what its kernel reads and writes, which inductor's estimate does not see
     ours: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -151,22 +155,42 @@ class Launches:
         self.__init__()
 
 
+TINY_GB = 1e-3  # 1 MB: at 3.35 TB/s 0.3 us of bytes, less than a launch costs
 LAUNCHES = Launches()
 
 
 @dataclasses.dataclass
 class CudaGraphs:
     """What inductor's CUDA graph trees (COMPILE=reduce-overhead) would make of the compiled graphs, which the fake
-    cannot capture: every graph inductor hands to `cudagraphify` (its compile-time checks passed), and every skip it
-    logs (`log_cudagraph_skip_and_bump_counter`: the compile's reasons, and the trees' own at a call). The trees'
-    check at a call, that a graph mutates only its static inputs (parameters and buffers in a forward, the saved
-    tensors in a backward) or tensors that captured graphs made, is torch's own here
-    (`cudagraph_utils.check_for_mutation`), a tensor counted as made by a captured graph when its storage is one
-    of their outputs'."""
+    cannot capture: each compiled graph's post-compile (`compiled`: its kind, its partitions, the reasons inductor
+    found not to capture it), every graph inductor hands to `cudagraphify` (`graphs`: one per partition, the ops
+    that cannot be captured left between them), and every skip (`skips`: what torch logs through
+    `log_cudagraph_skip_and_bump_counter`, and the partition path's reasons, which it drops without a word). The
+    trees' check at a call, that a graph mutates only its static inputs (parameters and buffers in a forward, the
+    saved tensors in a backward) or tensors that captured graphs made, is torch's own here
+    (`cudagraph_utils.check_for_mutation`), a tensor counted as made by a captured graph when its storage is one of
+    their outputs'."""
 
+    compiled: list = dataclasses.field(default_factory=list)  # one dict per compiled graph's post-compile
     graphs: list = dataclasses.field(default_factory=list)  # one dict per graph handed to cudagraphify
     skips: list = dataclasses.field(default_factory=list)  # each skip's message, as torch logs it
     made: set = dataclasses.field(default_factory=set)  # storages of the captured graphs' outputs
+
+    def post_compile(self, real, partitioned: bool):
+        """output_code's cudagraph_post_compile or cudagraph_partition_post_compile, recording what it is given."""
+
+        def post(example_inputs, compiled_graph, cudagraphs, *args):
+            kwargs = compiled_graph.fx_kwargs
+            reasons = list(compiled_graph.cudagraph_info.cudagraph_fail_reasons)
+            maps = compiled_graph.partition_maps
+            self.compiled.append({"kind": "inference" if kwargs["is_inference"] else
+                                  "backward" if kwargs["is_backward"] else "forward", "fail_reasons": reasons,
+                                  "partitions": len(maps or ()) if partitioned else None})
+            if partitioned and reasons:  # said nowhere by torch: the graph runs without CUDA graphs
+                self.skips.append(f"skipping cudagraphs due to {reasons}")
+            return real(example_inputs, compiled_graph, cudagraphs, *args)
+
+        return post
 
     def reset(self) -> None:
         self.__init__()
@@ -190,8 +214,11 @@ class CudaGraphs:
                 graph["eager"] = True
                 self.skips.append(why)
             graph["calls"] += 1
+            given = {_storage(t) for t in inputs if torch.is_tensor(t)}
             out = model(inputs)
-            self.made.update(_storage(t) for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t))
+            if not graph["eager"]:  # the trees' memory: what a captured graph made, not an input it handed back
+                self.made.update(_storage(t) for t in torch.utils._pytree.tree_leaves(out)
+                                 if torch.is_tensor(t) and _storage(t) not in given)
             return out
 
         return run
@@ -435,6 +462,8 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
                 LAUNCHES.duplicate[autotuner.fn.__name__] += 1
             LAUNCHES.unestimated += gb is None
             LAUNCHES.gb_by_kernel[autotuner.fn.__name__] += gb or 0.0
+            LAUNCHES.launches_by_kernel[autotuner.fn.__name__] += 1
+            LAUNCHES.tiny += gb is not None and gb < TINY_GB
         LAUNCHES.in_triton = True  # a first launch autotunes: its copies of the mutated arguments are not the step's
         try:
             return real_run(autotuner, *args, stream=stream, benchmark_run=benchmark_run, **kwargs)
@@ -454,6 +483,9 @@ def install(gpu: str = "h100", count: bool = True) -> torch._subclasses.fake_ten
     for module in (cudagraph_utils, compile_fx, output_code, cudagraph_trees):
         module.log_cudagraph_skip_and_bump_counter = skip
     compile_fx.cudagraphify = CUDA_GRAPHS.cudagraphify
+    output_code.cudagraph_post_compile = CUDA_GRAPHS.post_compile(output_code.cudagraph_post_compile, False)
+    output_code.cudagraph_partition_post_compile = CUDA_GRAPHS.post_compile(
+        output_code.cudagraph_partition_post_compile, True)
     benchmarking.benchmarker.benchmark_gpu = lambda *a, **k: 1.0
 
     activate_triton_driver()

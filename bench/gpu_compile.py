@@ -124,6 +124,25 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                            "static_tokens": 512, "attention": "triton",
                                                            "residual_norm": "fused-lean", "bias_gelu": "fused"},
                                                           "step"),
+    # COMBO_KERNELS=1 (bert.model.compile.configure_inductor): inductor's independent small kernels launched as one
+    # (a combo kernel carries no byte estimate: its launches count as unestimated, its bytes are its parts')
+    "fp8-delayed-lean-norm-triton-biasgelu-combo-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                                 "precision": "fp8", "fp8_recipe": "delayed",
+                                                                 "static_tokens": 512, "attention": "triton",
+                                                                 "residual_norm": "fused-lean", "bias_gelu": "fused",
+                                                                 "combo_kernels": True}, "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-combo-graphs-step": ({"compile": "reduce-overhead",
+                                                                 "compile_scope": "model", "precision": "fp8",
+                                                                 "fp8_recipe": "delayed", "static_tokens": 512,
+                                                                 "attention": "triton", "residual_norm": "fused-lean",
+                                                                 "bias_gelu": "fused", "combo_kernels": True},
+                                                                "step"),
+    "lean-norm-triton-biasgelu-combo-layers-step": ({"compile": "default", "compile_scope": "layers",
+                                                     "residual_norm": "fused-lean", "attention": "triton",
+                                                     "bias_gelu": "fused", "combo_kernels": True}, "step"),
+    "combo-model-step": ({"compile": "default", "compile_scope": "model", "combo_kernels": True}, "step"),
+    "tensors-update-combo": ({"optimizer_layout": "tensors", "compile_optimizer": True, "compile": "default",
+                              "combo_kernels": True}, "update"),
 }
 H100_TB_S = 3.35  # an H100 SXM's memory bandwidth: GB / (TB/s) = ms
 
@@ -215,12 +234,16 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                our_op_calls=dict(launched.ours.most_common()),
                our_op_gb={k: round(v, 3) for k, v in launched.ours_gb.most_common()},
                top_kernels_gb={k: round(v, 3) for k, v in launched.gb_by_kernel.most_common(12)},
+               tiny_launches=launched.tiny,
+               launches_by_kernel=dict(launched.launches_by_kernel.most_common()),
+               gb_by_kernel={k: round(v, 6) for k, v in launched.gb_by_kernel.items()},
                strided_store_launches=sum(launched.strided.values()), strided_store_kernels=dict(launched.strided),
                pow_launches=sum(launched.pow.values()), pow_kernels=dict(launched.pow),
                duplicate_store_launches=sum(launched.duplicate.values()),
                duplicate_store_kernels=dict(launched.duplicate))
     if settings.get("compile") in CUDA_GRAPH_MODES:  # what the CUDA graph trees would capture, and what they skip
-        row.update(cudagraph_graphs=fake_h100.CUDA_GRAPHS.graphs, cudagraph_skips=fake_h100.CUDA_GRAPHS.skips)
+        graphs = fake_h100.CUDA_GRAPHS
+        row.update(cudagraph_compiled=graphs.compiled, cudagraph_graphs=graphs.graphs, cudagraph_skips=graphs.skips)
     return row
 
 
@@ -251,7 +274,8 @@ def main() -> int:
         row = {"target": name, "compiled": False, **row}  # a failed child's row: its error alone
         rows.append(row)
         kernels, seconds, graphs = row.get("triton_kernels", "-"), row.get("seconds", "-"), row.get("graphs", "-")
-        launched = (f"{row['triton_launches']:5} launches {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms "
+        launched = (f"{row['triton_launches']:5} launches ({row['tiny_launches']} tiny, "
+                    f"{row['unestimated_launches']} unestimated) {row['triton_gb']:6.1f} GB {row['triton_ms']:5.1f} ms "
                     f"{row['strided_store_launches']:4} strided {row['pow_launches']:4} pow "
                     f"{row['duplicate_store_launches']:4} twice "
                     f"{sum(row.get('our_op_gb', {}).values()):5.1f} GB ours"
@@ -261,7 +285,9 @@ def main() -> int:
               f"{row.get('error') or ''}")
         if "cudagraph_graphs" in row:
             kinds = collections.Counter(g["kind"] for g in row["cudagraph_graphs"])
-            print(f"{'':28} CUDA graphs: {dict(kinds)} handed to the trees, {len(row['cudagraph_skips'])} skipped")
+            parts = sum(c["partitions"] or 1 for c in row["cudagraph_compiled"])
+            print(f"{'':28} CUDA graphs: {len(row['cudagraph_compiled'])} compiled graphs in {parts} partitions, "
+                  f"{dict(kinds)} handed to the trees, {len(row['cudagraph_skips'])} skipped")
             for reason in row["cudagraph_skips"]:
                 print(f"{'':28}   {reason.splitlines()[0][:200]}")
         if row.get("where"):

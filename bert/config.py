@@ -106,6 +106,9 @@ class ModelConfig:
     compile_scope: str = opt("model", "what one compiled graph holds: the model, or each layer apart (overlaps "
                              "the gradient hand-over with the backward under GRAD_BUCKETS=balanced)",
                              env="COMPILE_SCOPE", registry="bert.model.compile:COMPILE_SCOPES")
+    combo_kernels: bool = opt(False, "inductor's combo kernels: independent small kernels of a compiled graph (the "
+                              "float8 scales, amax records and seeds, a few bytes each) launched as one, for the "
+                              "model's graphs and the compiled update's; bert.model.compile", env="COMBO_KERNELS")
     compile_cache: str = opt("", "a file of torch.compile's artifacts: loaded before the warm-up compiles, rewritten "
                              "after it, so a later run (a fresh container, another node) skips code generation; "
                              "a name ending .gz is gzip-compressed; bert.train.compile_cache; empty = off",
@@ -266,6 +269,9 @@ class TrainConfig:
         if self.optim.compile_optimizer and self.model.compile == "off":
             raise ConfigError("compile_optimizer", "COMPILE_OPTIMIZER", True, "needs a COMPILE mode to compile the "
                               "step with (COMPILE=off): set COMPILE_OPTIMIZER=0 with COMPILE=off")
+        if self.model.combo_kernels and self.model.compile not in registry_names("bert.model.compile:INDUCTOR_MODES"):
+            raise ConfigError("combo_kernels", "COMBO_KERNELS", True, f"is inductor's and has no effect with COMPILE="
+                              f"{self.model.compile}: set an inductor COMPILE mode, or COMBO_KERNELS=0")
         if self.model.compile_cache and self.model.compile == "off":
             raise ConfigError("compile_cache", "COMPILE_CACHE", self.model.compile_cache, "has nothing to keep with "
                               "COMPILE=off: set a COMPILE mode, or leave COMPILE_CACHE empty")

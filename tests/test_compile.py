@@ -302,3 +302,50 @@ def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
         torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=2e-2)
         for g, w, r in zip(got_grads, want_grads, ref_grads):
             assert (g - r).norm() <= 2 * (w - r).norm() + 1e-3 * r.norm() + 1e-6
+
+
+@pytest.mark.skipif(_cxx_compiler() is None, reason="inductor on the CPU needs a C++ compiler")
+def test_combo_kernels_are_inductors_setting_for_the_graphs_compiled_after(monkeypatch):
+    """COMBO_KERNELS reaches inductor when the model is compiled (bert.model.compile.configure_inductor), on or off
+    as the config says, so the update compiled after it gets the same; COMPILE=off sets nothing."""
+    monkeypatch.setattr(torch._inductor.config, "combo_kernels", False)  # restored after the test
+    model = BertForPreTraining(small_config(), attention="loop", device=CPU)
+    compile_model(model, "off", CPU, combo_kernels=True)
+    assert torch._inductor.config.combo_kernels is False
+    compile_model(model, "default", CPU, combo_kernels=True)
+    assert torch._inductor.config.combo_kernels is True
+    compile_model(BertForPreTraining(small_config(), attention="loop", device=CPU), "default", CPU)
+    assert torch._inductor.config.combo_kernels is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("settings", [
+    {"precision": "bf16"},
+    {"precision": "fp8", "fp8_recipe": "delayed", "attention": "triton", "residual_norm": "fused-lean",
+     "bias_gelu": "fused"}], ids=["bf16", "fp8-candidate"])
+def test_cuda_combo_kernels_change_no_result(monkeypatch, settings):
+    """The driver's model (bf16 with fp32 masters, and the float8 candidate) compiled with COMBO_KERNELS=1 gives
+    the loss and gradients it gives without (the same kernels' work, launched together), over two steps, so the
+    second step's float8 scales come from the first step's recorded amaxes."""
+    from bert.config import from_flat
+    from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
+    from bert.train.build import build_model
+
+    cuda = torch.device("cuda")
+    results = []
+    for combo in (False, True):
+        monkeypatch.setattr(torch._inductor.config, "combo_kernels", False)
+        torch._dynamo.reset()
+        cfg = from_flat(bert_config_path="tiny", compile="default", combo_kernels=combo, static_tokens=512,
+                        master_weights=True, **settings)
+        torch.manual_seed(0)
+        model = build_model(cfg.model, cuda)
+        steps = []
+        for i in range(2):
+            torch.manual_seed(10 + i)  # the dropout seeds: the same both sides
+            steps.append(loss_and_grads(model, pad_to_buckets(batch(i), 512, MASKED_BUCKET).to(cuda)))
+        results.append(steps)
+    for (loss, grads), (combo_loss, combo_grads) in zip(*results):
+        torch.testing.assert_close(combo_loss, loss, rtol=1e-3, atol=1e-4)
+        for g, w in zip(combo_grads, grads):
+            assert (g.float() - w.float()).norm() <= 1e-3 * w.float().norm() + 1e-6

@@ -143,6 +143,19 @@ def test_attention_whose_shapes_follow_the_lengths_is_refused_under_cuda_graphs(
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("mode", ["off", "debug"])
+def test_combo_kernels_need_an_inductor_compile(mode):
+    """COMBO_KERNELS is inductor's setting: with COMPILE=off nothing is compiled, and debug's aot_eager generates no
+    kernels to combine. One line naming both settings; every inductor mode takes it."""
+    with pytest.raises(ConfigError) as e:
+        parse(COMBO_KERNELS="1", COMPILE=mode)
+    assert str(e.value).startswith("config: --combo_kernels / $COMBO_KERNELS = True is inductor's and has no effect "
+                                   f"with COMPILE={mode}") and "\n" not in str(e.value), str(e.value)
+    for inductor in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        assert parse(COMBO_KERNELS="1", COMPILE=inductor).model.combo_kernels
+    assert not parse(COMPILE="default").model.combo_kernels
+
+
 def test_cuda_graphs_take_the_attention_backends_of_fixed_shapes():
     """auto (varlen on CUDA; loop only on the CPU, which records no graph), varlen, cudnn and padded pass, and
     grouped and loop pass without CUDA graphs."""

@@ -246,12 +246,17 @@ class Counter(torch.nn.Module):  # a buffer bumped in the forward, as delayed fl
 options = {"backend": "inductor", "mode": "reduce-overhead", "dynamic": True}
 with mode, torch.device("cuda", 0):
     x = torch.zeros(64)
-    torch.compile(lambda t: t.add_(1), **options)(x)  # its own input mutated: neither static nor a graph's output
+    bump = torch.compile(lambda t: t.add_(1) * 2, **options)  # its own input mutated: not static, no graph's output
+    bump(x)
+    z = bump(x)  # the trees say so once, and keep running it eagerly
     counter = Counter()
     counter.compile(**options)
     y = counter(x)
     torch.compile(lambda t: t.mul_(3), **options)(y)  # a captured graph's output, mutated: the trees' own memory
-print("ROW " + json.dumps({"graphs": fake_h100.CUDA_GRAPHS.graphs, "skips": fake_h100.CUDA_GRAPHS.skips}))
+    torch.compile(lambda t: t.sub_(1), **options)(z)  # the output of a graph run eagerly: not the trees'
+    torch.compile(lambda t: t * 2, **options)(x.as_strided((8, 8), (1, 1)))  # overlapping rows: skipped compiling
+graphs = fake_h100.CUDA_GRAPHS
+print("ROW " + json.dumps({"compiled": graphs.compiled, "graphs": graphs.graphs, "skips": graphs.skips}))
 """
 
 
@@ -259,14 +264,21 @@ print("ROW " + json.dumps({"graphs": fake_h100.CUDA_GRAPHS.graphs, "skips": fake
 def test_the_fake_tells_a_graph_the_cuda_graph_trees_would_run_eagerly(tmp_path):
     """COMPILE=reduce-overhead on the fake (bench/fake_h100.py's CudaGraphs): every graph inductor hands to the trees
     is recorded, and torch's own check at a call skips the one that mutates an input that is neither static (a
-    buffer) nor made by a captured graph, as the trees would on a GPU, running it eagerly."""
+    buffer) nor made by a captured graph, as the trees would on a GPU, running it eagerly; a graph inductor skips
+    while compiling (an input whose rows overlap in memory) is never handed over, and its skip is recorded."""
     done = subprocess.run([sys.executable, "-c", GRAPHS_CHILD, str(ROOT / "bench")], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     row = json.loads(done.stdout.split("ROW ", 1)[1])
-    assert [(g["kind"], g["mutated_inputs"], g["eager"]) for g in row["graphs"]] == [
-        ("inference", 1, True), ("inference", 1, False), ("inference", 1, False)], row
-    assert len(row["skips"]) == 1 and row["skips"][0].startswith("skipping cudagraphs due to mutated inputs"), row
+    assert [(g["kind"], g["mutated_inputs"], g["calls"], g["eager"]) for g in row["graphs"]] == [
+        ("inference", 1, 2, True), ("inference", 1, 1, False), ("inference", 1, 1, False),
+        ("inference", 1, 1, True)], row
+    # five compiled, one partition each (graph partition, torch 2.11's default); the last never handed over
+    assert [(c["fail_reasons"], c["partitions"]) for c in row["compiled"]] == [([], 1)] * 4 + [
+        (["complex memory overlap"], 1)], row
+    mutated = [s for s in row["skips"] if s.startswith("skipping cudagraphs due to mutated inputs (1 instances)")]
+    assert len(mutated) == 2 and len(row["skips"]) == 3, row
+    assert row["skips"][2] == "skipping cudagraphs due to ['complex memory overlap']", row
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
@@ -287,6 +299,10 @@ def test_the_float8_candidate_is_captured_whole_under_cuda_graphs(tmp_path):
     rows = {r["target"]: r for r in json.loads(out.read_text())["rows"]}
     for row in rows.values():
         assert row["compiled"] and row["cudagraph_skips"] == [], row
+        # each compiled graph one partition, handed over whole: no op of ours (nor any other) is left between
+        # partitions to run uncaptured
+        assert all(c["partitions"] == 1 and not c["fail_reasons"] for c in row["cudagraph_compiled"]), row
+        assert len(row["cudagraph_graphs"]) == len(row["cudagraph_compiled"]), row
         kinds = [g["kind"] for g in row["cudagraph_graphs"]]
         assert kinds.count("forward") == kinds.count("backward") >= 1 and all(g["calls"] for g in
                                                                                row["cudagraph_graphs"]), kinds
@@ -294,3 +310,24 @@ def test_the_float8_candidate_is_captured_whole_under_cuda_graphs(tmp_path):
     assert sorted(g["mutated_inputs"] for g in fp8 if g["kind"] == "forward") == [0, 4 * layers], fp8
     assert sorted(g["mutated_inputs"] for g in fp8 if g["kind"] == "backward") == [0, 4 * layers], fp8
     assert all(g["mutated_inputs"] == 0 for g in rows["graphs-step"]["cudagraph_graphs"])
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"needs torch's CUDA build and Triton: {WHY}")
+def test_combo_kernels_launch_the_float8_steps_small_kernels_together(tmp_path):
+    """COMBO_KERNELS=1 (bert.model.compile.configure_inductor) on the float8 candidate per layer: most of the step's
+    inductor launches move a few bytes (each linear's scales, amax records, the dropout seeds), and combined they
+    are under half as many launches; the GEMMs and our ops are the same calls."""
+    out, wide = tmp_path / "gpu_compile.json", tmp_path / "wide.json"
+    wide.write_text(json.dumps({"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16,
+                                "intermediate_size": 4096, "vocab_size": 1024}))
+    done = subprocess.run([sys.executable, str(ROOT / "bench/gpu_compile.py"), "--targets",
+                           "fp8-delayed-lean-norm-triton-biasgelu-layers-step",
+                           "fp8-delayed-lean-norm-triton-biasgelu-combo-layers-step", "--bert-config", str(wide),
+                           "--tokens", "4096", "--json", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    apart, combined = (r for r in json.loads(out.read_text())["rows"])
+    assert apart["tiny_launches"] > apart["triton_launches"] / 2, apart  # most launches move under 1 MB
+    assert combined["triton_launches"] < apart["triton_launches"] / 2, (combined, apart)
+    assert combined["unestimated_launches"] > 0 == apart["unestimated_launches"], combined  # the combo kernels
+    assert combined["library_calls"] == apart["library_calls"] and combined["our_op_calls"] == apart["our_op_calls"]

@@ -51,6 +51,7 @@ COMPILE_MODES: dict[str, tuple[str, str | None] | None] = {  # COMPILE -> (backe
     "reduce-overhead": ("inductor", "reduce-overhead"),
     "debug": ("aot_eager", None),
 }
+INDUCTOR_MODES = tuple(name for name, how in COMPILE_MODES.items() if how and how[0] == "inductor")
 # The inductor modes that record CUDA graphs (one per distinct shape), each with its mode without them
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 CUDA_GRAPH_MODES = tuple(WITHOUT_CUDA_GRAPHS)
@@ -81,10 +82,22 @@ def check_compile(name: str, device: torch.device) -> None:
 COMPILE_SCOPES = ("model", "layers")
 
 
-def compile_model(model: BertForPreTraining, name: str, device: torch.device, scope: str = "model"
-                  ) -> BertForPreTraining:
+def configure_inductor(combo_kernels: bool) -> None:
+    """COMBO_KERNELS: inductor launches independent kernels of a graph as one combo kernel, each a program range of
+    it. Delayed float8 leaves many that move a few bytes (BERT-large's per-layer step on the fake H100: 757 of 873
+    launches under 1 MB: each linear's scales, its amax records, the dropout seeds, the weights' amax second
+    passes), and each costs a launch's few microseconds however little it does; combined 344 remain
+    (bench/gpu_compile.py). A process-wide setting of inductor's (torch.compile takes a mode or options, not
+    both), so it holds for every graph compiled after it, the compiled update's too, and it is in the compile
+    cache's key."""
+    torch._inductor.config.combo_kernels = combo_kernels
+
+
+def compile_model(model: BertForPreTraining, name: str, device: torch.device, scope: str = "model",
+                  combo_kernels: bool = False) -> BertForPreTraining:
     """Compile `model` in place (after `check_compile`), as one graph or per layer (`scope`); returns the same
-    module. It compiles on its first call: `bert.train.warmup` makes that call before run_start."""
+    module. It compiles on its first call: `bert.train.warmup` makes that call before run_start. `combo_kernels`:
+    COMBO_KERNELS (`configure_inductor`)."""
     check_compile(name, device)
     if scope not in COMPILE_SCOPES:
         raise ValueError(f"COMPILE_SCOPE={scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
@@ -92,6 +105,7 @@ def compile_model(model: BertForPreTraining, name: str, device: torch.device, sc
         return model
     backend, mode = COMPILE_MODES[name]
     configure_caches()  # keyed on our custom ops' code, float8's Function cached (bert.model.compile_keys)
+    configure_inductor(combo_kernels)
     options = {"backend": backend, "mode": mode, "dynamic": True}
     if scope == "model":
         model.compile(**options)

@@ -72,7 +72,7 @@ def build_model(cfg: ModelConfig, device: torch.device) -> BertForPreTraining:
     if cfg.init_checkpoint:
         load_init_checkpoint(model, cfg.init_checkpoint)
     model = apply_precision(model.to(device), cfg.precision, device, cfg.fp8_linears, cfg.fp8_recipe)
-    return compile_model(model, cfg.compile, device, cfg.compile_scope)
+    return compile_model(model, cfg.compile, device, cfg.compile_scope, cfg.combo_kernels)
 
 
 def autocast_for(precision: str, device: torch.device, master_weights: bool = False):
