@@ -324,10 +324,13 @@ def test_combo_kernels_are_inductors_setting_for_the_graphs_compiled_after(monke
     {"precision": "fp8", "fp8_recipe": "delayed", "attention": "triton", "residual_norm": "fused-lean",
      "bias_gelu": "fused"}], ids=["bf16", "fp8-candidate"])
 def test_cuda_combo_kernels_change_no_result(monkeypatch, settings):
-    """The driver's model (bf16 with fp32 masters, and the float8 candidate) compiled with COMBO_KERNELS=1 gives
-    the loss and gradients it gives without (the same kernels' work, launched together), over two steps, so the
-    second step's float8 scales come from the first step's recorded amaxes."""
+    """The driver's model (bf16 with fp32 masters, and the float8 candidate) and its compiled LAMB update, compiled
+    with COMBO_KERNELS=1, give the loss and gradients they give without (the same kernels' work, launched
+    together), over two steps: the second step's weights come from the first's update and its float8 scales from
+    the first step's recorded amaxes."""
     from bert.config import from_flat
+    from bert.optim import build_optimizer
+    from bert.optim.compiled import compile_step
     from bert.static_shapes import MASKED_BUCKET, pad_to_buckets
     from bert.train.build import build_model
 
@@ -337,13 +340,16 @@ def test_cuda_combo_kernels_change_no_result(monkeypatch, settings):
         monkeypatch.setattr(torch._inductor.config, "combo_kernels", False)
         torch._dynamo.reset()
         cfg = from_flat(bert_config_path="tiny", compile="default", combo_kernels=combo, static_tokens=512,
-                        master_weights=True, **settings)
+                        master_weights=True, learning_rate=1e-3, max_steps=100, compile_optimizer=True,
+                        **settings)
         torch.manual_seed(0)
         model = build_model(cfg.model, cuda)
+        optimizer = compile_step(build_optimizer(model, cfg.optim, torch.bfloat16), cfg.model.compile)
         steps = []
         for i in range(2):
             torch.manual_seed(10 + i)  # the dropout seeds: the same both sides
             steps.append(loss_and_grads(model, pad_to_buckets(batch(i), 512, MASKED_BUCKET).to(cuda)))
+            optimizer.step()
         results.append(steps)
     for (loss, grads), (combo_loss, combo_grads) in zip(*results):
         torch.testing.assert_close(combo_loss, loss, rtol=1e-3, atol=1e-4)
