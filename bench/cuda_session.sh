@@ -162,7 +162,7 @@ declare -A DRIVERS=(
   [fp8-delayed-lean-norm-triton-biasgelu-graphs]="--precision fp8 --static-tokens 512 --compile reduce-overhead --attention triton --env FP8_RECIPE=delayed --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --env COMPILE_OPTIMIZER=1 --bench-repeats 0 --window-steps 60"
   # COMBO_KERNELS=1: inductor's independent small kernels launched as one (the float8 scales, amax records, seeds:
   # 757 of the per-layer step's 873 launches move under 1 MB each; 344 launches with them combined, on the fake H100);
-  # alone, under CUDA graphs, and the bf16 baseline with it (its compiled update's 538 launches a step too)
+  # alone, under CUDA graphs, and the bf16 baseline with it (its compiled update's 539 launches a step: 97)
   [fp8-delayed-lean-norm-triton-biasgelu-combo]="--precision fp8 --static-tokens 512 --compile default --attention triton --env FP8_RECIPE=delayed --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --env COMBO_KERNELS=1 --bench-repeats 0 --window-steps 60"
   [fp8-delayed-lean-norm-triton-biasgelu-combo-graphs]="--precision fp8 --static-tokens 512 --compile reduce-overhead --attention triton --env FP8_RECIPE=delayed --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --env COMBO_KERNELS=1 --env COMPILE_OPTIMIZER=1 --bench-repeats 0 --window-steps 60"
   [compiled-opt-combo]="--compile default --env COMPILE_OPTIMIZER=1 --env COMBO_KERNELS=1 --bench-repeats 0"

@@ -20,8 +20,8 @@ Needs torch's CUDA build and a C compiler (the backward's stand-ins, fake_h100.n
 
     .venv-torch2.11.0-py3.12/bin/python bench/gpu_compile.py --targets model-step fp8-delayed-layers-step
 
-Targets (`TARGETS`): the update alone (the model eager), the model's forward alone, or its forward and backward (the
-update eager, not run).
+Targets (`TARGETS`): the update alone (the model eager), the model's forward alone (in training mode, or as the
+evaluation runs it), or its forward and backward (the update eager, not run).
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                            "static_tokens": 512, "attention": "triton",
                                                            "residual_norm": "fused-lean", "bias_gelu": "fused"},
                                                           "step"),
+    # its evaluation: the model in eval mode without grad (an inference graph: no dropout, no amax recorded)
+    "fp8-delayed-lean-norm-triton-biasgelu-graphs-eval": ({"compile": "reduce-overhead", "compile_scope": "model",
+                                                           "precision": "fp8", "fp8_recipe": "delayed",
+                                                           "static_tokens": 512, "attention": "triton",
+                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
+                                                          "eval"),
     # COMBO_KERNELS=1 (bert.model.compile.configure_inductor): inductor's independent small kernels launched as one
     # (a combo kernel carries no byte estimate: its launches count as unestimated, its bytes are its parts')
     "fp8-delayed-lean-norm-triton-biasgelu-combo-layers-step": ({"compile": "default", "compile_scope": "layers",
@@ -203,7 +209,8 @@ def run_target(name: str, bert_config: str, tokens: int) -> dict:
                 left -= lengths[-1]
             batch = random_batch(tuple(lengths), seed=0, vocab_size=model.config.vocab_size).to(device)
             fake_h100.LAUNCHES.reset()  # what this target's graphs launch, without the batch's making
-            if what == "model":
+            if what in ("model", "eval"):
+                model.train(what == "model")
                 with torch.no_grad():
                     model(batch)
             elif what == "step":

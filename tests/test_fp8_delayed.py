@@ -313,3 +313,41 @@ def test_the_compile_warm_up_calibrates_a_new_runs_amaxes_and_keeps_a_resumed_on
     after = amaxes.state_dict()
     assert len(after) == 8 * run.ddp.module.config.num_hidden_layers
     assert all(torch.equal(after[name], restored[name] if resumed else torch.tensor(7.0)) for name in restored)
+
+
+class Float8Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """How often each of our float8 ops ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "bert":
+            name = func.__name__.split(".")[0]
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ours", [{}, dict(attention="triton", residual_norm="fused-lean", bias_gelu="fused")],
+                         ids=["linears", "every-function-of-ours"])
+def test_an_evaluation_makes_none_of_the_backwards_operands(ours):
+    """The driver's float8 model (delayed scaling, alone or with every Function of ours) in an eval forward without
+    grad: no weight's transposed e4m3 copy, no input's, nothing for a backward that never runs (autograd says a
+    Function's inputs need gradients by their requires_grad alone, under no_grad too: fp8_delayed.without_grad),
+    and the same output as a training-mode forward without dropout computes."""
+    from bert.config import from_flat
+    from bert.train.build import build_model
+
+    cfg = from_flat(bert_config_path="tiny", precision="fp8", fp8_recipe="delayed", static_tokens=512, **ours)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, torch.device("cpu"))
+    batch = random_batch((200, 180, 132), seed=1, vocab_size=30522)
+    model.eval()
+    with torch.no_grad(), Float8Ops() as ops:
+        loss = model(batch).loss
+    assert not {"fp8_transpose", "fp8_cast_transpose"} & set(ops.calls), ops.calls
+    with Float8Ops() as trained:
+        want = model(batch).loss  # eval mode (no dropout), grad on: the training forward's operands
+    assert trained.calls.get("fp8_cast_transpose", 0) > 0, trained.calls  # the mode sees them where they run
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)

@@ -42,6 +42,7 @@ from bert.model.fp8_delayed import (
     saturated_cast,
     scaled_cast,
     wants_transpose,
+    without_grad,
 )
 from bert.model.fp8_feed_forward import Float8FeedForwardOutput
 from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward, norm_saved
@@ -177,9 +178,11 @@ class Float8AttentionOutput(Float8ResidualOutput):
         next_linear = into.dense if self.hands_on and not autocast_on(x) else None
         x_q, inv_x, amax_x, x_qt = stream.float8 or (None, None, None, None)
         transposed = wants_transpose(next_linear)
+        w_qkv, b_qkv, w_o, b_o, gamma, beta = without_grad(qkv.weight, qkv.bias, proj.weight, proj.bias,
+                                                            norm.weight, norm.bias)
         y, alias, amax, *handed = _Float8AttentionBlock.apply(
-            flat, qkv.weight, qkv.bias, qkv.amax_input, qkv.amax_grad, proj.weight, proj.bias, proj.amax_input,
-            proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.bias,
+            flat, w_qkv, b_qkv, qkv.amax_input, qkv.amax_grad, w_o, b_o, proj.amax_input,
+            proj.amax_grad, stream.residual.reshape(-1, x.shape[-1]).contiguous(), gamma, beta,
             attend.cu_seqlens, attend.max_seqlen, opening.heads, p_attention, seed_attention, p,
             dropout_seed(p, x.device), norm.eps, None if next_linear is None else next_linear.amax_input,
             transposed, x_q, inv_x, x_qt, self.from_output)

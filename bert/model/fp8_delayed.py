@@ -212,7 +212,8 @@ class DelayedFloat8Linear(nn.Linear):
         """`function` (`_Float8Matmul` or one built on it) of this layer's input, weight, bias and amaxes (and `rest`,
         that function's further inputs), with the input's amax recorded: the layer's forward."""
         flat = self.flat_input(x)
-        y = function.apply(flat, self.weight, self.bias, self.amax_input, self.amax_grad, *rest)
+        weight, bias = without_grad(self.weight, self.bias)
+        y = function.apply(flat, weight, bias, self.amax_input, self.amax_grad, *rest)
         if self.records():
             with torch.no_grad():
                 record_amax(self.amax_input, flat)
@@ -231,6 +232,16 @@ class DelayedFloat8Linear(nn.Linear):
     def records(self) -> bool:
         """Whether this forward records its input's amax: a training step's, not the eval's nor the no-grad's."""
         return self.training and torch.is_grad_enabled()
+
+
+def without_grad(*params: Tensor | None) -> tuple[Tensor | None, ...]:
+    """`params` as a float8 Function's inputs: detached where no gradient is recorded (no_grad: the evaluation), as
+    they are. Autograd fills a Function's `ctx.needs_input_grad` from its inputs' requires_grad alone, grad mode or
+    not, so without this an eval forward made the backward's operands as a training one does: every weight's
+    transposed e4m3 copy, and the input's where no kernel had written it."""
+    if torch.is_grad_enabled():
+        return params
+    return tuple(None if p is None else p.detach() for p in params)
 
 
 def autocast_on(x: Tensor) -> bool:

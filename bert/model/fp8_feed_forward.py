@@ -51,6 +51,7 @@ from bert.model.fp8_delayed import (
     saturated_cast,
     scaled_cast,
     wants_transpose,
+    without_grad,
 )
 from bert.model.fp8_residual_norm import Float8ResidualOutput, first_read, linear_norm_backward, norm_saved
 from bert.model.gelu import rational_gelu_reference
@@ -202,9 +203,11 @@ class Float8FeedForwardOutput(Float8ResidualOutput):
         # copy of the input that linear would cast)
         next_linear = into.self.qkv if into is not None and self.hands_on and not autocast_on(flat) else None
         transposed = wants_transpose(next_linear)
+        w1, b1, w2, b2, gamma, beta = without_grad(fc1.weight, fc1.bias, fc2.weight, fc2.bias, norm.weight,
+                                                   norm.bias)
         y, amax, *handed = _Float8FeedForward.apply(
-            flat, fc1.weight, fc1.bias, fc1.amax_input, fc1.amax_grad, fc2.weight, fc2.bias, fc2.amax_input,
-            fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), norm.weight, norm.bias,
+            flat, w1, b1, fc1.amax_input, fc1.amax_grad, w2, b2, fc2.amax_input,
+            fc2.amax_grad, residual.reshape(-1, residual.shape[-1]).contiguous(), gamma, beta,
             dropout_seed(p, flat.device), p, norm.eps, x_q, inv_x, x_qt,
             None if next_linear is None else next_linear.amax_input, transposed, self.from_output)
         if fc1.records():  # each linear's input amax, as DelayedFloat8Linear.through records them
