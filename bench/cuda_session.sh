@@ -156,7 +156,7 @@ declare -A DRIVERS=(
   # the same with each norm's backward from its output (RESIDUAL_NORM=fused-lean: no sum written, 2.4 GB fewer)
   [fp8-delayed-lean-norm-triton-biasgelu]="--precision fp8 --static-tokens 512 --compile default --attention triton --env FP8_RECIPE=delayed --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --bench-repeats 0 --window-steps 60"
   # and under CUDA graphs: the float8 step launches twice bf16's kernels (871 of inductor's and 292 of our ops' on the
-  # fake H100, against 489 and 0) in less GPU time, and the per-layer float8 step was host-bound (83 % busy on an
+  # fake H100, against bf16's 489 and 48) in less GPU time, and the per-layer float8 step was host-bound (83 % busy on an
   # H200); on the fake every graph is handed to the CUDA graph trees, none skipped (bench/gpu_compile.py,
   # fp8-delayed-lean-norm-triton-biasgelu-graphs-step)
   [fp8-delayed-lean-norm-triton-biasgelu-graphs]="--precision fp8 --static-tokens 512 --compile reduce-overhead --attention triton --env FP8_RECIPE=delayed --env RESIDUAL_NORM=fused-lean --env BIAS_GELU=fused --env COMPILE_OPTIMIZER=1 --bench-repeats 0 --window-steps 60"
