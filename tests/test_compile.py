@@ -305,16 +305,19 @@ def test_cuda_compiled_equals_eager_in_bf16(name, static, attention):
 
 
 @pytest.mark.skipif(_cxx_compiler() is None, reason="inductor on the CPU needs a C++ compiler")
-def test_combo_kernels_are_inductors_setting_for_the_graphs_compiled_after(monkeypatch):
+def test_combo_kernels_are_inductors_setting_for_the_graphs_compiled_after():
     """COMBO_KERNELS reaches inductor when the model is compiled (bert.model.compile.configure_inductor), on or off
     as the config says, so the update compiled after it gets the same; COMPILE=off sets nothing."""
-    monkeypatch.setattr(torch._inductor.config, "combo_kernels", False)  # restored after the test
-    model = BertForPreTraining(small_config(), attention="loop", device=CPU)
-    compile_model(model, "off", CPU, combo_kernels=True)
-    assert torch._inductor.config.combo_kernels is False
-    compile_model(model, "default", CPU, combo_kernels=True)
-    assert torch._inductor.config.combo_kernels is True
-    compile_model(BertForPreTraining(small_config(), attention="loop", device=CPU), "default", CPU)
+    # inductor's own patch restores the setting after (monkeypatch's undo deletes it from torch's config module,
+    # which then hides it from every later compile in the process)
+    with torch._inductor.config.patch(combo_kernels=False):
+        model = BertForPreTraining(small_config(), attention="loop", device=CPU)
+        compile_model(model, "off", CPU, combo_kernels=True)
+        assert torch._inductor.config.combo_kernels is False
+        compile_model(model, "default", CPU, combo_kernels=True)
+        assert torch._inductor.config.combo_kernels is True
+        compile_model(BertForPreTraining(small_config(), attention="loop", device=CPU), "default", CPU)
+        assert torch._inductor.config.combo_kernels is False
     assert torch._inductor.config.combo_kernels is False
 
 
@@ -323,7 +326,7 @@ def test_combo_kernels_are_inductors_setting_for_the_graphs_compiled_after(monke
     {"precision": "bf16"},
     {"precision": "fp8", "fp8_recipe": "delayed", "attention": "triton", "residual_norm": "fused-lean",
      "bias_gelu": "fused"}], ids=["bf16", "fp8-candidate"])
-def test_cuda_combo_kernels_change_no_result(monkeypatch, settings):
+def test_cuda_combo_kernels_change_no_result(settings):
     """The driver's model (bf16 with fp32 masters, and the float8 candidate) and its compiled LAMB update, compiled
     with COMBO_KERNELS=1, give the loss and gradients they give without (the same kernels' work, launched
     together), over two steps: the second step's weights come from the first's update and its float8 scales from
@@ -336,21 +339,21 @@ def test_cuda_combo_kernels_change_no_result(monkeypatch, settings):
 
     cuda = torch.device("cuda")
     results = []
-    for combo in (False, True):
-        monkeypatch.setattr(torch._inductor.config, "combo_kernels", False)
-        torch._dynamo.reset()
-        cfg = from_flat(bert_config_path="tiny", compile="default", combo_kernels=combo, static_tokens=512,
-                        master_weights=True, learning_rate=1e-3, max_steps=100, compile_optimizer=True,
-                        **settings)
-        torch.manual_seed(0)
-        model = build_model(cfg.model, cuda)
-        optimizer = compile_step(build_optimizer(model, cfg.optim, torch.bfloat16), cfg.model.compile)
-        steps = []
-        for i in range(2):
-            torch.manual_seed(10 + i)  # the dropout seeds: the same both sides
-            steps.append(loss_and_grads(model, pad_to_buckets(batch(i), 512, MASKED_BUCKET).to(cuda)))
-            optimizer.step()
-        results.append(steps)
+    with torch._inductor.config.patch(combo_kernels=False):  # restored after (not monkeypatch: it deletes it)
+        for combo in (False, True):
+            torch._dynamo.reset()
+            cfg = from_flat(bert_config_path="tiny", compile="default", combo_kernels=combo, static_tokens=512,
+                            master_weights=True, learning_rate=1e-3, max_steps=100, compile_optimizer=True,
+                            **settings)
+            torch.manual_seed(0)
+            model = build_model(cfg.model, cuda)
+            optimizer = compile_step(build_optimizer(model, cfg.optim, torch.bfloat16), cfg.model.compile)
+            steps = []
+            for i in range(2):
+                torch.manual_seed(10 + i)  # the dropout seeds: the same both sides
+                steps.append(loss_and_grads(model, pad_to_buckets(batch(i), 512, MASKED_BUCKET).to(cuda)))
+                optimizer.step()
+            results.append(steps)
     for (loss, grads), (combo_loss, combo_grads) in zip(*results):
         torch.testing.assert_close(combo_loss, loss, rtol=1e-3, atol=1e-4)
         for g, w in zip(combo_grads, grads):
