@@ -247,15 +247,18 @@ def strided_row_stores(source: str) -> int:
 
 
 _STORE = re.compile(r"tl\.store\((\w+) \+ \((.*?)\), (\w+)[,)]")
+_COMBO_PART = re.compile(r"^    (?:if|elif) pid\b.*$|^    else:$", re.M)  # a combo kernel's branch on the program id
 
 
 def duplicate_stores(source: str) -> int:
     """The stores of an inductor Triton kernel that write a value already stored at the same index through another
     pointer: two buffers of one tensor, a pass's bytes written twice. Delayed float8's casts wrote each float8 copy
     so, one buffer for the scaled GEMM and one for the transpose op, whose default layout constraint (exact strides)
-    made inductor realize its input apart (bert.model.fp8_transpose: 8.5 GB of BERT-large's step)."""
-    seen = collections.Counter((index, value) for _, index, value in _STORE.findall(source))
-    return sum(n - 1 for n in seen.values())
+    made inductor realize its input apart (bert.model.fp8_transpose: 8.5 GB of BERT-large's step). A combo kernel's
+    parts (COMBO_KERNELS: one branch on the program id each) are counted apart: two parts may store alike, each
+    through its own pointer, into tensors of their own."""
+    return sum(n - 1 for part in _COMBO_PART.split(source)
+               for n in collections.Counter((index, value) for _, index, value in _STORE.findall(part)).values())
 
 
 def computes_pow(source: str) -> bool:

@@ -174,6 +174,18 @@ def test_a_kernel_storing_one_value_twice_is_told_from_one_storing_two():
     assert fake_h100.duplicate_stores(twice.replace("out_ptr2 + (x0), tmp34", "out_ptr2 + (x0), tmp35")) == 0
     assert fake_h100.duplicate_stores(twice.replace("out_ptr2 + (x0)", "out_ptr2 + (x0 + 1)")) == 0
     assert fake_h100.duplicate_stores(ROW_KERNEL) == 0
+    # a combo kernel (COMBO_KERNELS) whose two parts store alike, each into its own tensor: no value stored twice;
+    # within one part, as before
+    combo = """
+    pid = tl.program_id(0)
+    if pid < num_xblocks_0:
+        tl.store(out_ptr0 + (x0), tmp3, xmask)
+    elif pid < num_xblocks_1:
+        tl.store(out_ptr1 + (x0), tmp3, xmask)
+    else:
+        pass"""
+    assert fake_h100.duplicate_stores(combo) == 0
+    assert fake_h100.duplicate_stores(combo.replace("        pass", twice.replace("\n    ", "\n        "))) == 1
 
 
 def test_the_transpose_op_takes_its_input_as_laid_out():
