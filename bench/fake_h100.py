@@ -192,9 +192,6 @@ class CudaGraphs:
 
         return post
 
-    def reset(self) -> None:
-        self.__init__()
-
     def cudagraphify(self, model, static_input_idxs=(), *, is_backward: bool, is_inference: bool,
                      placeholders=(), mutated_input_idxs=(), **_):
         """compile_fx.cudagraphify's stand-in: the graph runs as compiled (on the fake's tensors), checked at each

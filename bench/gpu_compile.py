@@ -39,6 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # fake_h100
 
+# the candidates of each precision (every pass of ours, the lean norm), per layer; the targets built on them vary
+# the scope, the compile mode or COMBO_KERNELS
+BF16_CANDIDATE = {"compile": "default", "compile_scope": "layers", "residual_norm": "fused-lean", "attention": "triton",
+                  "bias_gelu": "fused"}
+FP8_CANDIDATE = {**BF16_CANDIDATE, "precision": "fp8", "fp8_recipe": "delayed", "static_tokens": 512}
+FP8_CANDIDATE_GRAPHS = {**FP8_CANDIDATE, "compile": "reduce-overhead", "compile_scope": "model"}
 TARGETS = {  # name: (the driver's settings, what is compiled)
     "flat-update": ({"optimizer_layout": "flat", "compile_optimizer": True}, "update"),
     # the same graph with inductor's own options, without compile_step's loop-ordering workaround
@@ -67,9 +73,7 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
     "norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers", "residual_norm": "fused",
                                           "attention": "triton", "bias_gelu": "fused"}, "step"),
     # the same with RESIDUAL_NORM=fused-lean: each norm's backward from its output, no sum written
-    "lean-norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
-                                               "residual_norm": "fused-lean", "attention": "triton",
-                                               "bias_gelu": "fused"}, "step"),
+    "lean-norm-triton-biasgelu-layers-step": (BF16_CANDIDATE, "step"),
     # GELU=rational (bert.model.gelu): its autograd Function inside the driver's one graph, dynamic over the tokens
     "rational-gelu-model-step": ({"compile": "default", "compile_scope": "model", "gelu": "rational"}, "step"),
     # BIAS_GELU=fused (bert.model.bias_gelu): the FFN's bias and GELU in our kernels, the bias gradient summed there
@@ -102,50 +106,24 @@ TARGETS = {  # name: (the driver's settings, what is compiled)
                                                       "static_tokens": 512, "attention": "triton",
                                                       "residual_norm": "fused", "bias_gelu": "fused"}, "step"),
     # the same with RESIDUAL_NORM=fused-lean: each norm's backward from its output, no sum written
-    "fp8-delayed-lean-norm-triton-biasgelu-layers-step": ({"compile": "default", "compile_scope": "layers",
-                                                           "precision": "fp8", "fp8_recipe": "delayed",
-                                                           "static_tokens": 512, "attention": "triton",
-                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
-                                                          "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-layers-step": (FP8_CANDIDATE, "step"),
     "fp8-tensorwise-layers-step": ({"compile": "default", "compile_scope": "layers", "precision": "fp8",
                                     "fp8_recipe": "tensorwise", "static_tokens": 512}, "step"),
     # the float8 candidate as the driver runs it (driver-fp8-delayed-lean-norm-triton-biasgelu): the model as one
     # graph, where the rows above compile each layer apart
-    "fp8-delayed-lean-norm-triton-biasgelu-model-step": ({"compile": "default", "compile_scope": "model",
-                                                          "precision": "fp8", "fp8_recipe": "delayed",
-                                                          "static_tokens": 512, "attention": "triton",
-                                                          "residual_norm": "fused-lean", "bias_gelu": "fused"},
-                                                         "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-model-step": ({**FP8_CANDIDATE, "compile_scope": "model"}, "step"),
     # under CUDA graphs (COMPILE=reduce-overhead): does inductor hand every graph to its CUDA graph trees, or skip
     # one, and why (fake_h100.CudaGraphs)? bf16 first, as driver-graphs-opt ran it on an H200 (785 samples/s)
     "graphs-step": ({"compile": "reduce-overhead", "compile_scope": "model", "static_tokens": 512}, "step"),
-    "fp8-delayed-lean-norm-triton-biasgelu-graphs-step": ({"compile": "reduce-overhead", "compile_scope": "model",
-                                                           "precision": "fp8", "fp8_recipe": "delayed",
-                                                           "static_tokens": 512, "attention": "triton",
-                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
-                                                          "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-graphs-step": (FP8_CANDIDATE_GRAPHS, "step"),
     # its evaluation: the model in eval mode without grad (an inference graph: no dropout, no amax recorded)
-    "fp8-delayed-lean-norm-triton-biasgelu-graphs-eval": ({"compile": "reduce-overhead", "compile_scope": "model",
-                                                           "precision": "fp8", "fp8_recipe": "delayed",
-                                                           "static_tokens": 512, "attention": "triton",
-                                                           "residual_norm": "fused-lean", "bias_gelu": "fused"},
-                                                          "eval"),
+    "fp8-delayed-lean-norm-triton-biasgelu-graphs-eval": (FP8_CANDIDATE_GRAPHS, "eval"),
     # COMBO_KERNELS=1 (bert.model.compile.configure_inductor): inductor's independent small kernels launched as one
     # (a combo kernel carries no byte estimate: its launches count as unestimated, its bytes are its parts')
-    "fp8-delayed-lean-norm-triton-biasgelu-combo-layers-step": ({"compile": "default", "compile_scope": "layers",
-                                                                 "precision": "fp8", "fp8_recipe": "delayed",
-                                                                 "static_tokens": 512, "attention": "triton",
-                                                                 "residual_norm": "fused-lean", "bias_gelu": "fused",
-                                                                 "combo_kernels": True}, "step"),
-    "fp8-delayed-lean-norm-triton-biasgelu-combo-graphs-step": ({"compile": "reduce-overhead",
-                                                                 "compile_scope": "model", "precision": "fp8",
-                                                                 "fp8_recipe": "delayed", "static_tokens": 512,
-                                                                 "attention": "triton", "residual_norm": "fused-lean",
-                                                                 "bias_gelu": "fused", "combo_kernels": True},
+    "fp8-delayed-lean-norm-triton-biasgelu-combo-layers-step": ({**FP8_CANDIDATE, "combo_kernels": True}, "step"),
+    "fp8-delayed-lean-norm-triton-biasgelu-combo-graphs-step": ({**FP8_CANDIDATE_GRAPHS, "combo_kernels": True},
                                                                 "step"),
-    "lean-norm-triton-biasgelu-combo-layers-step": ({"compile": "default", "compile_scope": "layers",
-                                                     "residual_norm": "fused-lean", "attention": "triton",
-                                                     "bias_gelu": "fused", "combo_kernels": True}, "step"),
+    "lean-norm-triton-biasgelu-combo-layers-step": ({**BF16_CANDIDATE, "combo_kernels": True}, "step"),
     "combo-model-step": ({"compile": "default", "compile_scope": "model", "combo_kernels": True}, "step"),
     "tensors-update-combo": ({"optimizer_layout": "tensors", "compile_optimizer": True, "compile": "default",
                               "combo_kernels": True}, "update"),
