@@ -39,8 +39,8 @@
 # attention) on small shards, under the first python3 on PATH: with the GPU machines' torch (the venv of
 # `bash scripts/test_torch.sh 2.11.0`), a driver that fails to compile, or compiles again after run_start (the
 # table's "compile after run_start"), shows up before device time is spent on it. CUDA-graph drivers run with
-# COMPILE=default; the other steps, and the float8 and cuDNN drivers, need the GPU: they are skipped. About 3 to 5
-# minutes a driver on the 2-core VM.
+# COMPILE=default, rows of our Triton attention with its torch path; the other steps, torchao's float8 drivers and
+# cuDNN's need the GPU: they are skipped. About 3 to 5 minutes a driver on the 2-core VM.
 #   PATH=$PWD/.venv-torch2.11.0-py3.12/bin:$PATH REHEARSE=1 bash bench/cuda_session.sh shards driver-compiled-opt
 set -u
 REHEARSE=${REHEARSE:-0}
@@ -368,13 +368,17 @@ for name in "$@"; do
       key=${name#driver-}
       flags=${DRIVERS[$key]} limit=${DRIVER_LIMIT:-420} device=cuda
       if [[ $REHEARSE == 1 ]]; then
-        # FP8_RECIPE=delayed runs on the CPU, but torch's CPU float8 GEMMs take ~30 s a step for BERT tiny
-        if [[ $flags == *"--precision fp8"* || $flags == *"--attention cudnn"* ]]; then
-          skip "$name" "float8 (the CPU's float8 GEMMs are too slow for a driver) and cuDNN attention need the GPU"
+        # FP8_RECIPE=delayed runs on the CPU (its GEMMs in fp32 there: bert/model/fp8_gemm.py); torchao's recipes
+        # and cuDNN attention need the GPU
+        if [[ ($flags == *"--precision fp8"* && $flags != *"FP8_RECIPE=delayed"*) || $flags == *"--attention cudnn"* ]]; then
+          skip "$name" "torchao's float8 recipes and cuDNN attention need the GPU"
           continue
         fi
+        rehearse=$REHEARSE_FLAGS
+        # our Triton attention has a torch path on the CPU: its rows keep it, and with it the float8 attention sublayer
+        if [[ $flags == *"--attention triton"* ]]; then rehearse=${rehearse//--attention loop/}; fi
         # CUDA graphs need the GPU: the rest of a graphs run (static shapes, the warm-up over buckets) compiles here
-        flags="${flags//--compile reduce-overhead/--compile default} $REHEARSE_FLAGS" limit=${DRIVER_LIMIT:-900} device=cpu
+        flags="${flags//--compile reduce-overhead/--compile default} $rehearse" limit=${DRIVER_LIMIT:-900} device=cpu
       fi
       if [[ $flags != *"--compile off"* ]]; then flags+=" --env COMPILE_CACHE=$CACHES/$GPU/$key.bin.gz"; fi
       # shellcheck disable=SC2086  # the flags are words

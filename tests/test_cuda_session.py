@@ -31,6 +31,7 @@ from script_modules import ROOT, load_script
 from bert.config import from_env_and_args
 from bert.model.attention import resolve_backend
 from bert.model.compile import COMPILE_MODES, check_compile
+from bert.model.fp8 import check_fp8
 
 sys.path.insert(0, str(ROOT / "bench"))  # train_gpu.py imports bench/model.py
 sys.path.insert(0, str(ROOT / "data"))
@@ -152,16 +153,20 @@ def test_bench_model_refuses_a_variant_it_would_not_build(capsys):
 
 
 def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, random_shards):
-    """REHEARSE=1: the shards and every driver but float8 and cuDNN's, on the CPU (BERT tiny, 8 sequences, the
-    CPU's attention, given last so they win); every other step is skipped, and the driver's own parser accepts
-    each rehearsal for the CPU."""
+    """REHEARSE=1: the shards and every driver but torchao's float8 and cuDNN's, on the CPU (BERT tiny, 8 sequences,
+    the CPU's attention given last so it wins, but where the row runs our Triton attention, whose torch path the
+    CPU runs); every other step is skipped, and the driver's own parser accepts each rehearsal for the CPU, delayed
+    float8 rows included."""
     drivers = driver_names()
     out = run_dry(tmp_path, *STEPS, *[f"driver-{name}" for name in drivers], REHEARSE="1")
     assert out.returncode == 0, out.stderr
     ran = [shlex.split(line)[1:] for line in out.stdout.splitlines() if line.startswith("DRY ")]
     skipped = re.findall(r"^== (\S+): skipped", out.stdout, flags=re.M)
-    gpu_only = {name for name in drivers if re.search(r"--precision fp8|--attention cudnn", driver_flags(name))}
-    assert {"fp8", "cudnn", "graphs-opt"} & set(drivers) == {"fp8", "cudnn", "graphs-opt"}
+    gpu_only = {name for name in drivers if re.search(r"--attention cudnn", driver_flags(name))
+                or ("--precision fp8" in driver_flags(name) and "FP8_RECIPE=delayed" not in driver_flags(name))}
+    candidate = "fp8-delayed-lean-norm-triton-biasgelu-combo-graphs"
+    assert {"fp8", "cudnn", "graphs-opt", candidate} & set(drivers) == {"fp8", "cudnn", "graphs-opt", candidate}
+    assert {"fp8", "cudnn"} <= gpu_only and candidate not in gpu_only
     assert skipped == [s for s in STEPS if s != "shards"] + [f"driver-{n}" for n in drivers if n in gpu_only]
     assert [r[0] for r in ran] == ["shards"] + [f"driver-{n}" for n in drivers if n not in gpu_only]
     assert ran[0][2:] == ["python3", "data/make_random_shards.py", "--out", "/tmp/shards", "--samples", "4000",
@@ -170,11 +175,14 @@ def test_a_rehearsal_runs_the_bf16_drivers_on_the_cpu_at_tiny_size(tmp_path, ran
         argv = words[2:]
         argv[argv.index("--data") + 1] = str(random_shards)
         args = train_gpu.parse_args(argv)
+        flags = driver_flags(name.removeprefix("driver-"))
+        attention = "triton" if "--attention triton" in flags else "loop"
         assert (limit, args.device, args.bert_config, args.batchsize, args.attention) == ("900", "cpu", "tiny", "8",
-                                                                                           "loop"), name
+                                                                                           attention), name
         assert args.json.name == f"train_gpu_cpu_{name.removeprefix('driver-')}.json"
         cfg = from_env_and_args([], environ=train_gpu.driver_env(args, tmp_path / name))
-        assert resolve_backend(cfg.model.attention, "cpu") == "loop", name
+        assert resolve_backend(cfg.model.attention, "cpu") == attention, name
+        check_fp8(cfg.model.precision, torch.device("cpu"), cfg.model.fp8_recipe)  # only FP8_RECIPE=delayed gets here
         check_compile(cfg.model.compile, torch.device("cpu"))  # CUDA graphs' reduce-overhead is COMPILE=default here
         if "--compile reduce-overhead" in driver_flags(name.removeprefix("driver-")):
             assert cfg.model.compile == "default", name

@@ -106,7 +106,7 @@ def check_fp8(precision: str, device: torch.device, recipe: str = "tensorwise") 
     if precision != "fp8":
         return
     if device.type != "cuda" and recipe == "delayed":
-        return  # torch._scaled_mm runs on the CPU too (slowly): real float8 GEMMs, for tests and rehearsals
+        return  # float8 values and scales on the CPU too, their GEMMs in fp32 (bert.model.fp8_gemm): tests, rehearsals
     if device.type != "cuda":
         raise ValueError(f"PRECISION=fp8 needs a CUDA GPU of compute capability {MIN_CAPABILITY[0]}."
                          f"{MIN_CAPABILITY[1]} or newer (float8 tensor cores); this run's device is {device.type}: "

@@ -32,8 +32,9 @@ state_dict (the weights file and its exports stay nn.Linear's) but in each rank'
 Under autocast the input is cast to autocast's dtype first, as nn.Linear's is, so the output has that dtype.
 
 Parameters and names are nn.Linear's, so checkpoints, weight-decay groups, master weights and DDP are unchanged.
-No torchao: this needs only `torch._scaled_mm` (CUDA of compute capability >= 8.9; the CPU runs it too, which is
-how the tests check it against a float64 reference of the same scaling).
+No torchao: this needs only `torch._scaled_mm` (CUDA of compute capability >= 8.9). On the CPU the GEMMs are fp32
+GEMMs of the same exact products (bert.model.fp8_gemm), which is how the tests check the recipe against a float64
+reference of the same scaling and the driver rows rehearse.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from bert.model.fp8_gemm import scaled_mm
 from bert.model.fp8_transpose import fp8_cast_transpose, fp8_transpose
 from bert.model.swap import swap_modules
 
@@ -123,8 +125,7 @@ def float8_linear(x_q: Tensor, inv_x: Tensor, w: Tensor, bias: Tensor | None, ne
     if needs_dw and x_qt is None:
         x_qt = fp8_transpose(x_q)
     saved = [x_qt if needs_dw else None, w_qt, inv_x, inv_w]
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=inv_x, scale_b=inv_w,
-                            bias=None if bias is None else bias.to(dtype), out_dtype=dtype), saved
+    return scaled_mm(x_q, w_q.t(), inv_x, inv_w, dtype, None if bias is None else bias.to(dtype)), saved
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -171,9 +172,9 @@ def float8_grads(saved, dtypes, g_q: Tensor, inv_g: Tensor, dtype: torch.dtype, 
     if x_qt is not None and g_qt is None:
         g_qt = fp8_transpose(g_q)
     if w_qt is not None:
-        dx = torch._scaled_mm(g_q, w_qt.t(), scale_a=inv_g, scale_b=inv_w, out_dtype=dtype).to(x_dtype)
+        dx = scaled_mm(g_q, w_qt.t(), inv_g, inv_w, dtype).to(x_dtype)
     if x_qt is not None:
-        dw = torch._scaled_mm(g_qt, x_qt.t(), scale_a=inv_g, scale_b=inv_x, out_dtype=dtype).to(w_dtype)
+        dw = scaled_mm(g_qt, x_qt.t(), inv_g, inv_x, dtype).to(w_dtype)
     return dx, dw
 
 

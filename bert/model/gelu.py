@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from bert.model.cast import cast
 from bert.model.swap import swap_modules
 
 GELUS = ("torch", "rational")  # GELU: torch's F.gelu (erf, libdevice's on a GPU), or this module's
@@ -32,13 +33,6 @@ def arithmetic_dtype(x: Tensor) -> torch.dtype:
     """What the formula computes `x` in: float32 for half and float32 inputs, float64 for float64 (the torch path of
     bert.model.bias_gelu too)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """`t` in `dtype`, itself where it is already: torch 2.11's dynamo (the GPU machines') routes the gradient of an
-    autograd Function whose output aliases one of its intermediates, as a no-op `.to` returns, to the wrong output
-    (zeros here; pytorch/pytorch#180642). Torch 2.13 gets it right."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _half_erfc(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,9 +64,9 @@ def _phi_from(x: Tensor, half_erfc: Tensor) -> Tensor:
 
 def rational_gelu_reference(x: Tensor) -> Tensor:
     """The forward's arithmetic, outside autograd's Function (its forward, and what the tests hold to the bounds)."""
-    xc = _cast(x, arithmetic_dtype(x))
+    xc = cast(x, arithmetic_dtype(x))
     half_erfc, _ = _half_erfc(xc)
-    return _cast(xc * _phi_from(xc, half_erfc), x.dtype)
+    return cast(xc * _phi_from(xc, half_erfc), x.dtype)
 
 
 def gelu_slope(x: Tensor) -> Tensor:
@@ -91,8 +85,8 @@ class _RationalGELU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
-        xc = _cast(x, arithmetic_dtype(x))
-        return _cast(_cast(dy, xc.dtype) * gelu_slope(xc), dy.dtype)
+        xc = cast(x, arithmetic_dtype(x))
+        return cast(cast(dy, xc.dtype) * gelu_slope(xc), dy.dtype)
 
 
 def rational_gelu(x: Tensor) -> Tensor:
