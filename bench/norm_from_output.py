@@ -33,16 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from trial import PHASE2, phase2_run  # noqa: E402
+
 from bert.model import BertConfig, BertForPreTraining  # noqa: E402
 from bert.model.dropout_add_norm import FusedResidualOutput, apply_residual_norm  # noqa: E402
 from bert.model.init_checkpoint import load_init_checkpoint  # noqa: E402
 from bert.synthetic import random_batch  # noqa: E402
 
 KINDS = ("fused", "fused-lean")
-# config_CPU_1x2.sh's own run (phase 2 of MiniLM from the checkpoint), on top of bench/trial.py's BASE, to 480 samples
-DRIVER = {"BERT_CONFIG": "minilm", "OPTIMIZER": "adam", "LR": "0.0001", "BATCHSIZE": "4", "WARMUP_STEPS": "5",
-          "OPT_LAMB_BETA_2": "0.999", "EPSILON": "1e-6", "WEIGHT_DECAY_RATE": "0.01", "TARGET_MLM_ACCURACY": "0.9",
-          "MAX_SAMPLES_TERMINATION": "480", "LOG_FREQ": "10", "BUCKET_CAP_MB": "25"}
 PRECISIONS = {"fp32": {"PRECISION": "fp32"}, "bf16-masters": {"PRECISION": "bf16", "MASTER_WEIGHTS": "1"}}
 
 
@@ -88,19 +86,13 @@ def driver_runs(checkpoint: str, data: str, seed: int) -> list[dict]:
     """Each precision x norm as one driver run at `seed`: its losses (metrics.jsonl) and evals (the result log)."""
     import tempfile
 
-    from trial import run_trial
-
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for precision, settings in PRECISIONS.items():
             for kind in KINDS:
-                out = Path(tmp) / f"{precision}-{kind}"
-                run = run_trial({**DRIVER, **settings, "BERT_DATA": data, "INIT_CHECKPOINT": checkpoint,
-                                 "SEED": str(seed), "RESIDUAL_NORM": kind}, out)
-                metrics = [json.loads(line) for line in (out / "output/metrics.jsonl").read_text().splitlines()]
-                runs.append({"precision": precision, "residual_norm": kind, "status": run["status"],
-                             "evals": run["evals"], "wall_s": run["wall_s"],
-                             "losses": [(m["step"], m["loss"]) for m in metrics if "loss" in m]})
+                run = phase2_run({**settings, "BERT_DATA": data, "INIT_CHECKPOINT": checkpoint, "SEED": str(seed),
+                                  "RESIDUAL_NORM": kind}, Path(tmp) / f"{precision}-{kind}")
+                runs.append({"precision": precision, "residual_norm": kind, **run})
     return runs
 
 
@@ -133,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"machine": platform.node(), "torch": torch.__version__,
                                              "checkpoint": Path(args.checkpoint).name, "seed": args.seed,
-                                             "settings": DRIVER, "runs": runs}, indent=1) + "\n")
+                                             "settings": PHASE2, "runs": runs}, indent=1) + "\n")
         return 0
     lengths = [[512, 384, 200, 128, 96, 60, 40, 32] for _ in range(args.batches)]
     batches = [random_batch(ls, seed=i, vocab_size=BertConfig.load(args.config).vocab_size)

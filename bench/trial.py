@@ -56,6 +56,14 @@ BASE: dict[str, str] = {
 }
 
 
+# config_CPU_1x2.sh's own run, phase 2 of MiniLM from its trained checkpoint (INIT_CHECKPOINT, the caller's), on top
+# of BASE, to 480 samples: the unit of the numerics comparisons (bench/norm_from_output.py --driver,
+# bench/fp8_convergence.py)
+PHASE2 = {"BERT_CONFIG": "minilm", "OPTIMIZER": "adam", "LR": "0.0001", "BATCHSIZE": "4", "WARMUP_STEPS": "5",
+          "OPT_LAMB_BETA_2": "0.999", "EPSILON": "1e-6", "WEIGHT_DECAY_RATE": "0.01", "TARGET_MLM_ACCURACY": "0.9",
+          "MAX_SAMPLES_TERMINATION": "480", "LOG_FREQ": "10", "BUCKET_CAP_MB": "25"}
+
+
 @dataclass(frozen=True)
 class Score:
     samples: int  # samples to target, or the limit when censored
@@ -129,6 +137,15 @@ def run_trial(overrides: dict[str, str], out_dir: Path, config: str = "config_CP
     return {**asdict(score), "wall_s": round(wall, 1), "exit": proc.returncode, "dir": str(out_dir),
             "overrides": dict(overrides)}
 
+
+
+def phase2_run(overrides: dict[str, str], out_dir: Path) -> dict:
+    """One PHASE2 run with `overrides` in `out_dir`: its status, evals, wall seconds and the loss every LOG_FREQ
+    steps (the driver's metrics.jsonl)."""
+    run = run_trial({**PHASE2, **overrides}, out_dir)
+    metrics = [json.loads(line) for line in (out_dir / "output/metrics.jsonl").read_text().splitlines()]
+    return {"status": run["status"], "evals": run["evals"], "wall_s": run["wall_s"],
+            "losses": [(m["step"], m["loss"]) for m in metrics if "loss" in m]}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -175,14 +175,18 @@ def test_a_bf16_model_trains_close_to_bf16_and_compiles():
     assert losses[2] == losses[1] and amaxes[2] == amaxes[1] and not set(amaxes[1]) & set(START.values())
 
 
-@pytest.mark.parametrize("build", [{}, {"optimizer_layout": "flat", "compile_optimizer": True, "compile": "debug",
-                                         "compile_scope": "layers"}], ids=["eager", "layers-flat"])
+@pytest.mark.parametrize("build", [
+    {}, {"optimizer_layout": "flat", "compile_optimizer": True, "compile": "debug", "compile_scope": "layers"},
+    {"attention": "triton", "residual_norm": "fused-lean", "bias_gelu": "fused", "compile": "debug"},
+], ids=["eager", "layers-flat", "candidate"])
 def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synthetic_data, tmp_path, build):
     """`build_run` as the driver builds PRECISION=fp8 FP8_RECIPE=delayed MASTER_WEIGHTS=1 (allowed on the CPU, whose
     `torch._scaled_mm` is real float8): the encoder's linears swapped, bf16 weights, fp32 masters; three steps
     with finite losses that move the weights, and the amax buffers set by them. Eager, and as the GPU session's
     candidate fastest run builds it (bench/cuda_session.sh fp8-delayed-layers-flat): per-layer graphs and the
-    compiled flat update (COMPILE=debug here: dynamo's capture, not inductor's code)."""
+    compiled flat update (COMPILE=debug here: dynamo's capture, not inductor's code); and as the float8 candidate
+    (bench/cuda_session.sh fp8-delayed-lean-norm-triton-biasgelu...): our Triton attention, the lean fused norm and
+    the fused bias + GELU, every linear inside one of our float8 Functions (on their torch paths here)."""
     from test_loop import make_run
 
     from bert.optim.master import MasterWeights
@@ -190,10 +194,17 @@ def test_the_driver_trains_it_with_master_weights_on_the_cpu(world_of_one, synth
 
     torch._dynamo.reset()
     run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
-                   static_tokens=128, attention="padded", **build)  # the CPU run, on a machine with a GPU too
+                   static_tokens=128, **{"attention": "padded", **build})  # the CPU run, on a GPU's machine too
     model = run.ddp.module
     swapped = [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
     assert len(swapped) == 4 * model.config.num_hidden_layers and isinstance(run.optimizer, MasterWeights)
+    if "residual_norm" in build:  # each sublayer one Function of ours: the candidate's GPU step, on the CPU
+        from bert.model.fp8_attention_block import Float8AttentionOutput
+        from bert.model.fp8_feed_forward import Float8FeedForwardOutput
+
+        layers = model.bert.encoder.layer
+        assert all(type(layer.attention.output) is Float8AttentionOutput for layer in layers)
+        assert all(type(layer.output) is Float8FeedForwardOutput for layer in layers)
     assert (run.optimizer.layout is not None) == ("optimizer_layout" in build)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
