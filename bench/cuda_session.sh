@@ -330,7 +330,8 @@ for name in "$@"; do
       # the float8 units' kernels on the GPU (their interpreter and sm_90 checks ran on the CPU): the CUDA tests only
       step tests-fp8 180 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rfEs -k cuda \
         tests/test_fp8_bias_gelu.py tests/test_fp8_residual_norm.py tests/test_fp8_attention.py \
-        tests/test_fp8_feed_forward.py tests/test_fp8_attention_block.py tests/test_norm_from_output.py ;;
+        tests/test_fp8_feed_forward.py tests/test_fp8_attention_block.py tests/test_norm_from_output.py \
+        tests/test_fp8_gemm.py ;;
     host-syncs)
       # the bf16 cases (the H100 configs' family); fp16: the check before plain LAMB, the skip over masters
       step host-syncs 240 python3 bench/host_syncs.py --device cuda --only " bf16 " "fp16 clip=after" \

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trial import PHASE2, phase2_run  # noqa: E402
+from trial import PHASE2, phase2_run, print_phase2_runs  # noqa: E402
 
 CANDIDATE = {"ATTENTION": "triton", "RESIDUAL_NORM": "fused-lean", "BIAS_GELU": "fused", "STATIC_TOKENS": "128",
              "COMPILE": "debug"}
@@ -57,26 +57,22 @@ def runs(checkpoint: str, data: str, seeds: list[int], precisions: list[str]) ->
     return out
 
 
-def gaps(rows: list[dict]) -> dict[str, float]:
-    """Each precision's largest |eval - fp32's eval| over the seeds and evals (the same samples, the same seed)."""
-    reference = {(r["seed"], samples): accuracy for r in rows if r["precision"] == "fp32"
-                 for samples, accuracy in r["evals"]}
+def gaps(rows: list[dict], key: str = "evals") -> dict[str, float]:
+    """Each precision's largest |value - fp32's| over the seeds and points, `key` "evals" (accuracy at each eval's
+    samples) or "losses" (the loss at each logged step): the same point, the same seed."""
+    reference = {(r["seed"], at): value for r in rows if r["precision"] == "fp32" for at, value in r[key]}
     worst: dict[str, float] = {}
     for r in rows:
-        for samples, accuracy in r["evals"]:
-            gap = abs(accuracy - reference[(r["seed"], samples)])
-            worst[r["precision"]] = max(worst.get(r["precision"], 0.0), gap)
+        for at, value in r[key]:
+            worst[r["precision"]] = max(worst.get(r["precision"], 0.0), abs(value - reference[(r["seed"], at)]))
     return worst
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'precision':<13} {'seed':>5} {'status':<8} {'loss at steps 10, 20, ...':<52} evals at 160, 320, 480")
-    for r in rows:
-        losses = " ".join(f"{loss:.4f}" for _, loss in r["losses"])
-        evals = " ".join(f"{accuracy:.4f}" for _, accuracy in r["evals"])
-        print(f"{r['precision']:<13} {r['seed']:>5} {r['status']:<8} {losses:<52} {evals}")
+    print_phase2_runs(rows, {"precision": 13, "seed": 5})
     if any(r["precision"] == "fp32" for r in rows):
-        print("largest |eval - fp32's|: " + ", ".join(f"{k} {v:.4f}" for k, v in gaps(rows).items()))
+        for key, what in (("evals", "eval"), ("losses", "loss")):
+            print(f"largest |{what} - fp32's|: " + ", ".join(f"{k} {v:.4f}" for k, v in gaps(rows, key).items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[7, 8])
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--table", type=Path, help="print the table of a JSON this wrote, and run nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        print_table(json.loads(args.table.read_text())["runs"])
+        return 0
     if not Path(args.checkpoint).exists():
         print(f"no checkpoint at {args.checkpoint}: make it with data/phase1_heads.py (scripts/demo.sh does)",
               file=sys.stderr)
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"machine": platform.node(), "torch": torch.__version__,
                                          "checkpoint": Path(args.checkpoint).name, "seeds": args.seeds,
                                          "settings": {**PHASE2, **CANDIDATE}, "precisions": PRECISIONS,
-                                         "largest_gap_to_fp32": gaps(rows) if "fp32" in args.precisions else None,
+                                         "largest_gap_to_fp32": {key: gaps(rows, key) for key in ("evals", "losses")}
+                                         if "fp32" in args.precisions else None,
                                          "runs": rows}, indent=1) + "\n")
     return 0
 

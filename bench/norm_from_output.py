@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from trial import PHASE2, phase2_run  # noqa: E402
+from trial import PHASE2, phase2_run, print_phase2_runs  # noqa: E402
 
 from bert.model import BertConfig, BertForPreTraining  # noqa: E402
 from bert.model.dropout_add_norm import FusedResidualOutput, apply_residual_norm  # noqa: E402
@@ -97,11 +97,7 @@ def driver_runs(checkpoint: str, data: str, seed: int) -> list[dict]:
 
 
 def print_driver(runs: list[dict]) -> None:
-    print(f"{'precision':<13} {'norm':<11} {'status':<8} {'loss at steps 10, 20, ...':<52} evals at 160, 320, 480")
-    for r in runs:
-        losses = " ".join(f"{loss:.4f}" for _, loss in r["losses"])
-        evals = " ".join(f"{accuracy:.4f}" for _, accuracy in r["evals"])
-        print(f"{r['precision']:<13} {r['residual_norm']:<11} {r['status']:<8} {losses:<52} {evals}")
+    print_phase2_runs(runs, {"precision": 13, "residual_norm": 11})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,6 +147,17 @@ def phase2_run(overrides: dict[str, str], out_dir: Path) -> dict:
     return {"status": run["status"], "evals": run["evals"], "wall_s": run["wall_s"],
             "losses": [(m["step"], m["loss"]) for m in metrics if "loss" in m]}
 
+def print_phase2_runs(rows: list[dict], columns: dict[str, int]) -> None:
+    """phase2_run rows as a table: the `columns` (a row's key: its width), status, losses and evals."""
+    names = " ".join(f"{name:<{width}}" for name, width in columns.items())
+    print(f"{names} {'status':<8} {'loss at steps 10, 20, ...':<52} evals at 160, 320, 480")
+    for r in rows:
+        cells = " ".join(f"{r[name]!s:<{width}}" for name, width in columns.items())
+        losses = " ".join(f"{loss:.4f}" for _, loss in r["losses"])
+        evals = " ".join(f"{accuracy:.4f}" for _, accuracy in r["evals"])
+        print(f"{cells} {r['status']:<8} {losses:<52} {evals}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="NAME=VALUE settings on top of BASE")

@@ -27,3 +27,9 @@ def test_every_run_takes_the_candidates_settings_and_only_the_precision_differs(
     assert keys == {frozenset({"PRECISION"})}
     assert {"ATTENTION": "triton", "RESIDUAL_NORM": "fused-lean", "BIAS_GELU": "fused"}.items() <= \
         fp8_convergence.CANDIDATE.items()
+
+
+def test_the_loss_gap_pairs_each_logged_step_the_same_way():
+    rows = [{"precision": "fp32", "seed": 7, "losses": [(10, 7.0), (20, 6.5)]},
+            {"precision": "fp8-delayed", "seed": 7, "losses": [(10, 7.1), (20, 6.45)]}]
+    assert abs(fp8_convergence.gaps(rows, "losses")["fp8-delayed"] - 0.1) < 1e-12
