@@ -49,10 +49,10 @@ the accepted datatypes"; section "Numerical formats" at d73e20f179). So PRECISIO
 divisions; reference convergence points are fp32 or bf16, so an fp8 run must still converge within the RCP.
 The rowwise recipes' scales are per row, which we read as blocks of one row (the rules do not name rows).
 
-Nothing falls back silently: no CUDA device (FP8_RECIPE=delayed excepted: the CPU runs its float8 GEMMs, which
-is how the CPU tests check it, slowly: ~30 s a step for BERT tiny under torch 2.11), compute capability below
-8.9 (float8 tensor cores: Ada, Hopper, Blackwell), or torchao not installed (FP8_RECIPE=delayed excepted) is a
-one-line `ValueError` naming PRECISION=fp8, raised before any work
+Nothing falls back silently: no CUDA device (FP8_RECIPE=delayed excepted: the CPU runs its float8 casts, and its
+GEMMs as fp32 GEMMs of the same exact products, bert.model.fp8_gemm: how the CPU tests check it), compute
+capability below 8.9 (float8 tensor cores: Ada, Hopper, Blackwell), or torchao not installed (FP8_RECIPE=delayed
+excepted) is a one-line `ValueError` naming PRECISION=fp8, raised before any work
 (`bert.train.build.build_model`, and `python -m bert.train.config --check-env --check-device` in
 `run_and_time.sh`). torchao is not in the default (CPU) install; the Dockerfile installs it: 0.18.0 for torch
 >= 2.11, 0.16.0 for 2.10 (0.17 and 0.18 skip their C++ extensions below 2.11), each run under the CPU suite
