@@ -362,3 +362,34 @@ def test_an_evaluation_makes_none_of_the_backwards_operands(ours):
         want = model(batch).loss  # eval mode (no dropout), grad on: the training forward's operands
     assert trained.calls.get("fp8_cast_transpose", 0) > 0, trained.calls  # the mode sees them where they run
     torch.testing.assert_close(loss, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new", "resumed"])
+def test_without_compile_a_new_run_calibrates_its_amaxes_before_run_start(world_of_one, synthetic_data, tmp_path,
+                                                                          resume):
+    """COMPILE=off has no compile warm-up, so `compile_before_run` runs one forward and backward on the synthetic
+    batch for the amaxes alone: every one leaves its start (scale 1, which flushes small e5m2 gradients), the
+    weights, their gradients and the RNG as they were. A resumed run keeps what its checkpoint restored."""
+    from test_loop import make_run
+
+    from bert.train.mlperf_log import MLPerfLog
+    from bert.train.warmup import compile_before_run
+
+    torch._dynamo.reset()
+    run = make_run(synthetic_data, tmp_path, precision="fp8", fp8_recipe="delayed", master_weights=True,
+                   static_tokens=128, resume=resume)
+    try:
+        model = run.ddp.module
+        swapped = [m for m in model.modules() if isinstance(m, DelayedFloat8Linear)]
+        weights = [p.detach().clone() for p in model.parameters()]
+        rng = torch.get_rng_state()
+        assert compile_before_run(run, MLPerfLog(str(tmp_path / "log.txt"), True), torch.device("cpu")) is None
+        amaxes = [(float(m.amax_input), float(m.amax_grad)) for m in swapped]
+        if resume:
+            assert amaxes == [(START[E4M3], START[E5M2])] * len(swapped)
+        else:
+            assert all(a != START[E4M3] and g != START[E5M2] and 0 < g < a for a, g in amaxes)
+        assert all(torch.equal(w, p) and p.grad is None for w, p in zip(weights, model.parameters()))
+        assert torch.equal(rng, torch.get_rng_state())
+    finally:
+        run.loader.close()

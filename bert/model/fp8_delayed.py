@@ -21,14 +21,15 @@ bert.model.fp8_*), it wrote the transpose too, a tile at a time; else it is made
 the row-wise kernels stored the copy a byte per 32-byte sector, and float8 ran slower than bf16 on an H200 (627
 against 772 samples/s, 2026-11-27).
 
-The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They
-start at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and
-backward on its synthetic batch (bert.train.warmup) set them before the first timed step (a resumed run's are
-put back after it). Only a training forward (train mode, grad enabled) records the input's; a non-finite amax is
-not recorded. Each rank keeps its own: DDP does not broadcast buffers (bert.dist.ddp; TransformerEngine reduces
-them across the ranks, here the gradients are averaged after the GEMMs anyway). So they are not in the model's
-state_dict (the weights file and its exports stay nn.Linear's) but in each rank's own checkpoint file
-(`AmaxState`, bert.train.checkpoint): a resumed run scales its first step as the run it continues would have.
+The amax history is one step long and lives in two 0-dim buffers per layer (`amax_input`, `amax_grad`). They start
+at each format's max (scale 1, as TransformerEngine starts); the untimed compile warm-up's forward and backward on
+its synthetic batch (bert.train.warmup), or under COMPILE=off one such pass for them alone (`calibrate_float8`), set
+them before the first timed step (a resumed run's are put back after it, or kept). Only a training forward (train
+mode, grad enabled) records the input's; a non-finite amax is not recorded. Each rank keeps its own: DDP does not
+broadcast buffers (bert.dist.ddp; TransformerEngine reduces them across the ranks, here the gradients are averaged
+after the GEMMs anyway). So they are not in the model's state_dict (the weights file and its exports stay
+nn.Linear's) but in each rank's own checkpoint file (`AmaxState`, bert.train.checkpoint): a resumed run scales its
+first step as the run it continues would have.
 Under autocast the input is cast to autocast's dtype first, as nn.Linear's is, so the output has that dtype.
 
 Parameters and names are nn.Linear's, so checkpoints, weight-decay groups, master weights and DDP are unchanged.

@@ -39,7 +39,7 @@ from bert.batch import Batch
 from bert.config import TrainConfig
 from bert.model import BertConfig
 from bert.model.compile import CUDA_GRAPH_MODES
-from bert.model.fp8_delayed import AmaxState
+from bert.model.fp8_delayed import AmaxState, DelayedFloat8Linear
 from bert.model.last_layer import kept_row_count
 from bert.optim.compiled import warm_up_step
 from bert.static_shapes import bucket_batch, likely_token_buckets, pad_static
@@ -181,6 +181,8 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
     is written after (bert.train.compile_cache)."""
     model_cfg = run.cfg.model
     if model_cfg.compile == "off":
+        if calibrate_float8(run, device) and run.env.is_main:
+            print("float8: the amaxes calibrated on a synthetic batch before run_start (COMPILE=off)", flush=True)
         return None
     if model_cfg.compile_cache:  # every rank fills its own local caches before anything compiles
         loaded = load_compile_cache(model_cfg.compile_cache)
@@ -192,6 +194,19 @@ def compile_before_run(run: Run, log: MLPerfLog, device: torch.device) -> float 
         print(save_compile_cache(model_cfg.compile_cache), flush=True)
         print(save_keys(model_cfg.compile_cache, keys), flush=True)
     return seconds
+
+
+def calibrate_float8(run: Run, device: torch.device) -> bool:
+    """FP8_RECIPE=delayed under COMPILE=off: one training forward and backward on the warm-up's synthetic batch
+    records the amaxes a new run's first step scales with, as the compiled warm-up's do (`_compile`). Without it that
+    step scales at 1 (the amaxes' start), where a gradient under e5m2's smallest value, about 1.5e-5, is flushed to
+    zero. A resumed run keeps the amaxes its checkpoint restored. Untimed init on no real sample, its gradients
+    dropped and the RNG put back (`warm_up`). Whether it ran."""
+    model = run.ddp.module
+    if run.cfg.run.resume or not any(isinstance(m, DelayedFloat8Linear) for m in model.modules()):
+        return False
+    warm_up(model, warmup_batches(run, device)[0], run.autocast)
+    return True
 
 
 def _compile(run: Run, log: MLPerfLog, device: torch.device) -> float:
