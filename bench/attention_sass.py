@@ -51,7 +51,7 @@ MMA_FLOP = {"_forward": 2 * 2 * HEAD_DIM, "_backward_kv": 4 * 2 * HEAD_DIM, "_ba
 def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
     """(kernel, (BM, BN, warps), its signature) for each of the three kernels, q, k, v in `dtype` (Triton's name);
     with `float8`, the backward's gradient in e5m2 (a float8 QKV's, bert.model.fp8_attention) and the forward's
-    output in e4m3 too (bert.model.fp8_attention_block)."""
+    output in e4m3 only (bert.model.fp8_attention_block), which the dQ kernel reads for delta."""
     half = f"*{dtype}"
     grad = "*fp8e5" if float8 else half
     out8 = "*fp8e4nv" if float8 else half  # the forward's output in e4m3 too (bert.model.fp8_attention_block)
@@ -72,10 +72,11 @@ def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
                                              "DK": grad, "DV": grad, "cu": "*i32", **sizes, **scales, **strides,
                                              "sdo_t": "i32", "sdo_h": "i32", "sd_t": "i32", **float8_args,
                                              **backward_flags}),
-        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": half, "OUT": half, "LSE": "*fp32", "DELTA": "*fp32",
+        (ta._backward_q, ta.BACKWARD_TILE, {**qkv, "DO": half, "OUT": out8, "LSE": "*fp32", "DELTA": "*fp32",
                                             "BITS": "*u8", "DQ": grad, "cu": "*i32", **sizes, **scales, **strides,
                                             "sdo_t": "i32", "sdo_h": "i32", "so_t": "i32", "so_h": "i32", "sd_t": "i32",
-                                            **float8_args, **backward_flags}),
+                                            **float8_args, "OUT_INV": "*fp32", **backward_flags,
+                                            "OUT_E4M3": "constexpr"}),
     ]
 
 
@@ -99,6 +100,8 @@ def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, di
     constexprs = {"D": dim, "BM": blocks[0], "BN": blocks[1], "DROPOUT": dropout}
     if "FLOAT8" in signature:
         constexprs["FLOAT8"] = "fp8" in (signature.get("DQ") or signature.get("DK") or signature["OQ"])
+    if "OUT_E4M3" in signature:
+        constexprs["OUT_E4M3"] = "fp8" in signature["OUT"]
     sass, usage = sm90(kernel, signature, constexprs, warps, attrs)
     body = inner_loop(sass)
     per_thread = blocks[0] * blocks[1] / (32 * warps)  # score elements a thread holds each iteration

@@ -18,7 +18,7 @@ from bert.model import BertConfig, BertForPreTraining
 from bert.model import fp8_attention as fa
 from bert.model import triton_attention as ta
 from bert.model.fp8 import convert_to_fp8, is_fp8_linear
-from bert.model.fp8_delayed import E5M2, DelayedFloat8Linear, convert_to_delayed_fp8
+from bert.model.fp8_delayed import E4M3, E5M2, DelayedFloat8Linear, convert_to_delayed_fp8, saturated_cast
 from bert.model.layers import BertSelfAttention
 from bert.synthetic import random_batch
 
@@ -127,11 +127,33 @@ def test_the_op_in_float64_is_the_attentions_gradient_scaled_and_rounded_to_e5m2
     assert q.float().abs().max() == torch.finfo(E5M2).max and torch.isfinite(q.float()).all()
 
 
+def test_with_the_outputs_e4m3_copy_delta_reads_the_copy():
+    """With the output in e4m3 and 1 / its scale (the float8 attention block's), the gradient is float64's
+    attention gradient with the copy's values as O in delta = rowsum(dO * O), and not the one from O itself."""
+    grad, qkv, out, *rest = inputs()
+    o_q = saturated_cast(out, torch.tensor(32.0), E4M3)
+    copy_values = o_q.double() / 32  # exact, as the op's product with 1 / 32
+    want = torch.ops.bert.triton_attention_backward(grad, qkv, copy_values, *rest)
+    exact = torch.ops.bert.triton_attention_backward(grad, qkv, out, *rest)
+    got = OP(grad, qkv, o_q, *rest, torch.tensor(1.0), torch.tensor(1 / 32))
+    torch.testing.assert_close(got[2], want.sum(0), rtol=0, atol=1e-12)  # the unrounded sums
+    assert not torch.allclose(got[2], exact.sum(0), rtol=0, atol=1e-9)
+
+
 def test_opcheck_and_the_refusal():
     args = inputs(torch.float32)
     torch.library.opcheck(OP, (*args, torch.tensor(8.0)))
+    o_q = saturated_cast(args[2], torch.tensor(30.0), E4M3)
+    # not test_schema: it compares the inputs before and after with allclose, which the CPU lacks for float8
+    torch.library.opcheck(OP, (args[0], args[1], o_q, *args[3:], torch.tensor(8.0), torch.tensor(1 / 30)),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     with pytest.raises(ValueError, match="0-dim"):
         OP(*args, torch.ones(1))
+    with pytest.raises(ValueError, match="0-dim"):
+        OP(args[0], args[1], o_q, *args[3:], torch.tensor(8.0), torch.ones(1))
+    for out, inv in [(o_q, None), (args[2], torch.tensor(1.0))]:  # each without the other
+        with pytest.raises(ValueError, match="e4m3 output comes with 1 / its scale"):
+            OP(args[0], args[1], out, *args[3:], torch.tensor(8.0), inv)
 
 
 def tiny_model(attention="triton", seed=0):
@@ -200,7 +222,7 @@ import sys, torch
 """ + NARROWING_PATCH + """
 from bert.model import triton_attention as ta
 from bert.model import fp8_attention as fa
-from bert.model.fp8_delayed import E5M2
+from bert.model.fp8_delayed import E4M3, E5M2, saturated_cast
 
 bad = []
 # (lengths, heads, head dim, dtype, p, scale): key and query blocks cut, several of each, a sequence of one, fp32 and
@@ -216,23 +238,30 @@ for lengths, heads, dim, dtype, p, scale in [([5, 70, 130], 2, 16, torch.float32
     out, lse, bits = ta.attention_torch(q, k, v, lengths, longest, p, torch.tensor(123456789))
     grad = torch.randn(q.shape, generator=g).to(dtype)
     s = torch.tensor(scale)
-    case = (lengths, dim, str(dtype), p, scale)
-    got_q, got_qt, got_sums, got_amax = ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)
-    want_q, _, want_sums, want_amax = fa.triton_attention_backward_fp8(grad, qkv, out, lse, bits, cu, longest, p, s)
-    if got_q.dtype != E5M2 or got_q.shape != qkv.shape:
-        bad.append(case + ("q", str(got_q.dtype), tuple(got_q.shape)))
-    # the kernels' own transposed copy, byte for byte (every token is in a sequence: all of it written)
-    if not torch.equal(got_qt.view(torch.uint8), got_q.flatten(1).t().view(torch.uint8)):
-        bad.append(case + ("q_t is not q transposed",))
-    # fp32 sums in another order on each side: a rounding of the dtype apart at most, in a few elements
-    off = (got_q.float() != want_q.float()).float().mean().item()
-    if off > 0.02:
-        bad.append(case + ("q differs at", off))
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    if not torch.allclose(got_sums, want_sums.float(), rtol=tol, atol=tol * len(lengths)):
-        bad.append(case + ("sums", (got_sums - want_sums.float()).abs().max().item()))
-    if not torch.allclose(got_amax, want_amax, rtol=tol, atol=0):
-        bad.append(case + ("amax", got_amax.item(), want_amax.item()))
+    # the output as it is, then its e4m3 copy (the float8 attention block's), which delta reads then
+    for o_scale in (None, 50.0):
+        case = (lengths, dim, str(dtype), p, scale, o_scale)
+        o, inv = out, None
+        if o_scale is not None:
+            o, inv = saturated_cast(out, torch.tensor(o_scale), E4M3), torch.tensor(1 / o_scale)
+        got_q, got_qt, got_sums, got_amax = ta.launch_backward(grad, q, k, v, o, lse, bits, cu, longest, p, scale=s,
+                                                               out_inv=inv)
+        want_q, _, want_sums, want_amax = fa.triton_attention_backward_fp8(grad, qkv, o, lse, bits, cu, longest, p, s,
+                                                                           inv)
+        if got_q.dtype != E5M2 or got_q.shape != qkv.shape:
+            bad.append(case + ("q", str(got_q.dtype), tuple(got_q.shape)))
+        # the kernels' own transposed copy, byte for byte (every token is in a sequence: all of it written)
+        if not torch.equal(got_qt.view(torch.uint8), got_q.flatten(1).t().view(torch.uint8)):
+            bad.append(case + ("q_t is not q transposed",))
+        # fp32 sums in another order on each side: a rounding of the dtype apart at most, in a few elements
+        off = (got_q.float() != want_q.float()).float().mean().item()
+        if off > 0.02:
+            bad.append(case + ("q differs at", off))
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        if not torch.allclose(got_sums, want_sums.float(), rtol=tol, atol=tol * len(lengths)):
+            bad.append(case + ("sums", (got_sums - want_sums.float()).abs().max().item()))
+        if not torch.allclose(got_amax, want_amax, rtol=tol, atol=0):
+            bad.append(case + ("amax", got_amax.item(), want_amax.item()))
 grad[2, 0, 3] = float("nan")
 if torch.isfinite(ta.launch_backward(grad, q, k, v, out, lse, bits, cu, longest, p, scale=s)[3]):
     bad.append("a NaN gradient gave a finite amax")
@@ -275,18 +304,23 @@ def test_the_float8_backward_kernels_compile_for_an_h100_without_spills():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_the_kernels_match_the_torch_path(monkeypatch):
-    """BERT-large's heads in bf16 at phase-2-like lengths, the kernels against the torch path."""
+@pytest.mark.parametrize("e4m3_out", [False, True])
+def test_cuda_the_kernels_match_the_torch_path(monkeypatch, e4m3_out):
+    """BERT-large's heads in bf16 at phase-2-like lengths, the kernels against the torch path; with `e4m3_out`,
+    delta read from the output's e4m3 copy (the float8 attention block's)."""
     lengths = [512, 300, 129, 64, 17]
     g = torch.Generator(device="cuda").manual_seed(5)
     qkv = torch.randn(sum(lengths), 3, 16, 64, device="cuda", generator=g).to(torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     out, lse, bits = torch.ops.bert.triton_attention(qkv, cu, 512, 0.1, torch.tensor(3, device="cuda"))
     grad = torch.randn(out.shape, device="cuda", generator=g).to(torch.bfloat16)
-    scale = torch.tensor(1e3, device="cuda")
-    want = [t.cpu() for t in OP(*(t.cpu() for t in (grad, qkv, out, lse, bits, cu)), 512, 0.1, scale.cpu())]
+    scale, inv = torch.tensor(1e3, device="cuda"), None
+    if e4m3_out:
+        out, inv = saturated_cast(out, torch.tensor(100.0, device="cuda"), E4M3), torch.tensor(0.01, device="cuda")
+    want = [t.cpu() for t in OP(*(t.cpu() for t in (grad, qkv, out, lse, bits, cu)), 512, 0.1, scale.cpu(),
+                                None if inv is None else inv.cpu())]
     refuse_torch_path_on_cuda(monkeypatch, fa, "backward_torch")
-    got = [t.cpu() for t in OP(grad, qkv, out, lse, bits, cu, 512, 0.1, scale)]
+    got = [t.cpu() for t in OP(grad, qkv, out, lse, bits, cu, 512, 0.1, scale, inv)]
     assert (got[0].float() != want[0].float()).float().mean() < 0.02
     assert torch.equal(got[1].view(torch.uint8), got[0].flatten(1).t().view(torch.uint8))
     torch.testing.assert_close(got[2], want[2], rtol=1e-2, atol=1e-1)

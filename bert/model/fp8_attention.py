@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from bert.model.compile_keys import key_on_source
 from bert.model.fp8_delayed import (
+    E4M3,
     E5M2,
     DelayedFloat8Linear,
     amax_of,
@@ -51,27 +52,35 @@ from bert.model.triton_attention import (
 
 @torch.library.custom_op("bert::triton_attention_backward_fp8", mutates_args=())
 def triton_attention_backward_fp8(grad: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
-                                  cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, scale: Tensor
-                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                  cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, scale: Tensor,
+                                  out_inv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`bert::triton_attention_backward`'s gradient of the packed QKV in e5m2 ((T, 3, H, D), rounded to q's dtype,
     times `scale`, 0-dim fp32, saturated), the same transposed ((3 H D, T) contiguous: the weight gradient's
     operand), its column sums (3, H, D) in the compute dtype and its amax (fp32, of the rounded values) (module
-    doc)."""
+    doc). With `out_inv` (0-dim fp32), `out` is the forward's output in e4m3 and this 1 / its scale
+    (bert.model.fp8_attention_block): the output the backward's delta = rowsum(dO * O) reads is that copy's."""
     q, k, v = _views(qkv)
     _check(q, k, v, dropout_p, forward=False)
-    if scale.shape != ():
-        raise ValueError(f"the e5m2 scale must be 0-dim, got {tuple(scale.shape)}")
+    if scale.shape != () or (out_inv is not None and out_inv.shape != ()):
+        raise ValueError(f"the e5m2 scale and out's must be 0-dim, got {tuple(scale.shape)} and "
+                         f"{None if out_inv is None else tuple(out_inv.shape)}")
+    if (out.dtype == E4M3) != (out_inv is not None):
+        raise ValueError(f"an e4m3 output comes with 1 / its scale and only it does, got {out.dtype} and "
+                         f"{'one' if out_inv is not None else 'none'}")
     if not _on_triton(q):  # the torch path: the CPU, float64
+        if out_inv is not None:  # the kernel's delta: each element times 1 / the scale (in fp32 there)
+            compute = _compute_dtype(q.dtype)
+            out = out.to(compute) * out_inv.to(compute)
         rounded = torch.stack(backward_torch(grad, q, k, v, out, bits, cu_seqlens.diff().tolist(), dropout_p), 1)
         q8 = saturated_cast(rounded, scale, E5M2)
         return q8, q8.flatten(1).t().contiguous(), rounded.sum(0, dtype=_compute_dtype(q.dtype)), amax_of(rounded)
     with torch.cuda.device(q.device):  # Triton launches on the current device
         return launch_backward(grad.contiguous(), q, k, v, out, lse, bits, cu_seqlens, max_seqlen, dropout_p,
-                               scale=scale.float())
+                               scale=scale.float(), out_inv=None if out_inv is None else out_inv.float())
 
 
 @triton_attention_backward_fp8.register_fake
-def _(grad, qkv, out, lse, bits, cu_seqlens, max_seqlen, dropout_p, scale):
+def _(grad, qkv, out, lse, bits, cu_seqlens, max_seqlen, dropout_p, scale, out_inv=None):
     tokens = qkv.shape[0]
     return (qkv.new_empty(qkv.shape, dtype=E5M2), qkv.new_empty((qkv[0].numel(), tokens), dtype=E5M2),
             qkv.new_empty(qkv.shape[1:], dtype=_compute_dtype(qkv.dtype)), scale.new_empty((), dtype=torch.float32))
@@ -105,15 +114,16 @@ class _Float8QKVAttention(torch.autograd.Function):
 
 
 def linear_attention_backward(grad: Tensor, attention_saved, max_seqlen: int, dropout_p: float, linear_saved,
-                              dtypes, amax_grad: Tensor, needs_bias: bool
+                              dtypes, amax_grad: Tensor, needs_bias: bool, out_inv: Tensor | None = None
                               ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The backward of our attention over a float8 QKV linear's output, from the attention output's gradient and
     what the forward saved (qkv, out, lse, bits, cu_seqlens; the linear's four, `float8_linear`; its
-    `linear_dtypes`): (dx, dw, db), the QKV gradient's amax kept in `amax_grad`."""
+    `linear_dtypes`): (dx, dw, db), the QKV gradient's amax kept in `amax_grad`. `out_inv`: `out` is the output's
+    e4m3 copy, and this 1 / its scale (bert.model.fp8_attention_block)."""
     qkv, out, lse, bits, cu = attention_saved
     scale = cast_scale(amax_grad, E5M2)  # the previous step's amax
     g_q, g_qt, sums, amax = torch.ops.bert.triton_attention_backward_fp8(
-        grad.reshape(out.shape), qkv, out, lse, bits, cu, max_seqlen, dropout_p, scale)
+        grad.reshape(out.shape), qkv, out, lse, bits, cu, max_seqlen, dropout_p, scale, out_inv)
     keep_amax(amax_grad, amax)  # the next step's scale
     dx, dw = float8_grads(linear_saved, dtypes, g_q.flatten(1), scale.reciprocal(), dtypes[0], g_qt)
     return dx, dw, sums.flatten().to(dtypes[2]) if needs_bias else None

@@ -11,12 +11,21 @@ transposed (1.2 GB). The two were two autograd Functions (bert.model.fp8_attenti
 bert.model.fp8_residual_norm's Float8ResidualOutput), so neither could hand the other the copy. Here the forward
 kernel's epilogue rounds each output tile to its dtype, scales it by the projection's delayed scale (the previous
 step's amax of that input), saturates it and stores it in e4m3 twice, as it is and transposed (BM tokens contiguous
-a row), with the tile's amax, kept for the next step. The bf16 output is still written: the attention's backward
-reads it.
+a row), with the tile's amax, kept for the next step.
 
-The arithmetic is the two units' step for step, so on the CPU, where the same runs in torch's ops, every output,
-gradient and amax equals theirs bit for bit (the QKV bias's sums as the float8 attention's). The backward is
-theirs in turn, the norm's two gradients apart (the output is a Stream, bert.model.layers). `apply_fp8_attention_block`
+The bf16 output is not written at all. Its only reader was the attention's backward, for delta = rowsum(dO * O),
+and that now reads the e4m3 copy, times 1 / its scale (`bert::triton_attention_backward_fp8`'s `out_inv`), as
+cuDNN's float8 attention reads its float8 output. On the fake H100 (bench/gpu_compile.py, the per-layer float8
+step at 24,576 tokens) that took 1.7 GB off BERT-large's step, our ops' 64.2 GB becoming 62.5: the bf16 write, 1.16
+GB, and half the backward's read; and 0.6 GB off the saved activations. The copy's rounding, at most 2^-4 of
+each element, moves delta by a rounding-sized sum, and dS = P (dP - delta) by as little: on BERT tiny the encoder's
+gradients moved by 0.14 % of float8's own error against float64, and that error stayed as it was
+(tests/test_fp8_attention_block.py).
+
+Otherwise the arithmetic is the two units' step for step, so on the CPU, where the same runs in torch's ops, every
+output, gradient and amax equals theirs bit for bit once their attention's backward reads the same copy (the QKV
+bias's sums as the float8 attention's). The backward is theirs in turn, the norm's two gradients apart (the output
+is a Stream, bert.model.layers). `apply_fp8_attention_block`
 swaps each attention sublayer's close for `Float8AttentionOutput`, whose `after` BertAttention calls with
 its opening unit; with another attention backend than ours (the planner is not `TritonAttend`), or on the last
 layer's kept rows (`LAST_LAYER_SUBSET`: the rows are cut between the two), it runs the two units as before.
@@ -62,10 +71,10 @@ from bert.model.triton_attention import (
 
 @torch.library.custom_op("bert::triton_attention_fp8", mutates_args=())
 def triton_attention_fp8(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float, seed: Tensor | None,
-                         scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`bert::triton_attention`'s (out, log-sum-exp, bits), and out in e4m3 (rounded to its dtype, times `scale`,
-    0-dim fp32, saturated; (T, H, D)), the same transposed ((H D, T) contiguous) and its amax (fp32, of the rounded
-    values) (module doc)."""
+                         scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`bert::triton_attention`'s log-sum-exp and bits, and its out in e4m3 only (rounded to q's dtype, times
+    `scale`, 0-dim fp32, saturated; (T, H, D)), the same transposed ((H D, T) contiguous) and its amax (fp32, of the
+    rounded values) (module doc)."""
     q, k, v = _views(qkv)
     _check(q, k, v, dropout_p, seed)
     if scale.shape != ():
@@ -73,7 +82,7 @@ def triton_attention_fp8(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
     if not _on_triton(q):  # the torch path: the CPU, float64
         out, lse, bits = attention_torch(q, k, v, cu_seqlens.diff().tolist(), max_seqlen, dropout_p, seed)
         o_q = saturated_cast(out, scale, E4M3)
-        return out, lse, bits, o_q, o_q.flatten(1).t().contiguous(), amax_of(out)
+        return lse, bits, o_q, o_q.flatten(1).t().contiguous(), amax_of(out)
     with torch.cuda.device(q.device):  # Triton launches on the current device
         return launch_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p, seed, scale=scale.float())
 
@@ -81,7 +90,7 @@ def triton_attention_fp8(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropo
 @triton_attention_fp8.register_fake
 def _(qkv, cu_seqlens, max_seqlen, dropout_p, seed, scale):
     tokens, _, heads, dim = qkv.shape
-    return (qkv.new_empty((tokens, heads, dim)), qkv.new_empty((heads, tokens), dtype=_compute_dtype(qkv.dtype)),
+    return (qkv.new_empty((heads, tokens), dtype=_compute_dtype(qkv.dtype)),
             qkv.new_empty((heads, tokens if dropout_p > 0 else 0, groups_per_row(max_seqlen)), dtype=torch.uint8),
             qkv.new_empty((tokens, heads, dim), dtype=E4M3), qkv.new_empty((heads * dim, tokens), dtype=E4M3),
             scale.new_empty((), dtype=torch.float32))
@@ -109,7 +118,7 @@ class _Float8AttentionBlock(torch.autograd.Function):
         flat, saved_qkv = float8_linear(x_q, inv_x, w_qkv, b_qkv, ctx.needs_input_grad[:2], x.dtype, x_qt)
         qkv = torch.unflatten(flat, -1, (len(QKV_PARTS), heads, -1))
         scale_o = cast_scale(amax_o, E4M3)  # the previous step's amax of the attention's output
-        out, lse, bits, o_q, o_qt, amax = torch.ops.bert.triton_attention_fp8(
+        lse, bits, o_q, o_qt, amax = torch.ops.bert.triton_attention_fp8(
             qkv, cu_seqlens, max_seqlen, p_attention, seed_attention, scale_o)
         # the attention output's gradient wherever anything before it wants one
         needs_o = (any(ctx.needs_input_grad[:3]), ctx.needs_input_grad[5])
@@ -125,7 +134,8 @@ class _Float8AttentionBlock(torch.autograd.Function):
             y, s, norm_bits, mean, rstd, y_q, amax_y, _, y_qt = torch.ops.bert.dropout_add_layer_norm_fp8(
                 h, residual, gamma, beta, seed, p, eps, scale_next, False, transposed, from_output)
             handed = (y_q, scale_next.reciprocal(), amax_y, y_qt)
-        ctx.save_for_backward(*saved_qkv, qkv, out, lse, bits, cu_seqlens, *saved_o,
+        # the e4m3 output for the attention's backward (its delta), 1 / its scale among the projection's saved
+        ctx.save_for_backward(*saved_qkv, qkv, o_q, lse, bits, cu_seqlens, *saved_o,
                               *norm_saved(y, s, norm_bits, mean, rstd, gamma, beta, from_output))
         ctx.mark_non_differentiable(amax, *handed)
         ctx.set_materialize_grads(False)  # an output unread: no zeros to add
@@ -147,7 +157,8 @@ class _Float8AttentionBlock(torch.autograd.Function):
         dx = dw_qkv = db_qkv = None
         if d_out is not None:
             dx, dw_qkv, db_qkv = linear_attention_backward(d_out, saved[4:9], ctx.max_seqlen, ctx.p_attention,
-                                                           saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2])
+                                                           saved[:4], dtypes_qkv, amax_g_qkv, ctx.needs_input_grad[2],
+                                                           out_inv=saved[11])
         return (dx, dw_qkv, db_qkv, None, None, dw_o, db_o, None, None, ds, dgamma, dbeta,
                 None, None, None, None, None, None, None, None, None, None, None, None, None, None)
 

@@ -23,7 +23,8 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
   them (7.2 GB of BERT-large's step on the fake H100, bench/gpu_compile.py).
 - **float8** (FLOAT8, under delayed float8: bert.model.fp8_attention): the backward's kernels store that gradient
   in e5m2 for the float8 QKV's GEMMs, each tile with its amax and column sums, where inductor read the bf16 one back
-  to cast it.
+  to cast it. The forward's FLOAT8 (bert.model.fp8_attention_block) writes the output in e4m3 only, the output
+  projection's input, and the dQ kernel's delta then reads that copy (OUT_E4M3).
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
@@ -247,10 +248,10 @@ if triton is not None:
                  sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, OQ, OQT, SCALE, AMAXES,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                  FLOAT8: tl.constexpr):
-        """FLOAT8: the output also rounded to its dtype, times SCALE, saturated and stored in e4m3 into OQ (OUT's
-        layout) and transposed into OQT ((H D, T), `_columns_of`), the next float8 linear's input and its weight
-        gradient's operand (bert.model.fp8_attention_block), the tile's largest magnitude into AMAXES[program]
-        (infinity for a NaN: not kept)."""
+        """FLOAT8: the output rounded to q's dtype, times SCALE, saturated and stored in e4m3 only, into OQ ((T, H,
+        D), strides so_t, so_h) and transposed into OQT ((H D, T), `_columns_of`), the next float8 linear's input and
+        its weight gradient's operand (bert.model.fp8_attention_block), the tile's largest magnitude into
+        AMAXES[program] (infinity for a NaN: not kept); OUT is not written (the backward's delta reads OQ)."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
         m0 = tl.program_id(0) * BM
@@ -272,18 +273,18 @@ if triton is not None:
             if full < length:
                 m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, full, length, seed, BITS, head, start,
                                               rows, tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, True)
-            out = acc * (drop_scale / l_i)[:, None]
-            tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out.to(OUT.dtype.element_ty),
-                     boundary_check=(0,))
+            out = (acc * (drop_scale / l_i)[:, None]).to(Q.dtype.element_ty)
             tl.store(LSE + head * tokens + start + rows, m_i + tl.math.log2(l_i), mask=rows < length)
             if FLOAT8:
-                r = tl.where((rows < length)[:, None], out.to(OUT.dtype.element_ty).to(tl.float32), 0.0)
+                r = tl.where((rows < length)[:, None], out.to(tl.float32), 0.0)
                 e4m3 = tl.clamp(r * tl.load(SCALE), -448.0, 448.0).to(tl.float8e4nv)  # e4m3's largest: saturated
                 tl.store(_rows_of(OQ, start, length, so_t, head, so_h, m0, BM, D), e4m3, boundary_check=(0,))
                 tl.store(_columns_of(OQT, start, length, tokens, 0, head, m0, BM, D), tl.trans(e4m3),
                          boundary_check=(1,))
                 slot = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * tl.num_programs(2) + head
                 tl.store(AMAXES + slot, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
+            else:
+                tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out, boundary_check=(0,))
 
     @triton.jit
     def _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
@@ -388,10 +389,11 @@ if triton is not None:
     @triton.jit
     def _backward_q(Q, K, V, DO, OUT, LSE, DELTA, BITS, DQ, cu, tokens, groups, qk_scale, sm_scale, drop_scale,
                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t, SCALE, AMAXES, PARTS, GRAD_T,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                    FLOAT8: tl.constexpr):
+                    OUT_INV, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                    FLOAT8: tl.constexpr, OUT_E4M3: tl.constexpr):
         """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
-        after it): each (row, head) has one program here, and O is read once, in the one pass over dO."""
+        after it): each (row, head) has one program here, and O is read once, in the one pass over dO. OUT_E4M3: O
+        is the forward's e4m3 copy (FLOAT8's), each element times OUT_INV (1 / its scale) before the product."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
         m0 = tl.program_id(0) * BM
@@ -404,7 +406,10 @@ if triton is not None:
                          padding_option="zero")
             o = tl.load(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), boundary_check=(0,),
                         padding_option="zero")
-            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # 0 past the end (dO and O loaded as 0)
+            o = o.to(tl.float32)
+            if OUT_E4M3:
+                o = o * tl.load(OUT_INV)
+            delta = tl.sum(do.to(tl.float32) * o, 1)  # 0 past the end (dO and O loaded as 0)
             tl.store(DELTA + head * tokens + start + rows, delta, mask=row_in)
             lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
             k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
@@ -453,39 +458,43 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
                    ) -> tuple[Tensor, ...]:
     """The forward kernel: (out (T, H, D) contiguous, log-sum-exp base 2 (H, T) fp32, the mask's bits (H, T, G)
     uint8, none when p = 0); on q's device. `tile`: (BM, BN, warps), other than the default for
-    bench/attention_tiles.py. With `scale` (0-dim fp32, e4m3's: bert.model.fp8_attention_block) also out in e4m3,
-    the same transposed ((H D, T) contiguous) and its amax (the kernel's FLOAT8)."""
+    bench/attention_tiles.py. With `scale` (0-dim fp32, e4m3's: bert.model.fp8_attention_block) out in e4m3 in its
+    place, the same transposed ((H D, T) contiguous) and its amax (the kernel's FLOAT8): (lse, bits, o_q, o_qt,
+    amax)."""
     tokens, heads, dim = q.shape
     groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
-    out = q.new_empty((tokens, heads, dim))
+    float8 = scale is not None
+    out = q.new_empty((tokens, heads, dim) if not float8 else 0)
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
     # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
     bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
     bm, bn, warps = check_tile(tile)
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
-    float8 = scale is not None
     o_q = torch.empty((tokens, heads, dim) if float8 else 0, dtype=E4M3, device=q.device)
     o_qt = torch.empty((heads * dim, tokens) if float8 else 0, dtype=E4M3, device=q.device)
     programs = grid[0] * grid[1] * grid[2]
     amaxes = torch.zeros(max(1, programs) if float8 else 0, dtype=torch.float32, device=q.device)  # 0: none ran
-    # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null)
-    _forward[grid](q, k, v, out, lse, bits if p > 0 else out, cu, out if seed is None else seed, tokens, groups,
-                   threshold, qk_scale, drop_scale, *_strides(q, k, v, out), *((o_q, o_qt, scale, amaxes) if float8
-                                                                             else (out,) * 4),
+    # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null), and under float8,
+    # which writes no out, q (its dtype: the same kernel), with o_q's strides
+    stand_in = q if float8 else out
+    _forward[grid](q, k, v, stand_in, lse, bits if p > 0 else stand_in, cu, stand_in if seed is None else seed,
+                   tokens, groups, threshold, qk_scale, drop_scale, *_strides(q, k, v, o_q if float8 else out),
+                   *((o_q, o_qt, scale, amaxes) if float8 else (out,) * 4),
                    D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
-    return (out, lse, bits, o_q, o_qt, amaxes.amax()) if float8 else (out, lse, bits)
+    return (lse, bits, o_q, o_qt, amaxes.amax()) if float8 else (out, lse, bits)
 
 
 def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bits: Tensor,
                     cu: Tensor, max_seqlen: int, p: float, q_tile: tuple[int, int, int] = BACKWARD_TILE,
-                    kv_tile: tuple[int, int, int] = BACKWARD_TILE, scale: Tensor | None = None
-                    ) -> Tensor | tuple[Tensor, Tensor, Tensor, Tensor]:
+                    kv_tile: tuple[int, int, int] = BACKWARD_TILE, scale: Tensor | None = None,
+                    out_inv: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: the gradient of the packed QKV, (T, 3, H, D) contiguous in q's dtype, each kernel
     writing its part in place (bert.model.attend: no copy stacks dq, dk and dv). `q_tile`, `kv_tile`: the dQ and
     the dK/dV kernel's (BM, BN, warps). With `scale` (0-dim fp32: a float8 QKV's, bert.model.fp8_attention) the
     gradient is stored in e5m2, rounded to q's dtype and scaled first, and with it come the same transposed
     ((3 H D, T) contiguous: the weight gradient's operand), its column sums (3, H, D) fp32 (the QKV bias's gradient)
-    and its amax."""
+    and its amax. With `out_inv` (0-dim fp32, 1 / out's scale) `out` is the forward's e4m3 copy (FLOAT8's,
+    bert.model.fp8_attention_block), which delta reads in its place."""
     tokens, heads, dim = q.shape
     delta = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O), by the dQ kernel
     float8 = scale is not None
@@ -511,8 +520,8 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     flags = (scale, q_amaxes, q_parts, dqkv_t) if float8 else (delta,) * 4
     _backward_q[q_grid](  # first: it writes delta
         q, k, v, grad, out, lse, delta, bits, dq, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
-        *_strides(out), dqkv.stride(0), *flags, D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8,
-        num_warps=warps)
+        *_strides(out), dqkv.stride(0), *flags, delta if out_inv is None else out_inv, D=dim, BM=bm, BN=bn,
+        DROPOUT=p > 0, FLOAT8=float8, OUT_E4M3=out_inv is not None, num_warps=warps)
     flags = (scale, kv_amaxes, kv_parts, dqkv_t) if float8 else (delta,) * 4
     _backward_kv[kv_grid](
         q, k, v, grad, lse, delta, bits, dk, dv, cu, tokens, groups, qk_scale, sm_scale, drop_scale, *strides,
