@@ -1,6 +1,7 @@
-"""bert.model.philox: Philox4x32-10 in torch's int64 arithmetic. References: the known-answer vectors of Random123
-(the generator's authors' library, `kat_vectors`: counter, key, result), and Python's unbounded integers for the
-32 x 32-bit product. Triton's own `tl.randint4x` is compared in tests/test_dropout_add_norm.py (its interpreter)."""
+"""bert.model.philox: Philox4x32 in torch's int64 arithmetic, 10 rounds and the attention mask's 7. References: the
+known-answer vectors of Random123 (the generator's authors' library, `kat_vectors`: counter, key, result), and
+Python's unbounded integers for the 32 x 32-bit product. Triton's own `tl.randint4x` is compared in
+tests/test_dropout_add_norm.py (10 rounds) and tests/test_triton_attention.py (7), in its interpreter."""
 
 import random
 
@@ -18,9 +19,24 @@ KNOWN_ANSWERS = [
 ]
 
 
+# the same, 7 rounds (FlashAttention-2's, our attention mask's)
+KNOWN_ANSWERS_7 = [
+    ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+]
+
+
 @pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS)
 def test_philox4x32_10_gives_random123s_known_answers(counter, key, expected):
     words = philox4x32(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+    assert tuple(int(w) for w in words) == expected
+
+
+@pytest.mark.parametrize("counter,key,expected", KNOWN_ANSWERS_7)
+def test_philox4x32_7_gives_random123s_known_answers(counter, key, expected):
+    words = philox4x32(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key), rounds=7)
     assert tuple(int(w) for w in words) == expected
 
 
@@ -39,6 +55,9 @@ def test_randint4x_counts_with_the_offset_and_keys_with_the_seed():
     words = randint4x(torch.tensor(seed), torch.tensor([offset]))
     direct = philox4x32(tuple(torch.tensor([c]) for c in (11, 3, 0, 0)), (torch.tensor(5), torch.tensor(7)))
     assert [int(w) for w in words] == [int(w) for w in direct]
+    fewer = randint4x(torch.tensor(seed), torch.tensor([offset]), 7)
+    direct = philox4x32(tuple(torch.tensor([c]) for c in (11, 3, 0, 0)), (torch.tensor(5), torch.tensor(7)), 7)
+    assert [int(w) for w in fewer] == [int(w) for w in direct] != [int(w) for w in words]
     assert all(0 <= int(w) <= MASK32 for w in words)
 
 

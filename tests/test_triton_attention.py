@@ -71,8 +71,9 @@ LENGTHS = [5, 1, 70, 33]
 
 
 def test_the_mask_is_its_definition_element_by_element():
-    """Counter (h * T + i) * G + j // 8, word (j mod 8) // 2, half j mod 2, dropped below round(p * 2^16): evaluated
-    one element at a time with Philox, at elements of every word and half."""
+    """Counter (h * T + i) * G + j // 8, word (j mod 8) // 2 of Philox4x32-7 (FlashAttention-2's rounds), half j mod
+    2, dropped below round(p * 2^16): evaluated one element at a time, at elements of every word and half."""
+    assert ta.PHILOX_ROUNDS == 7
     heads, lengths, p = 3, [40, 77], 0.25
     keep = op_mask(lengths, heads, p)(1)  # the second sequence: its queries start at token 40
     groups, threshold, total = ta.groups_per_row(77), ta.drop_threshold(p), 117
@@ -80,7 +81,7 @@ def test_the_mask_is_its_definition_element_by_element():
     for _ in range(64):
         h, i, j = (int(torch.randint(n, (), generator=g)) for n in (heads, 77, 77))
         counter = (h * total + 40 + i) * groups + j // 8
-        word = randint4x(SEED, torch.tensor([counter]))[(j % 8) // 2].item()
+        word = randint4x(SEED, torch.tensor([counter]), 7)[(j % 8) // 2].item()
         assert keep[h, i, j].item() == ((word >> (16 * (j % 2))) & 0xFFFF >= threshold), (h, i, j)
 
 

@@ -1,4 +1,5 @@
-"""Philox4x32-10 in torch's int64 arithmetic: the words Triton's `tl.randint4x(seed, offset)` makes, on any device.
+"""Philox4x32 in torch's int64 arithmetic: the words Triton's `tl.randint4x(seed, offset, n_rounds)` makes, on any
+device (10 rounds unless told, as Triton's and Random123's default; our attention's mask takes 7, FlashAttention-2's).
 
 The fused dropout kernel (bert.model.dropout_add_norm) draws its mask on the GPU with Triton's Philox; this draws
 the same words where there is no Triton (the CPU), so one seed gives one mask everywhere and the kernel can be
@@ -41,13 +42,14 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[Tensor
     return c0, c1, c2, c3
 
 
-def randint4x(seed: Tensor, offset: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Triton's `tl.randint4x(seed, offset)` for a non-negative int64 `seed` (0-d) and int64 offsets: four words per
-    offset, uint32 values in int64 tensors of the offsets' shape."""
+def randint4x(seed: Tensor, offset: Tensor, rounds: int = ROUNDS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Triton's `tl.randint4x(seed, offset, rounds)` for a non-negative int64 `seed` (0-d) and int64 offsets: four
+    words per offset, uint32 values in int64 tensors of the offsets' shape."""
     offset = offset.to(torch.int64)
     zero = torch.zeros_like(offset)
     seed = seed.to(device=offset.device, dtype=torch.int64)
-    return philox4x32((offset & MASK32, (offset >> 32) & MASK32, zero, zero), (seed & MASK32, (seed >> 32) & MASK32))
+    return philox4x32((offset & MASK32, (offset >> 32) & MASK32, zero, zero), (seed & MASK32, (seed >> 32) & MASK32),
+                      rounds)
 
 
 def dropout_seed(p: float, device: torch.device) -> Tensor | None:

@@ -28,11 +28,16 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
-place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqlen / 8)); Philox4x32-10(c, key seed)
+place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqlen / 8)); Philox4x32-7(c, key seed)
 gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a 16-bit number u; the
 element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for 0.1). One Philox call
-serves eight elements. The CPU draws the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels
-(run in Triton's interpreter by the tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
+serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's own, the kernel this one replaces and
+torch's attention dropout on CUDA (its philox.cuh: six rounds and a last one). Ten, Random123's and C++26's
+default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
+seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran 1,055
+(bench/attention_sass.py), 8 % of the kernel's work; the backward reads the bits and draws nothing. The CPU draws
+the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the
+tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
 end, and the bytes past its last key block, are never read.
 
 The torch path (the CPU, float64 anywhere) computes the same attention per sequence in torch's ops, and its backward
@@ -59,6 +64,7 @@ except ImportError:  # torch's CPU wheel has no Triton: the CPU path needs none
     triton = None
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax is base 2
+PHILOX_ROUNDS = 7  # the mask's Philox4x32 rounds (module doc)
 # (BM queries, BN keys, warps) a program takes: chosen by what sm_90's compile gives (bench/attention_sass.py), not
 # timed on a GPU. The forward with 4 warps spilled 240 bytes a thread to the stack; the backward with 8 warps and 64
 # queries ran twice the instructions an element (22 and 15 with 4).
@@ -90,7 +96,7 @@ def keep_mask(seed: Tensor, heads: int, tokens: int, rows: Tensor, length: int, 
     h = torch.arange(heads, device=rows.device)[:, None, None]
     g = torch.arange(-(-length // 8), device=rows.device)
     counters = (h * tokens + rows.to(torch.int64)[None, :, None]) * groups + g
-    words = torch.stack(randint4x(seed, counters), -1)  # (heads, rows, groups, 4)
+    words = torch.stack(randint4x(seed, counters, PHILOX_ROUNDS), -1)  # (heads, rows, groups, 4)
     halves = torch.stack([words & 0xFFFF, words >> 16], -1)  # element 8g + 2w + half
     return halves.flatten(2)[..., :length] >= drop_threshold(p)
 
@@ -158,13 +164,15 @@ def backward_torch(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, b
 
 
 if triton is not None:
+    _ROUNDS = tl.constexpr(PHILOX_ROUNDS)  # a kernel reads a global only as a constexpr
+
     @triton.jit
     def _draw(seed, head, rows, n0, tokens, groups, threshold, BM: tl.constexpr, BN: tl.constexpr):
         """The mask of query tokens `rows` (their places in the T tokens) against keys n0..n0+BN-1 of their
         sequence: (kept (BM, BN) bool, its bytes (BM, BN // 8) int32, bit s of byte g being key n0 + 8g + s). Key
         n0 + 8g + s is kept iff half s % 2 of word s // 2 of Philox call g is at or above `threshold`."""
         g = n0 // 8 + tl.arange(0, BN // 8)
-        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), (head * tokens + rows)[:, None] * groups + g[None, :])
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), (head * tokens + rows)[:, None] * groups + g[None, :], _ROUNDS)
         # the (BM, BN) tile from a join and a reshape, not from the bytes: expanding the bytes let Triton lay the
         # Philox calls out as the products' tile, each computed by four threads (SASS: 74 instructions an element)
         words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [..., a, b]: word 2a + b
@@ -274,6 +282,8 @@ if triton is not None:
                 m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, full, length, seed, BITS, head, start,
                                               rows, tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, True)
             out = (acc * (drop_scale / l_i)[:, None]).to(Q.dtype.element_ty)
+            if not FLOAT8:
+                tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out, boundary_check=(0,))
             tl.store(LSE + head * tokens + start + rows, m_i + tl.math.log2(l_i), mask=rows < length)
             if FLOAT8:
                 r = tl.where((rows < length)[:, None], out.to(tl.float32), 0.0)
@@ -283,8 +293,6 @@ if triton is not None:
                          boundary_check=(1,))
                 slot = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)) * tl.num_programs(2) + head
                 tl.store(AMAXES + slot, tl.max(tl.max(tl.where(r == r, tl.abs(r), float("inf")), 1), 0))
-            else:
-                tl.store(_rows_of(OUT, start, length, so_t, head, so_h, m0, BM, D), out, boundary_check=(0,))
 
     @triton.jit
     def _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
