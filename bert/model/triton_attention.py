@@ -31,9 +31,9 @@ CUDA graphs replay fresh masks) and the element: for head h, query token i (its 
 place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqlen / 8)); Philox4x32-7(c, key seed)
 gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a 16-bit number u; the
 element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for 0.1). One Philox call
-serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's own, the kernel this one replaces and
-torch's attention dropout on CUDA (its philox.cuh: six rounds and a last one). Ten, Random123's and C++26's
-default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
+serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (its philox.cuh: six rounds and a
+last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten, Random123's and
+C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
 seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran 1,055
 (bench/attention_sass.py), 8 % of the kernel's work; the backward reads the bits and draws nothing. The CPU draws
 the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the
