@@ -54,7 +54,7 @@ def signatures(ta, dtype: str = "bf16", float8: bool = False) -> list[tuple]:
     output in e4m3 only (bert.model.fp8_attention_block), which the dQ kernel reads for delta."""
     half = f"*{dtype}"
     grad = "*fp8e5" if float8 else half
-    out8 = "*fp8e4nv" if float8 else half  # the forward's output in e4m3 too (bert.model.fp8_attention_block)
+    out8 = "*fp8e4nv" if float8 else half  # the output in e4m3 only, which the dQ kernel reads for delta
     float8_args = {"SCALE": "*fp32", "AMAXES": "*fp32", "PARTS": "*fp32", "GRAD_T": grad if float8 else "*fp32"}
     qkv = {"Q": half, "K": half, "V": half}
     strides = {n: "i32" for n in ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h")}

@@ -472,7 +472,6 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     tokens, heads, dim = q.shape
     groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
     float8 = scale is not None
-    out = q.new_empty((tokens, heads, dim) if not float8 else 0)
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
     # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
     bits = torch.empty((heads, tokens if p > 0 else 0, groups), dtype=torch.uint8, device=q.device)
@@ -480,13 +479,14 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     grid = (triton.cdiv(max_seqlen, bm), cu.shape[0] - 1, heads)
     o_q = torch.empty((tokens, heads, dim) if float8 else 0, dtype=E4M3, device=q.device)
     o_qt = torch.empty((heads * dim, tokens) if float8 else 0, dtype=E4M3, device=q.device)
+    out = o_q if float8 else q.new_empty((tokens, heads, dim))  # the output the kernel writes, row-major
     programs = grid[0] * grid[1] * grid[2]
     amaxes = torch.zeros(max(1, programs) if float8 else 0, dtype=torch.float32, device=q.device)  # 0: none ran
     # a flag off leaves its pointer unread: out stands in (an empty tensor's pointer may be null), and under float8,
-    # which writes no out, q (its dtype: the same kernel), with o_q's strides
+    # which writes no bf16 out, q (its dtype: the same kernel)
     stand_in = q if float8 else out
     _forward[grid](q, k, v, stand_in, lse, bits if p > 0 else stand_in, cu, stand_in if seed is None else seed,
-                   tokens, groups, threshold, qk_scale, drop_scale, *_strides(q, k, v, o_q if float8 else out),
+                   tokens, groups, threshold, qk_scale, drop_scale, *_strides(q, k, v, out),
                    *((o_q, o_qt, scale, amaxes) if float8 else (out,) * 4),
                    D=dim, BM=bm, BN=bn, DROPOUT=p > 0, FLOAT8=float8, num_warps=warps)
     return (lse, bits, o_q, o_qt, amaxes.amax()) if float8 else (out, lse, bits)
