@@ -17,15 +17,16 @@ from bert.model.compile_keys import configure_caches
 from bert.model.dropout_add_norm import (
     FusedResidualOutput,
     apply_residual_norm,
+    bytes_per_row,
     check_residual_norm,
     drop_threshold,
     dropout_add_layer_norm,
     keep_mask,
     pack_bits,
     unpack_bits,
-    words_per_row,
 )
 from bert.model.layers import BertResidualOutput
+from bert.model.philox import philox4x32
 from bert.synthetic import random_batch
 from bert.train.build import build_model
 
@@ -62,7 +63,7 @@ def test_the_forward_is_the_chain_with_the_ops_mask(dtype, residual_dtype, tol, 
     y, s, bits, mean, rstd = OP(h, residual, gamma, beta, bias, SEED if p else None, p, 1e-12)
     keep = keep_mask(SEED, 45, 96, p) if p else torch.ones(45, 96, dtype=torch.bool)
     assert y.dtype == s.dtype == torch.promote_types(dtype, residual_dtype or dtype)
-    assert bits.shape == ((45 if p else 0), words_per_row(96)) and bits.dtype == torch.uint8
+    assert bits.shape == ((45 if p else 0), bytes_per_row(96)) and bits.dtype == torch.uint8
     if p:
         assert torch.equal(unpack_bits(bits, 96), keep)
     torch.testing.assert_close(y.double(), reference(h, residual, gamma, beta, bias, keep, p), rtol=0, atol=tol)
@@ -119,7 +120,7 @@ def test_the_mask_drops_p_of_the_elements_and_follows_the_seed():
     assert torch.equal(keep, keep_mask(SEED.clone(), rows, n, p))
     other = keep_mask(SEED + 1, rows, n, p)
     assert abs((keep != other).float().mean().item() - 2 * p * (1 - p)) < 0.01  # independent masks differ so often
-    for column in (0, 255, 256, 1023):  # each of the four words of a counter drops about p of its column
+    for column in (0, 1, 2, 3, 1023):  # each of the four words of a counter drops about p of its column
         assert abs((~keep[:, column]).float().mean().item() - p) < 5 * (p * (1 - p) / rows) ** 0.5
     assert drop_threshold(0.1) == 429496730 and drop_threshold(0.0) == 0
     for bad in (1.0, -0.1, 1.5):
@@ -127,12 +128,26 @@ def test_the_mask_drops_p_of_the_elements_and_follows_the_seed():
             drop_threshold(bad)
 
 
-def test_the_bits_hold_four_elements_a_byte():
-    assert [words_per_row(n) for n in (1, 4, 5, 96, 128, 384, 1024)] == [1, 1, 2, 32, 32, 128, 256]
+def test_the_mask_is_its_definition():
+    """The module doc's words, one element at a time: element j of row t is kept iff word j % 4 of Philox4x32-10
+    at counter 2 V t + j // 4 is at or above the threshold."""
+    rows, n, p = 3, 100, 0.3
+    keep, v, threshold = keep_mask(SEED, rows, n, p), bytes_per_row(n), drop_threshold(p)
+    key = (SEED & 0xFFFFFFFF, SEED >> 32)
+    for t in range(rows):
+        for j in range(n):
+            counter = torch.tensor(2 * v * t + j // 4)
+            words = philox4x32((counter, torch.tensor(0), torch.tensor(0), torch.tensor(0)), key)
+            assert bool(keep[t, j]) == (int(words[j % 4]) >= threshold), (t, j)
+
+
+def test_the_bits_hold_eight_elements_a_byte():
+    assert [bytes_per_row(n) for n in (1, 8, 9, 96, 128, 384, 1024)] == [1, 1, 2, 16, 16, 64, 128]
     keep = torch.rand(7, 100, generator=torch.Generator().manual_seed(3)) > 0.5
     bits = pack_bits(keep)
-    assert bits.shape == (7, 32) and torch.equal(unpack_bits(bits, 100), keep)
-    assert bits[0, 0].item() == sum(int(keep[0, q * 32]) << q for q in range(4))
+    assert bits.shape == (7, 16) and torch.equal(unpack_bits(bits, 100), keep)
+    assert bits[0, 0].item() == sum(int(keep[0, k]) << k for k in range(8))
+    assert bits[0, 12].item() == sum(int(keep[0, 96 + k]) << k for k in range(4))  # the row's last four elements
 
 
 def test_dropout_needs_a_seed_and_one_shape():
@@ -274,6 +289,7 @@ ulp = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}  # an output's rounding, an
 for rows, n, dtype, residual_dtype, p, with_bias in [(45, 96, torch.float32, torch.float32, 0.1, True),
                                                       (33, 128, torch.bfloat16, torch.bfloat16, 0.3, True),
                                                       (40, 100, torch.bfloat16, torch.float32, 0.0, False),
+                                                      (21, 99, torch.float32, torch.float32, 0.2, False),
                                                       (70, 1024, torch.bfloat16, torch.bfloat16, 0.1, True)]:
     g = torch.Generator().manual_seed(rows)
     h, r = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(residual_dtype)
@@ -305,7 +321,7 @@ sys.exit(1 if bad else 0)
 @needs_triton
 def test_the_triton_kernels_match_the_cpu_path_in_the_interpreter():
     """The CUDA path's two kernels, run by Triton's interpreter: Triton's own Philox words equal bert.model.philox's,
-    the mask's bits equal the CPU path's bit for bit (a row not a multiple of four, a word left unused, p = 0, mixed
+    the mask's bits equal the CPU path's bit for bit (a row not a multiple of eight, its last byte cut, p = 0, mixed
     dtypes, BERT-large's width) and every output is within a rounding of the output dtype (the backward's in several
     programs of ROWS rows, the last one cut)."""
     run_check(KERNELS, timeout=300, interpret=True)
@@ -317,14 +333,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from bert.model import dropout_add_norm as dan
 
-def compile(kernel, signature, constants, w):
+def compile(kernel, signature, constants, v):
     return triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=dan._warps(w)))
+                          options=dict(num_warps=dan._warps(v)))
 
 bad = []
 for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp16")]:
     out = "fp32" if "fp32" in (dtype, residual_dtype) else dtype
-    for w in (1, 32, 256):
+    for v in (1, 16, 128):
         for dropout, dense_bias, threshold in [(True, True, "i32"), (True, False, "i64"), (False, False, "i32")]:
             float8 = dropout and not dense_bias  # bert.model.fp8_residual_norm's float8 output: its bias in the GEMM
             signature = dict(h=f"*{dtype}", res=f"*{residual_dtype}", gamma=f"*{dtype}", beta=f"*{dtype}",
@@ -332,30 +348,30 @@ for dtype, residual_dtype in [("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32
                              mean_out="*fp32", rstd_out="*fp32", yq="*fp8e4nv" if float8 else f"*{out}",
                              cast_scale="*fp32", amaxes="*fp32", y2=f"*{out}",
                              yqt="*fp8e4nv" if float8 else f"*{out}", rows="i32", n="i32", threshold=threshold,
-                             scale="fp32", eps="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr",
+                             scale="fp32", eps="fp32", V="constexpr", ROWS="constexpr", DROPOUT="constexpr",
                              DENSE_BIAS="constexpr", FLOAT8="constexpr", TWICE="constexpr", TRANSPOSE="constexpr",
                              SUM="constexpr")
             # TWICE and TRANSPOSE with FLOAT8: the float8 FFN's close, which writes the layer's output twice and its
             # e4m3 copy transposed, ROWS rows a program
-            handing = float8 and w == 256
+            handing = float8 and v == 128
             try:
-                compile(dan._forward_rows, signature, dict(W=w, ROWS=dan.ROWS if handing else 1, DROPOUT=dropout,
+                compile(dan._forward_rows, signature, dict(V=v, ROWS=dan.ROWS if handing else 1, DROPOUT=dropout,
                                                            DENSE_BIAS=dense_bias, FLOAT8=float8, TWICE=handing,
-                                                           TRANSPOSE=handing, SUM=w != 32), w)
+                                                           TRANSPOSE=handing, SUM=v != 16), v)
             except Exception as e:
-                bad.append(("forward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
+                bad.append(("forward", dtype, residual_dtype, v, dropout, repr(e)[:300]))
         for dropout in (True, False):
             signature = dict(dy=f"*{out}", dy2=f"*{out}", s=f"*{out}", bits="*u8", mean_in="*fp32",
                              rstd_in="*fp32", gamma=f"*{dtype}", beta=f"*{dtype}", dh=f"*{dtype}", ds=f"*{out}",
                              sums="*fp32", cast_scale="*fp32", amaxes="*fp32", dht=f"*{dtype}", rows="i32", n="i32",
-                             scale="fp32", W="constexpr", ROWS="constexpr", DROPOUT="constexpr", FLOAT8="constexpr",
+                             scale="fp32", V="constexpr", ROWS="constexpr", DROPOUT="constexpr", FLOAT8="constexpr",
                              ROUND="constexpr", SECOND="constexpr", TRANSPOSE="constexpr", FROM_Y="constexpr")
             try:  # x_hat from y (RESIDUAL_NORM=fused-lean) with dropout, from s without
-                compile(dan._backward_rows, signature, dict(W=w, ROWS=dan.ROWS, DROPOUT=dropout, FLOAT8=False,
+                compile(dan._backward_rows, signature, dict(V=v, ROWS=dan.ROWS, DROPOUT=dropout, FLOAT8=False,
                                                             ROUND=dan.TRITON_DTYPES[torch.float32], SECOND=False,
-                                                            TRANSPOSE=False, FROM_Y=dropout), w)
+                                                            TRANSPOSE=False, FROM_Y=dropout), v)
             except Exception as e:
-                bad.append(("backward", dtype, residual_dtype, w, dropout, repr(e)[:300]))
+                bad.append(("backward", dtype, residual_dtype, v, dropout, repr(e)[:300]))
 print("bad", bad)
 sys.exit(1 if bad else 0)
 """

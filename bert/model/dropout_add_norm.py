@@ -10,8 +10,9 @@ beta's gradients over the tokens in split reductions. Here:
 
 - **forward**, one row per program: read h and the residual (and the dense layer's bias: its add, and its gradient's
   sum, come into these kernels instead of cuBLAS's epilogue and a reduction of their own), write y, the sum
-  s = dropout(h + b) + residual in y's dtype, mean and rstd (fp32, one each a row), and the mask as bits, four
-  elements a byte. One Philox call gives four elements' words.
+  s = dropout(h + b) + residual in y's dtype, mean and rstd (fp32, one each a row), and the mask as bits, eight
+  elements a byte. One Philox call gives four elements' words, and a thread draws the words of its own eight
+  elements, no more (`_kept_byte`).
 - **backward**, ROWS rows per program: read dy, s, the mask bits, mean and rstd; write the residual's gradient
   (LayerNorm's backward, d s) and h's (d s times the mask over 1 - p); gamma's, beta's and the bias's gradients are
   column sums each program keeps for its rows and writes once, summed over the programs after.
@@ -30,10 +31,15 @@ beta's gradients over the tokens in split reductions. Here:
   gamma of 0 loses x_hat (NaN gradients, which the driver's NaN check stops on). Opt-in, as in apex.
 
 The mask is a pure function of the seed (a fresh 62-bit one each call, from torch's generator) and the element: element
-j of row t is dropped iff word j // W of Philox4x32-10(counter t * W + j % W, key seed) is below round(p * 2^32),
-W the power of two at or above N / 4 (so p is exact to 2^-32). The CPU draws the same words in torch's arithmetic
-(bert.model.philox), so one seed gives one mask on every device, and the Triton kernels (run in Triton's
-interpreter by the tests) are checked against the CPU bit for bit. The arithmetic is fp32, as inductor's; float64
+j of row t is dropped iff word j % 4 of Philox4x32-10(counter 2 V t + j // 4, key seed) is below round(p * 2^32),
+V the power of two at or above N / 8, the mask's bytes a row (so p is exact to 2^-32). A program holds a row as a
+(V, 8) tile, eight consecutive elements a thread: the four words of both its counters are all it uses, and its byte
+of the mask is its own. (Until the forty-third session the row was a (4, W) tile, element j word j // W of counter
+j % W: Triton laid a counter's four elements across threads, which drew it about four times over, and the forward's
+loop with dropout compiled for sm_90 to 1,021 instructions, more than its bytes take, where it now takes 516,
+`bench/norm_sass.py`.) The CPU draws the same words in torch's arithmetic (bert.model.philox), so one seed gives one
+mask on every device, and the Triton kernels (run in Triton's interpreter by the tests) are checked against the CPU
+bit for bit. The arithmetic is fp32, as inductor's; float64
 inputs take the torch path on every device, in float64 (gradcheck's).
 
 Not measured on a GPU yet. Each call launches its Triton kernel from Python (one a sublayer each way: 96 a BERT-large
@@ -65,9 +71,10 @@ RESIDUAL_NORMS = ("torch", "fused", "fused-lean")
 ROWS = 32  # rows a backward program takes: its column sums are written once per ROWS rows
 
 
-def words_per_row(n: int) -> int:
-    """W: the counters a row of `n` elements uses, each giving four words (a power of two: a Triton block)."""
-    return 1 << max(0, (-(-n // 4) - 1).bit_length())
+def bytes_per_row(n: int) -> int:
+    """V: the mask's bytes a row of `n` elements, eight elements each (a power of two: a Triton block); the row draws
+    2 V Philox counters, four elements' words each."""
+    return 1 << max(0, (-(-n // 8) - 1).bit_length())
 
 
 def drop_threshold(p: float) -> int:
@@ -79,26 +86,26 @@ def drop_threshold(p: float) -> int:
 
 def keep_mask(seed: Tensor, rows: int, n: int, p: float) -> Tensor:
     """(rows, n) bool: the elements the kernels keep for `seed` (module doc), drawn in torch's arithmetic."""
-    w = words_per_row(n)
-    counters = torch.arange(rows, device=seed.device)[:, None] * w + torch.arange(w, device=seed.device)
-    words = torch.stack(randint4x(seed, counters), 1).reshape(rows, 4 * w)  # element j = word j // W, counter j % W
+    v = bytes_per_row(n)
+    counters = torch.arange(rows, device=seed.device)[:, None] * 2 * v + torch.arange(2 * v, device=seed.device)
+    words = torch.stack(randint4x(seed, counters), -1).reshape(rows, 8 * v)  # element j = word j % 4, counter j // 4
     return words[:, :n] >= drop_threshold(p)
 
 
 def pack_bits(keep: Tensor) -> Tensor:
-    """(rows, n) bool -> (rows, W) uint8: bit q of byte c is element q * W + c."""
+    """(rows, n) bool -> (rows, V) uint8: bit k of byte v is element 8 v + k."""
     rows, n = keep.shape
-    w = words_per_row(n)
-    padded = torch.zeros(rows, 4 * w, dtype=torch.int32, device=keep.device)
+    v = bytes_per_row(n)
+    padded = torch.zeros(rows, 8 * v, dtype=torch.int32, device=keep.device)
     padded[:, :n] = keep.int()
-    shifts = torch.arange(4, dtype=torch.int32, device=keep.device)[:, None]
-    return (padded.view(rows, 4, w) << shifts).sum(1).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.int32, device=keep.device)
+    return (padded.view(rows, v, 8) << shifts).sum(-1).to(torch.uint8)
 
 
 def unpack_bits(bits: Tensor, n: int) -> Tensor:
     """`pack_bits` undone: (rows, n) bool."""
-    shifts = torch.arange(4, dtype=torch.int32, device=bits.device)[:, None]
-    return ((bits.int()[:, None, :] >> shifts) & 1).flatten(1)[:, :n].bool()
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    return ((bits.int()[:, :, None] >> shifts) & 1).flatten(1)[:, :n].bool()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -114,7 +121,7 @@ def _scale(p: float, compute: torch.dtype) -> float:
 if triton is not None:
     @triton.jit
     def _forward_rows(h, res, gamma, beta, dense_bias, seed, y, s, bits, mean_out, rstd_out, yq, cast_scale, amaxes,
-                      y2, yqt, rows, n, threshold, scale, eps, W: tl.constexpr, ROWS: tl.constexpr,
+                      y2, yqt, rows, n, threshold, scale, eps, V: tl.constexpr, ROWS: tl.constexpr,
                       DROPOUT: tl.constexpr, DENSE_BIAS: tl.constexpr, FLOAT8: tl.constexpr, TWICE: tl.constexpr,
                       TRANSPOSE: tl.constexpr, SUM: tl.constexpr):
         """ROWS rows a program, one at a time. FLOAT8: y also rounded to its dtype, times cast_scale, saturated and
@@ -124,9 +131,8 @@ if triton is not None:
         graph's edge). TRANSPOSE (with FLOAT8): the program's rows of yq then stored transposed into yqt
         (`_transpose_rows`). SUM: the sum stored into s, the backward's input; without it the backward reads y
         (FROM_Y)."""
-        q = tl.arange(0, 4)[:, None]
-        c = tl.arange(0, W)[None, :]
-        j = q * W + c  # the row as a (4, W) tile: column j is word q of counter c
+        k = tl.arange(0, 8)[None, :]
+        j = tl.arange(0, V)[:, None] * 8 + k  # the row as a (V, 8) tile, a thread's eight elements a mask byte
         inside = j < n
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
         b = tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
@@ -139,13 +145,9 @@ if triton is not None:
             if DENSE_BIAS:
                 x += tl.load(dense_bias + j, mask=inside, other=0.0).to(tl.float32)
             if DROPOUT:
-                r0, r1, r2, r3 = tl.randint4x(tl.load(seed), t * W + tl.arange(0, W))
-                word = tl.where(q == 0, r0[None, :], tl.where(q == 1, r1[None, :], tl.where(q == 2, r2[None, :],
-                                                                                           r3[None, :])))
-                keep = (word.to(tl.int64) >= threshold) & inside  # zero-extended: the words are uint32
-                x = tl.where(keep, x * scale, 0.0)
-                tl.store(bits + t * W + tl.arange(0, W), tl.sum(keep.to(tl.int32) << q, axis=0).to(tl.uint8),
-                         mask=here)
+                byte = _kept_byte(tl.load(seed), t * 2 * V, tl.arange(0, V), n, threshold)
+                tl.store(bits + t * V + tl.arange(0, V), byte.to(tl.uint8), mask=here)
+                x = tl.where(((byte[:, None] >> k) & 1) != 0, x * scale, 0.0)
             x += tl.load(res + at, mask=live, other=0.0).to(tl.float32)
             mean = tl.sum(x) / n
             d = tl.where(inside, x - mean, 0.0)
@@ -166,6 +168,27 @@ if triton is not None:
             _transpose_rows(yq, yqt, tl.program_id(0).to(tl.int64) * ROWS, rows, n, ROWS, 128)
 
     @triton.jit
+    def _kept_byte(seed, counter0, v, n, threshold):
+        """Byte v of the row's mask (its counters from `counter0`): bit k is 1 where element 8 v + k (< n) is kept.
+        Its two counters' words are drawn here, in the bytes' layout, one byte a thread, and the tile's mask is
+        unpacked from it: selected into the (V, 8) tile first and summed over its columns, the words cost the
+        forward's loop 1,521 instructions on sm_90 where this takes 516 (`bench/norm_sass.py`)."""
+        first = counter0 + 2 * v
+        a0, a1, a2, a3 = tl.randint4x(seed, first)
+        b0, b1, b2, b3 = tl.randint4x(seed, first + 1)
+        return _kept4(a0, a1, a2, a3, 8 * v, n, threshold) | (_kept4(b0, b1, b2, b3, 8 * v + 4, n, threshold) << 4)
+
+    @triton.jit
+    def _kept4(r0, r1, r2, r3, j, n, threshold):
+        """Four bits: bit q is 1 where element j + q (< n), word q, is kept (zero-extended: the words are uint32)."""
+        return (_kept(r0, j, n, threshold) | (_kept(r1, j + 1, n, threshold) << 1)
+                | (_kept(r2, j + 2, n, threshold) << 2) | (_kept(r3, j + 3, n, threshold) << 3))
+
+    @triton.jit
+    def _kept(word, j, n, threshold):
+        return ((word.to(tl.int64) >= threshold) & (j < n)).to(tl.int32)
+
+    @triton.jit
     def _transpose_rows(src, dst, t0, rows, n, ROWS: tl.constexpr, COLS: tl.constexpr):
         """Rows t0 .. t0 + ROWS of `src` (n wide, row-major: float8, as this program just stored them) into `dst`
         (n x rows, row-major), transposed: ROWS tokens contiguous a column, a full 32-byte sector for ROWS = 32. The
@@ -181,7 +204,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_rows(dy, dy2, s, bits, mean_in, rstd_in, gamma, beta, dh, ds, sums, cast_scale, amaxes, dht, rows,
-                       n, scale, W: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
+                       n, scale, V: tl.constexpr, ROWS: tl.constexpr, DROPOUT: tl.constexpr, FLOAT8: tl.constexpr,
                        ROUND: tl.constexpr, SECOND: tl.constexpr, TRANSPOSE: tl.constexpr, FROM_Y: tl.constexpr):
         """FLOAT8: dh is h's gradient rounded to ROUND, times cast_scale, saturated to e5m2, and amaxes[program]
         its rows' largest magnitude (infinity for a NaN: not kept), as bert.model.fp8_residual_norm's float8 dense
@@ -190,18 +213,17 @@ if triton is not None:
         transposed into dht, the dense layer's weight-gradient operand (`_transpose_rows`). FROM_Y: `s` is the
         forward's output y, and x_hat is (y - beta) / gamma (the forward stored no sum: its SUM off)."""
         program = tl.program_id(0)
-        q = tl.arange(0, 4)[:, None]
-        c = tl.arange(0, W)[None, :]
-        j = q * W + c
+        k = tl.arange(0, 8)[None, :]
+        j = tl.arange(0, V)[:, None] * 8 + k  # the forward's (V, 8) tile
         inside = j < n
         w = tl.load(gamma + j, mask=inside, other=0.0).to(tl.float32)
         if FROM_Y:
             b = tl.load(beta + j, mask=inside, other=0.0).to(tl.float32)
             inv_w = tl.where(inside, 1.0 / w, 0.0)
-        dgamma = tl.zeros((4, W), dtype=tl.float32)
-        dbeta = tl.zeros((4, W), dtype=tl.float32)
-        dbias = tl.zeros((4, W), dtype=tl.float32)
-        top = tl.zeros((4, W), dtype=tl.float32)
+        dgamma = tl.zeros((V, 8), dtype=tl.float32)
+        dbeta = tl.zeros((V, 8), dtype=tl.float32)
+        dbias = tl.zeros((V, 8), dtype=tl.float32)
+        top = tl.zeros((V, 8), dtype=tl.float32)
         for i in tl.range(0, ROWS, num_stages=2):  # the next row's loads in flight during this one's sums
             t = program.to(tl.int64) * ROWS + i
             live = inside & (t < rows)
@@ -221,8 +243,8 @@ if triton is not None:
             d_sum = rstd * (gx - tl.sum(gx) / n - xhat * (tl.sum(gx * xhat) / n))
             d_h = d_sum
             if DROPOUT:
-                byte = tl.load(bits + t * W + tl.arange(0, W), mask=t < rows, other=0).to(tl.int32)
-                d_h = tl.where(((byte[None, :] >> q) & 1) != 0, d_sum * scale, 0.0)
+                byte = tl.load(bits + t * V + tl.arange(0, V), mask=t < rows, other=0).to(tl.int32)
+                d_h = tl.where(((byte[:, None] >> k) & 1) != 0, d_sum * scale, 0.0)
             tl.store(ds + at, d_sum.to(ds.dtype.element_ty), mask=live)
             if FLOAT8:
                 r = tl.where(live, d_h.to(ROUND).to(tl.float32), 0.0)  # the gradient as the unfused path holds it
@@ -248,8 +270,8 @@ TRITON_DTYPES = {} if triton is None else {torch.float32: tl.float32, torch.bflo
                                             torch.float16: tl.float16}
 
 
-def _warps(w: int) -> int:
-    return max(1, min(8, 4 * w // 256))  # 8 elements a thread: 4 warps for BERT-large's 1,024
+def _warps(v: int) -> int:
+    return max(1, min(8, v // 32))  # a mask byte, 8 elements, a thread: 4 warps for BERT-large's 1,024
 
 
 def _on_triton(t: Tensor, stats: Tensor) -> bool:
@@ -269,7 +291,7 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
     y, s, bits, mean, rstd = out
     rows, n = h.shape
     keeps_sum = s.shape[0] == rows
-    w = words_per_row(n)
+    v = bytes_per_row(n)
     yq, cast_scale, amaxes = float8 or (y, y, y)  # unread without FLOAT8
     if yqt is not None and float8 is None:
         raise ValueError("the transposed e4m3 copy needs the e4m3 copy (float8)")
@@ -279,8 +301,8 @@ def launch_forward(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, de
         h.contiguous(), residual.contiguous(), weight, bias, y if dense_bias is None else dense_bias,
         y if seed is None else seed, y, s if keeps_sum else y, bits if p > 0 else y, mean, rstd, yq, cast_scale, amaxes,
         y if y2 is None else y2, y if yqt is None else yqt, rows, n, drop_threshold(p), _scale(p, torch.float32), eps,
-        W=w, ROWS=per_program, DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
-        TWICE=y2 is not None, TRANSPOSE=yqt is not None, SUM=keeps_sum, num_warps=_warps(w))
+        V=v, ROWS=per_program, DROPOUT=p > 0, DENSE_BIAS=dense_bias is not None, FLOAT8=float8 is not None,
+        TWICE=y2 is not None, TRANSPOSE=yqt is not None, SUM=keeps_sum, num_warps=_warps(v))
 
 
 def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor, p: float,
@@ -294,7 +316,7 @@ def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Ten
     With `beta` (the norm's), `s` is the output y, x_hat recovered from it (FROM_Y)."""
     dh, ds, sums = out
     rows, n = s.shape
-    w = words_per_row(n)
+    v = bytes_per_row(n)
     if dht is not None and float8 is None:
         raise ValueError("the transposed e5m2 gradient needs the e5m2 gradient (float8)")
     programs = triton.cdiv(rows, ROWS)
@@ -306,9 +328,9 @@ def launch_backward(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Ten
     _backward_rows[(programs,)](dy, second, s, bits if p > 0 else s, mean, rstd, weight,
                                 weight if beta is None else beta, dh, ds, partial, cast_scale,
                                 amaxes if float8 else sums, dh if dht is None else dht, rows, n,
-                                _scale(p, torch.float32), W=w, ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None,
+                                _scale(p, torch.float32), V=v, ROWS=ROWS, DROPOUT=p > 0, FLOAT8=float8 is not None,
                                 ROUND=TRITON_DTYPES[round_to], SECOND=dy2 is not None, TRANSPOSE=dht is not None,
-                                FROM_Y=beta is not None, num_warps=_warps(w))
+                                FROM_Y=beta is not None, num_warps=_warps(v))
     torch.sum(partial, 0, out=sums)  # one launch
     return amaxes.amax() if float8 else None
 
@@ -359,7 +381,7 @@ def backward_torch(dy: Tensor, s: Tensor, bits: Tensor, mean: Tensor, rstd: Tens
 def dropout_add_layer_norm_op(h: Tensor, residual: Tensor, weight: Tensor, bias: Tensor, dense_bias: Tensor | None,
                               seed: Tensor | None, p: float, eps: float, from_output: bool = False
                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(T, N) `h` and `residual` -> y, s, the mask's bits (T x W uint8; 0 rows when p = 0), mean, rstd (module doc);
+    """(T, N) `h` and `residual` -> y, s, the mask's bits (T x V uint8; 0 rows when p = 0), mean, rstd (module doc);
     with `from_output` s has 0 rows (unwritten): the backward recovers x_hat from y (RESIDUAL_NORM=fused-lean)."""
     check_forward(h, residual, p, seed)
     out = _outputs(h, residual, p, from_output)
@@ -386,7 +408,7 @@ def _outputs(h: Tensor, residual: Tensor, p: float, from_output: bool = False
     dtype = torch.promote_types(h.dtype, residual.dtype)
     stats = dict(dtype=_compute_dtype(dtype), device=h.device)
     return (h.new_empty((rows, n), dtype=dtype), h.new_empty((0 if from_output else rows, n), dtype=dtype),
-            h.new_empty((rows if p > 0 else 0, words_per_row(n)), dtype=torch.uint8),
+            h.new_empty((rows if p > 0 else 0, bytes_per_row(n)), dtype=torch.uint8),
             torch.empty(rows, **stats), torch.empty(rows, **stats))
 
 
