@@ -5,11 +5,11 @@ memory. No GPU: Triton compiles for a target.
 Each kernel is compiled for sm_90 with Triton's ptxas as its launcher has it for BERT-large (1,024 elements a row,
 bf16 activations and weights, pointers divisible by 16, 4 warps) in the float8 candidate's variants (the e4m3 copy
 and its transpose, no saved sum; the backward's e5m2 gradient, its transpose, x_hat from y) and in bf16's, and its
-per-row loop (the longest backward branch) counted. A row costs an SM at least loop x warps / 4 clocks to issue (4
-warp instructions a clock) and bytes / (3.35 TB/s over 132 SMs at 1.83 GHz, 13.9 B a clock) to move: the larger
-bounds it, their sum is the no-overlap time. A step: 48 norms each way over 24,576 tokens (96 sequences); the float8
-candidate's forward takes half its norms twice (the FFN's close). Not a measurement: latency, occupancy and the
-DRAM's real rate are outside it.
+per-row loop (the longest backward branch) counted, Philox's high products (IMAD.HI) among it. A row costs an SM at
+least loop x warps / 4 clocks to issue (4 warp instructions a clock) and bytes / (3.35 TB/s over 132 SMs at 1.83 GHz,
+13.9 B a clock) to move: the larger bounds it, their sum is the no-overlap time. A step: 48 norms each way over
+24,576 tokens (96 sequences); the float8 candidate's forward takes half its norms twice (the FFN's close). Not a
+measurement: latency, occupancy and the DRAM's real rate are outside it.
 
     .venv-torch2.11.0-py3.12/bin/python bench/norm_sass.py
 
@@ -92,10 +92,13 @@ def count(dan, name: str, kernel_name: str, float8: bool, flags: dict, per_eleme
              if signature[arg].startswith("*") or arg == "n"}
     sass, usage = sm90(kernel, signature, constexprs, WARPS, attrs)
     # a program of one row (bf16's forward) has no loop: its whole code runs a row (the padding after it left out)
-    loop = len(inner_loop(sass)) or sum(op != "NOP" for _, op, _ in INSTRUCTION.findall(sass)) - 1
+    body = inner_loop(sass) or [op for _, op, _ in INSTRUCTION.findall(sass) if op != "NOP"][:-1]
+    loop = len(body)
     issue = loop * WARPS / 4
     memory = N * per_element / BYTES_A_CLOCK
     return {"kernel": name, "dropout": flags["DROPOUT"], "loop_instructions": loop,
+            # Philox's 32-bit high products, two a round: a thread's eight elements need two calls' worth
+            "high_products": sum(op == "IMAD.HI.U32" for op in body),
             "per_element": round(loop * 32 * WARPS / N, 1), "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "bytes_per_element": round(per_element, 3), "issue_clocks": issue, "memory_clocks": round(memory),
             "bound": "issue" if issue > memory else "memory",
@@ -124,11 +127,13 @@ def main() -> int:
     sys.path.insert(0, str(Path(args.tree).resolve()))
     dan = importlib.import_module("bert.model.dropout_add_norm")
     rows = [count(dan, *v) for v in variants()]
-    print(f"{'kernel (sm_90, N 1024, 4 warps)':34} {'dropout':>7} {'loop':>5} {'/elem':>5} {'regs':>4} {'B/elem':>6} "
+    print(f"{'kernel (sm_90, N 1024, 4 warps)':34} {'dropout':>7} {'loop':>5} {'/elem':>5} {'IMAD.HI':>7} {'regs':>4} "
+          f"{'B/elem':>6} "
           f"{'issue':>5} {'memory':>6} {'bound':>6} {'48 a step, ms':>13}")
     for r in rows:
         print(f"{r['kernel']:34} {r['dropout']!s:>7} {r['loop_instructions']:5} {r['per_element']:5} "
-              f"{r['registers']:4} {r['bytes_per_element']:6} {r['issue_clocks']:5.0f} {r['memory_clocks']:6} "
+              f"{r['high_products']:7} {r['registers']:4} {r['bytes_per_element']:6} {r['issue_clocks']:5.0f} "
+              f"{r['memory_clocks']:6} "
               f"{r['bound']:>6} {r['step_ms']:6.2f}-{r['step_ms_no_overlap']:.2f}")
     step = {}
     for dropout in (False, True):

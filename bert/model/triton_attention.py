@@ -35,7 +35,8 @@ serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (it
 last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten, Random123's and
 C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
 seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran 1,055
-(bench/attention_sass.py), 8 % of the kernel's work; the backward reads the bits and draws nothing. The CPU draws
+(bench/attention_sass.py), 8 % of the kernel's work, and 881 since the forty-third session, each half compared with
+the threshold once (`_draw`); the backward reads the bits and draws nothing. The CPU draws
 the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the
 tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
 end, and the bytes past its last key block, are never read.
@@ -174,13 +175,14 @@ if triton is not None:
         g = n0 // 8 + tl.arange(0, BN // 8)
         r0, r1, r2, r3 = tl.randint4x(tl.load(seed), (head * tokens + rows)[:, None] * groups + g[None, :], _ROUNDS)
         # the (BM, BN) tile from a join and a reshape, not from the bytes: expanding the bytes let Triton lay the
-        # Philox calls out as the products' tile, each computed by four threads (SASS: 74 instructions an element)
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [..., a, b]: word 2a + b
-        halves = tl.join(words & 0xFFFF, words >> 16)  # [..., a, b, c]: half c of word 2a + b
-        kept = tl.reshape(halves, (BM, BN)).to(tl.int32) >= threshold  # key 8g + 4a + 2b + c
-        byte = (_two_bits(r0, threshold) | (_two_bits(r1, threshold) << 2) | (_two_bits(r2, threshold) << 4)
-                | (_two_bits(r3, threshold) << 6))
-        return kept, byte
+        # Philox calls out as the products' tile, each computed by four threads (SASS: 74 instructions an element).
+        # Both come from the words' kept bits, each half compared once: the tile from the halves compared again
+        # took the forward's sm_90 loop 974 instructions, this 881
+        b0, b1, b2, b3 = (_two_bits(r0, threshold), _two_bits(r1, threshold), _two_bits(r2, threshold),
+                          _two_bits(r3, threshold))
+        pairs = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., a, b]: word 2a + b's two bits
+        kept = tl.reshape(tl.join(pairs & 1, pairs >> 1), (BM, BN)) != 0  # key 8g + 4a + 2b + c
+        return kept, b0 | (b1 << 2) | (b2 << 4) | (b3 << 6)
 
     @triton.jit
     def _two_bits(word, threshold):
