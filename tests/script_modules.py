@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -18,3 +20,12 @@ def load_script(path: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def run_for_json(path: str, out: Path, timeout: int = 600) -> dict:
+    """Run the script `path` (as `load_script`'s) with `--json out` in this interpreter; its report, after asserting
+    that it exited 0 (else its output's end)."""
+    done = subprocess.run([sys.executable, str(ROOT / path), "--json", str(out)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return json.loads(out.read_text())

@@ -5,12 +5,10 @@ instructions an element beside the same kernel without it; the step estimate is 
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 import sys
 
 import pytest
-from script_modules import ROOT, load_script
+from script_modules import ROOT, load_script, run_for_json
 
 bench = load_script("bench/attention_sass.py")
 
@@ -40,11 +38,7 @@ def test_the_step_counts_whole_tiles():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
 def test_every_kernel_compiles_without_spills_and_the_estimate_is_bounded(tmp_path):
-    out = tmp_path / "attention_sass.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench/attention_sass.py"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_for_json("bench/attention_sass.py", tmp_path / "attention_sass.json")
     rows = {(r["kernel"], r["dropout"]): r for r in report["rows"]}
     assert len(rows) == 6
     for (kernel, dropout), r in rows.items():

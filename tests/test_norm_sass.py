@@ -5,23 +5,16 @@ costs a thread no more Philox than its eight elements need: two calls, ten round
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import pytest
-from script_modules import ROOT
+from script_modules import run_for_json
 
 from bert.model.philox import ROUNDS  # the norms' Philox
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton (torch's CUDA build) not installed")
 def test_the_forward_draws_each_counter_once_and_the_bounds_hold(tmp_path):
-    out = tmp_path / "norm_sass.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench/norm_sass.py"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = run_for_json("bench/norm_sass.py", tmp_path / "norm_sass.json")
     rows = {(r["kernel"], r["dropout"]): r for r in report["rows"]}
     assert len(rows) == 10
     for (kernel, dropout), r in rows.items():
