@@ -124,7 +124,11 @@ def main() -> int:
     except ImportError:
         print("norm_sass: needs Triton (torch's CUDA build: bash scripts/test_torch.sh 2.11.0)")
         return 2
-    sys.path.insert(0, str(Path(args.tree).resolve()))
+    tree = Path(args.tree).resolve()
+    if not (tree / "bert" / "model" / "dropout_add_norm.py").is_file():
+        print(f"norm_sass: {tree} is not a checkout of this project (no bert/model/dropout_add_norm.py)")
+        return 2
+    sys.path.insert(0, str(tree))
     dan = importlib.import_module("bert.model.dropout_add_norm")
     rows = [count(dan, *v) for v in variants()]
     print(f"{'kernel (sm_90, N 1024, 4 warps)':34} {'dropout':>7} {'loop':>5} {'/elem':>5} {'IMAD.HI':>7} {'regs':>4} "

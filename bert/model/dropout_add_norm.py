@@ -31,16 +31,15 @@ beta's gradients over the tokens in split reductions. Here:
   gamma of 0 loses x_hat (NaN gradients, which the driver's NaN check stops on). Opt-in, as in apex.
 
 The mask is a pure function of the seed (a fresh 62-bit one each call, from torch's generator) and the element: element
-j of row t is dropped iff word j % 4 of Philox4x32-10(counter 2 V t + j // 4, key seed) is below round(p * 2^32),
-V the power of two at or above N / 8, the mask's bytes a row (so p is exact to 2^-32). A program holds a row as a
-(V, 8) tile, eight consecutive elements a thread: the four words of both its counters are all it uses, and its byte
-of the mask is its own. (Until the forty-third session the row was a (4, W) tile, element j word j // W of counter
-j % W: Triton laid a counter's four elements across threads, which drew it about four times over, and the forward's
-loop with dropout compiled for sm_90 to 1,021 instructions, more than its bytes take, where it now takes 516,
-`bench/norm_sass.py`.) The CPU draws the same words in torch's arithmetic (bert.model.philox), so one seed gives one
-mask on every device, and the Triton kernels (run in Triton's interpreter by the tests) are checked against the CPU
-bit for bit. The arithmetic is fp32, as inductor's; float64
-inputs take the torch path on every device, in float64 (gradcheck's).
+j of row t is dropped iff word j % 4 of Philox4x32-10(counter 2 V t + j // 4, key seed) is below round(p * 2^32), V the
+power of two at or above N / 8, the mask's bytes a row (so p is exact to 2^-32). A program holds a row as a (V, 8) tile,
+eight consecutive elements a thread: the four words of both its counters are all it uses, and its byte of the mask is
+its own. (Until the forty-third session the row was a (4, W) tile, element j word j // W of counter j % W: Triton laid a
+counter's four elements across threads, which drew it about four times over, and the forward's loop with dropout
+compiled for sm_90 to 1,021 instructions, more than its bytes take, where it now takes 516, `bench/norm_sass.py`.) The
+CPU draws the same words in torch's arithmetic (bert.model.philox), so one seed gives one mask on every device, and the
+Triton kernels (run in Triton's interpreter by the tests) are checked against the CPU bit for bit. The arithmetic is
+fp32, as inductor's; float64 inputs take the torch path on every device, in float64 (gradcheck's).
 
 Not measured on a GPU yet. Each call launches its Triton kernel from Python (one a sublayer each way: 96 a BERT-large
 step, and the 48 sums of the backward's partials), host time hidden only while the step is GPU-bound;
@@ -147,7 +146,7 @@ if triton is not None:
             if DROPOUT:
                 byte = _kept_byte(tl.load(seed), t * 2 * V, tl.arange(0, V), n, threshold)
                 tl.store(bits + t * V + tl.arange(0, V), byte.to(tl.uint8), mask=here)
-                x = tl.where(((byte[:, None] >> k) & 1) != 0, x * scale, 0.0)
+                x = tl.where(_kept_in_tile(byte, k), x * scale, 0.0)
             x += tl.load(res + at, mask=live, other=0.0).to(tl.float32)
             mean = tl.sum(x) / n
             d = tl.where(inside, x - mean, 0.0)
@@ -177,6 +176,11 @@ if triton is not None:
         a0, a1, a2, a3 = tl.randint4x(seed, first)
         b0, b1, b2, b3 = tl.randint4x(seed, first + 1)
         return _kept4(a0, a1, a2, a3, 8 * v, n, threshold) | (_kept4(b0, b1, b2, b3, 8 * v + 4, n, threshold) << 4)
+
+    @triton.jit
+    def _kept_in_tile(byte, k):
+        """The (V, 8) tile's mask from its V bytes: element (v, k) is bit k of byte v."""
+        return ((byte[:, None] >> k) & 1) != 0
 
     @triton.jit
     def _kept4(r0, r1, r2, r3, j, n, threshold):
@@ -244,7 +248,7 @@ if triton is not None:
             d_h = d_sum
             if DROPOUT:
                 byte = tl.load(bits + t * V + tl.arange(0, V), mask=t < rows, other=0).to(tl.int32)
-                d_h = tl.where(((byte[:, None] >> k) & 1) != 0, d_sum * scale, 0.0)
+                d_h = tl.where(_kept_in_tile(byte, k), d_sum * scale, 0.0)
             tl.store(ds + at, d_sum.to(ds.dtype.element_ty), mask=live)
             if FLOAT8:
                 r = tl.where(live, d_h.to(ROUND).to(tl.float32), 0.0)  # the gradient as the unfused path holds it
