@@ -109,6 +109,7 @@ def count(kernel, tile: tuple[int, int, int], signature: dict, dropout: bool, di
     return {"kernel": kernel.fn.__name__, "dropout": dropout, "blocks": list(blocks), "warps": warps,
             "loop_instructions": len(body), "hgmma": mma, "mufu": sum(op.startswith("MUFU") for op in body),
             "per_element": round((len(body) - mma) / per_thread, 1),
+            "loop_local": sum(op.startswith(("LDL", "STL")) for op in body),  # spills inside the loop
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
 

@@ -16,8 +16,10 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
   and one per query block (dQ, over the key blocks), so no atomics; each recomputes the probabilities from the
   log-sum-exp, and reads the mask from the bits the forward wrote: (H, T, G) bytes, a bit an element (25 MB a
   BERT-large layer at 24,576 tokens), where drawing it again cost each backward kernel more instructions than all the
-  rest of its work (SASS counted: 36 and 24 an element). The dQ kernel, launched first, also computes
-  delta = rowsum(dO * O) for the dK/dV kernel, in its one pass over dO.
+  rest of its work (SASS counted: 36 and 24 an element). Each row's bytes are read as 64-bit words, in the
+  products' own layout (`_kept`). The dQ kernel, launched first, also computes delta = rowsum(dO * O), times
+  1 - p, for the dK/dV kernel, in its one pass over dO; dS is computed times 1 - p, its 1 / (1 - p) applied at the
+  stores (`_probabilities`).
 - **packed**: the ops take q, k and v as one (T, 3, H, D) tensor, the QKV GEMM's output (bert.model.attend), and
   the backward's kernels write dq, dk and dv into one such gradient, where autograd's stack of three had copied
   them (7.2 GB of BERT-large's step on the fake H100, bench/gpu_compile.py).
@@ -28,10 +30,10 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
 
 **The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
 CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
-place in the sequence), counter c = (h * T + i) * G + j // 8 (G = ceil(max_seqlen / 8)); Philox4x32-7(c, key seed)
-gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a 16-bit number u; the
-element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for 0.1). One Philox call
-serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (its philox.cuh: six rounds and a
+place in the sequence), counter c = (h * T + i) * G + j // 8 (G = 8 ceil(max_seqlen / 64), a row's bytes whole 64-bit
+words); Philox4x32-7(c, key seed) gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod
+2, as a 16-bit number u; the element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops
+0.1016 for 0.1). One Philox call serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (its philox.cuh: six rounds and a
 last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten, Random123's and
 C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
 seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran 1,055
@@ -39,7 +41,8 @@ seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions 
 the threshold once (`_draw`); the backward reads the bits and draws nothing. The CPU draws
 the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the
 tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
-end, and the bytes past its last key block, are never read.
+end, and of rows past it, are read by the backward but never change a gradient (`_probabilities`); no byte past a
+row's G is read.
 
 The torch path (the CPU, float64 anywhere) computes the same attention per sequence in torch's ops, and its backward
 by the kernels' formulas (checked against autograd through a float64 reference by the tests).
@@ -82,8 +85,9 @@ def drop_threshold(p: float) -> int:
 
 
 def groups_per_row(max_seqlen: int) -> int:
-    """G: the Philox counters a query row uses (eight keys each)."""
-    return -(-max_seqlen // 8)
+    """G: a query row's Philox counters (eight keys each) and mask bytes, a multiple of 8 so that the backward
+    reads a row's bytes as aligned 64-bit words (`_kept`)."""
+    return -(-max_seqlen // 64) * 8
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -191,19 +195,33 @@ if triton is not None:
         return low | (((word >> 16).to(tl.int32) >= threshold).to(tl.int32) << 1)
 
     @triton.jit
-    def _unpack(byte, BM: tl.constexpr, BN: tl.constexpr):
-        """(BM, BN // 8) bytes -> (BM, BN) bool: element 8g + s is bit s of byte g; by joins, as `_draw`."""
-        a0 = tl.join(_bit(byte, 0), _bit(byte, 4))  # [..., a]: bit 4a
-        a1 = tl.join(_bit(byte, 2), _bit(byte, 6))
-        b0 = tl.join(a0, a1)  # [..., a, b]: bit 4a + 2b
-        a0 = tl.join(_bit(byte, 1), _bit(byte, 5))
-        a1 = tl.join(_bit(byte, 3), _bit(byte, 7))
-        bits = tl.join(b0, tl.join(a0, a1))  # [..., a, b, c]: bit 4a + 2b + c
-        return tl.reshape(bits, (BM, BN)) != 0
+    def _kept(BITS, head, tokens, groups, start, rows, row_in, n0, BM: tl.constexpr, BN: tl.constexpr):
+        """(BM, BN) bool: the mask of query tokens start + rows (local `rows`, `row_in` inside the sequence) against
+        keys n0..n0+BN-1, each row's bytes read as 64-bit words, a (BM,) load each (G is a multiple of 8, so the
+        block's first word is inside the row; a later one may not be: 32 or 16 bits for a smaller BN).
 
-    @triton.jit
-    def _bit(byte, s: tl.constexpr):
-        return (byte >> s) & 1
+        Why: unpacked from the tile's (BM, BN // 8) bytes by joins, the mask was laid out a byte a thread, where the
+        products' tile (Hopper's MMA layout) holds two bits of each byte a thread: the conversion took dK dV's sm_90
+        loop 261 instructions (bench/attention_sass.py). A (BM,) load is read from shared memory in the products'
+        own layout, each thread its rows' words. There an element is key 8j + 2l + c of its row, l from the
+        thread's lane and j, c from its register: shifted by cols & 6 once a word (the lane's), each element's bit
+        is at a constant place, cols & 25, which the compiler moves into predicates two at a time."""
+        cols = tl.arange(0, BN)[None, :]
+        first = (head * tokens + start + rows) * groups + n0 // 8  # the row's byte of key n0
+        if BN >= 64:
+            word = tl.zeros((BM, BN), tl.int32)
+            for i in tl.static_range(BN // 64):  # `cols // 32 == ...` folds: each register's word is known
+                inside = row_in if i == 0 else row_in & (n0 // 8 + 8 * i < groups)
+                w = tl.load((BITS + first + 8 * i).to(tl.pointer_type(tl.int64)), mask=inside, other=0)
+                word = tl.where(cols // 32 == 2 * i, w.to(tl.int32)[:, None], word)
+                word = tl.where(cols // 32 == 2 * i + 1, (w >> 32).to(tl.int32)[:, None], word)
+        elif BN == 32:  # bench/attention_tiles.py's candidates
+            w = tl.load((BITS + first).to(tl.pointer_type(tl.int32)), mask=row_in, other=0)
+            word = tl.broadcast_to(w[:, None], (BM, BN))
+        else:  # 16, the interpreter's small tiles: the high half (sign bits) is never read
+            w = tl.load((BITS + first).to(tl.pointer_type(tl.int16)), mask=row_in, other=0)
+            word = tl.broadcast_to(w.to(tl.int32)[:, None], (BM, BN))
+        return ((word >> (cols & 6)) >> (cols & 25)) & 1 != 0
 
     @triton.jit
     def _sequence(cu):
@@ -298,19 +316,24 @@ if triton is not None:
 
     @triton.jit
     def _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
-                       drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
-        """(P with the mask, dS) of a (BM, BN) tile: the backward kernels' shared part; dV's 1 / (1 - p) is applied
-        once, at its store. No bounds test an element: past the sequence's end q, k, v and dO are loaded as zeros and
-        the log-sum-exp and delta as zeros, so a query row past it gives P = 1 and dS = 0 (dO = 0). A key past it
+                       BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        """(P~, dS (1 - p)) of a (BM, BN) tile, P~ being P with the mask and `delta` rowsum(dO * O) (1 - p): the
+        backward kernels' shared part. The 1 / (1 - p) of dV and dS are applied once, at the gradients' stores.
+
+        With dropout dS (1 - p) = P~ dP - P delta (1 - p): one select an element, P~'s, for dV's operand and dS both.
+        As P (dP with the mask / (1 - p) - delta) it took a second one, and the compiler moved P~'s past dV's
+        conversion to bf16, selecting halves of registers (sm_90, dK dV's loop: 632 instructions against 553).
+
+        No bounds test an element: past the sequence's end q, k, v and dO are loaded as zeros and the log-sum-exp and
+        delta as zeros, so a query row past it gives P = 1 and dS = 0 (dO = 0), whatever its mask. A key past it
         scores 0, so its P is 2^-lse, unbounded (a row's scores may all sit far below 0: softmax does not see a
         shift): in dK and dV that is a row never stored, but dQ's product with its zero K row would turn an inf
         into NaN, so `_backward_q` zeroes dS past the end in the sequence's last key block."""
         prob = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         dprob = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            at, inside = _bits_at(BITS, head, tokens, groups, start, rows, n0, BN)
-            keep = _unpack(tl.load(at, mask=inside & row_in[:, None], other=0).to(tl.int32), BM, BN)
-            return tl.where(keep, prob, 0.0), prob * (tl.where(keep, dprob, 0.0) * drop_scale - delta[:, None])
+            dropped = tl.where(_kept(BITS, head, tokens, groups, start, rows, row_in, n0, BM, BN), prob, 0.0)
+            return dropped, dropped * dprob - prob * delta[:, None]
         return prob, prob * (dprob - delta[:, None])
 
     @triton.jit
@@ -360,28 +383,29 @@ if triton is not None:
                 lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
                 delta = tl.load(DELTA + head * tokens + start + rows, mask=row_in, other=0.0)
                 dropped, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in,
-                                             n0, qk_scale, drop_scale, BM, BN, DROPOUT)
+                                             n0, qk_scale, BM, BN, DROPOUT)
                 dv += tl.dot(tl.trans(dropped.to(do.dtype)), do)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
                 q_at = tl.advance(q_at, (BM, 0))
                 do_at = tl.advance(do_at, (BM, 0))
+            ds_scale = sm_scale * drop_scale  # dS's 1 / (1 - p) too
             # dk and dv: views of the packed (T, 3, H, D) gradient, rows sd_t apart
             dk_at = _rows_of(DK, start, length, sd_t, head, D, n0, BN, D)
             dv_at = _rows_of(DV, start, length, sd_t, head, D, n0, BN, D)
             if FLOAT8:
                 live = n0 + tl.arange(0, BN) < length
                 slot = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head) * 2
-                _float8_store(dk_at, _columns_of(GRAD_T, start, length, tokens, 1, head, n0, BN, D), dk * sm_scale,
+                _float8_store(dk_at, _columns_of(GRAD_T, start, length, tokens, 1, head, n0, BN, D), dk * ds_scale,
                               live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
                 _float8_store(dv_at, _columns_of(GRAD_T, start, length, tokens, 2, head, n0, BN, D), dv * drop_scale,
                               live, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot + 1, D)
             else:
-                tl.store(dk_at, (dk * sm_scale).to(DK.dtype.element_ty), boundary_check=(0,))
+                tl.store(dk_at, (dk * ds_scale).to(DK.dtype.element_ty), boundary_check=(0,))
                 tl.store(dv_at, (dv * drop_scale).to(DV.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
     def _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, n0, length,
-                 qk_scale, drop_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                 qk_scale, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                  MASKED: tl.constexpr):
         """dQ's sum over one key block; MASKED: the sequence's last, cut one, its dS zeroed past the end."""
         if MASKED:
@@ -391,7 +415,7 @@ if triton is not None:
             k = tl.load(k_at)
             v = tl.load(v_at)
         _, ds = _probabilities(q, k, do, v, lse, delta, BITS, head, tokens, groups, start, rows, row_in, n0, qk_scale,
-                               drop_scale, BM, BN, DROPOUT)
+                               BM, BN, DROPOUT)
         if MASKED:
             ds = tl.where((n0 + tl.arange(0, BN) < length)[None, :], ds, 0.0)
         return dq + tl.dot(ds.to(k.dtype), k)
@@ -401,8 +425,8 @@ if triton is not None:
                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sdo_t, sdo_h, so_t, so_h, sd_t, SCALE, AMAXES, PARTS, GRAD_T,
                     OUT_INV, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                     FLOAT8: tl.constexpr, OUT_E4M3: tl.constexpr):
-        """dQ of a query block, and first its rows' delta = rowsum(dO * O) in fp32, stored for `_backward_kv` (launched
-        after it): each (row, head) has one program here, and O is read once, in the one pass over dO. OUT_E4M3: O
+        """dQ of a query block, and first its rows' delta = rowsum(dO * O) (1 - p) in fp32, stored for `_backward_kv`
+        (launched after it): each (row, head) has one program here, and O is read once, in the one pass over dO. OUT_E4M3: O
         is the forward's e4m3 copy (FLOAT8's), each element times OUT_INV (1 / its scale) before the product."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
@@ -420,6 +444,7 @@ if triton is not None:
             if OUT_E4M3:
                 o = o * tl.load(OUT_INV)
             delta = tl.sum(do.to(tl.float32) * o, 1)  # 0 past the end (dO and O loaded as 0)
+            delta = delta * (1.0 / drop_scale)  # times 1 - p, as `_probabilities` takes it
             tl.store(DELTA + head * tokens + start + rows, delta, mask=row_in)
             lse = tl.load(LSE + head * tokens + start + rows, mask=row_in, other=0.0)
             k_at = _rows_of(K, start, length, sk_t, head, sk_h, 0, BN, D)
@@ -428,19 +453,20 @@ if triton is not None:
             full = length // BN * BN
             for n0 in tl.range(0, full, BN, num_stages=2):
                 dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, n0,
-                              length, qk_scale, drop_scale, BM, BN, DROPOUT, False)
+                              length, qk_scale, BM, BN, DROPOUT, False)
                 k_at = tl.advance(k_at, (BN, 0))
                 v_at = tl.advance(v_at, (BN, 0))
             if full < length:
                 dq = _dq_tile(q, do, lse, delta, k_at, v_at, dq, BITS, head, tokens, groups, start, rows, row_in, full,
-                              length, qk_scale, drop_scale, BM, BN, DROPOUT, True)
+                              length, qk_scale, BM, BN, DROPOUT, True)
             dq_at = _rows_of(DQ, start, length, sd_t, head, D, m0, BM, D)
+            ds_scale = sm_scale * drop_scale  # dS's 1 / (1 - p) too
             if FLOAT8:
                 slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + head
-                _float8_store(dq_at, _columns_of(GRAD_T, start, length, tokens, 0, head, m0, BM, D), dq * sm_scale,
+                _float8_store(dq_at, _columns_of(GRAD_T, start, length, tokens, 0, head, m0, BM, D), dq * ds_scale,
                               row_in, Q.dtype.element_ty, SCALE, AMAXES, PARTS, slot, D)
             else:
-                tl.store(dq_at, (dq * sm_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
+                tl.store(dq_at, (dq * ds_scale).to(DQ.dtype.element_ty), boundary_check=(0,))
 
 
 def check_tile(tile: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -511,6 +537,9 @@ def launch_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dqkv = torch.empty((tokens, 3, heads, dim), dtype=E5M2 if float8 else q.dtype, device=q.device)
     dq, dk, dv = dqkv.unbind(1)
     groups, sm_scale, qk_scale, drop_scale, _ = _common(q, max_seqlen, p)
+    if p > 0 and (bits.shape[-1] != groups or bits.data_ptr() % 8):  # `_kept` reads aligned 64-bit words
+        raise ValueError(f"the mask's bits are (H, T, {groups}) bytes from an 8-byte boundary, not {tuple(bits.shape)} "
+                         f"at {bits.data_ptr() % 8} past one")
     bits = bits if p > 0 else dqkv
     strides = _strides(q, k, v, grad)
     sequences = cu.shape[0] - 1
