@@ -28,21 +28,20 @@ The kernels follow FlashAttention-2's algorithm [Dao-FlashAttention-2] on the co
   to cast it. The forward's FLOAT8 (bert.model.fp8_attention_block) writes the output in e4m3 only, the output
   projection's input, and the dQ kernel's delta then reads that copy (OUT_E4M3).
 
-**The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so
-CUDA graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its
-place in the sequence), counter c = (h * T + i) * G + j // 8 (G = 8 ceil(max_seqlen / 64), a row's bytes whole 64-bit
-words); Philox4x32-7(c, key seed) gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod
-2, as a 16-bit number u; the element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops
-0.1016 for 0.1). One Philox call serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (its philox.cuh: six rounds and a
-last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten, Random123's and
-C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is known to fail at
-seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran 1,055
-(bench/attention_sass.py), 8 % of the kernel's work, and 881 since the forty-third session, each half compared with
-the threshold once (`_draw`); the backward reads the bits and draws nothing. The CPU draws
-the same numbers in torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the
-tests) equal the torch path's mask bit for bit. The bits of keys past a sequence's
-end, and of rows past it, are read by the backward but never change a gradient (`_probabilities`); no byte past a
-row's G is read.
+**The mask** is a pure function of the seed (a fresh 62-bit one per call from torch's generator, on the device, so CUDA
+graphs replay fresh masks) and the element: for head h, query token i (its place in the T tokens) and key j (its place
+in the sequence), counter c = (h * T + i) * G + j // 8 (G = 8 ceil(max_seqlen / 64), a row's bytes whole 64-bit words);
+Philox4x32-7(c, key seed) gives four 32-bit words, of which element j takes word (j mod 8) // 2, half j mod 2, as a
+16-bit number u; the element is dropped iff u < round(p * 2^16) (p to 2^-16; FA2's 8-bit threshold drops 0.1016 for
+0.1). One Philox call serves eight elements. Seven rounds (`PHILOX_ROUNDS`) are FlashAttention-2's (its philox.cuh: six
+rounds and a last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten,
+Random123's and C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is
+known to fail at seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran
+1,055 (bench/attention_sass.py), 8 % of the kernel's work, and 881 since the forty-third session, each half compared
+with the threshold once (`_draw`); the backward reads the bits and draws nothing. The CPU draws the same numbers in
+torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the tests) equal the torch
+path's mask bit for bit. The bits of keys past a sequence's end, and of rows past it, are read by the backward but never
+change a gradient (`_probabilities`); no byte past a row's G is read.
 
 The torch path (the CPU, float64 anywhere) computes the same attention per sequence in torch's ops, and its backward
 by the kernels' formulas (checked against autograd through a float64 reference by the tests).
@@ -426,8 +425,9 @@ if triton is not None:
                     OUT_INV, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
                     FLOAT8: tl.constexpr, OUT_E4M3: tl.constexpr):
         """dQ of a query block, and first its rows' delta = rowsum(dO * O) (1 - p) in fp32, stored for `_backward_kv`
-        (launched after it): each (row, head) has one program here, and O is read once, in the one pass over dO. OUT_E4M3: O
-        is the forward's e4m3 copy (FLOAT8's), each element times OUT_INV (1 / its scale) before the product."""
+        (launched after it): each (row, head) has one program here, and O is read once, in the one pass over dO.
+        OUT_E4M3: O is the forward's e4m3 copy (FLOAT8's), each element times OUT_INV (1 / its scale) before the
+        product."""
         head = tl.program_id(2)
         start, length = _sequence(cu)
         m0 = tl.program_id(0) * BM
