@@ -172,6 +172,18 @@ def test_the_op_refuses_what_it_cannot_run():
             OP(wrong, cu_of(LENGTHS), 70, 0.0, None)
 
 
+def test_the_forward_kernel_refuses_counters_past_32_bits():
+    """The kernel's counters c = (h T + i) G + j // 8 are 32-bit: a call with more than 2^31 of them is refused
+    before anything is allocated (q a stride-0 view: nothing of 2^25 + 1 tokens is made); one of 2^31, whose last is
+    2^31 - 1, is not."""
+    ta.check_counters(16, 2**21, 64)
+    with pytest.raises(ValueError, match="2\\^31 Philox counters"):
+        ta.check_counters(16, 2**21 + 1, 64)
+    huge = torch.zeros(1, 1, 16, dtype=torch.bfloat16).expand(2**25 + 1, 1, 16)
+    with pytest.raises(ValueError, match="1 heads x 33554433 tokens x 64 mask bytes"):
+        ta.launch_forward(huge, huge, huge, torch.tensor([0, 2**25 + 1], dtype=torch.int32), 512, 0.1, SEED)
+
+
 def test_compiled_the_op_stays_one_node_each_way_and_matches_eager():
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -258,6 +270,15 @@ INTERPRETER = LOOP_BOUND_PATCH + """
 import sys, torch
 from bert.model import triton_attention as ta
 
+
+
+def bits_differ(bits, want_bits, lengths):
+    # the sequences whose own keys' bits differ, bit for bit (the rest is never read)
+    starts = torch.tensor([0] + lengths).cumsum(0).tolist()
+    return [n for n, at in zip(lengths, starts)
+            if not torch.equal(ta.unpack_bits(bits[:, at:at + n], n), ta.unpack_bits(want_bits[:, at:at + n], n))]
+
+
 bad = []
 # (lengths, heads, head dim, dtype, p, a shift of every score, max_seqlen above the longest by)
 for lengths, heads, dim, dtype, p, shift, over in [([5, 70, 130], 2, 16, torch.float32, 0.1, 0, 0),
@@ -285,12 +306,15 @@ for lengths, heads, dim, dtype, p, shift, over in [([5, 70, 130], 2, 16, torch.f
         bad.append(case + ("out", (out.float() - want.float()).abs().max().item()))
     if not torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5):
         bad.append(case + ("lse",))
-    start = 0
-    for n in lengths:  # the mask's bits of each sequence's own keys, bit for bit (the rest is never read)
-        rows = slice(start, start + n)
-        if p and not torch.equal(ta.unpack_bits(bits[:, rows], n), ta.unpack_bits(want_bits[:, rows], n)):
-            bad.append(case + ("bits", n))
-        start += n
+    if p:
+        bad += [case + ("bits", n) for n in bits_differ(bits, want_bits, lengths)]
+    # with dropout, key blocks whose mask is one 16-bit word a row, one, four and eight 32-bit words, some past the
+    # row's bytes in a sequence's last block: the same output and bits
+    for tile in [(16, 16, 4), (32, 32, 4), (16, 128, 4), (16, 256, 4)] if p and dim == 16 else []:
+        out2, _, bits2 = ta.launch_forward(q, k, v, cu, longest, p, seed, tile)
+        if not torch.allclose(out2.float(), want.float(), rtol=tol, atol=tol):
+            bad.append(case + (tile, "out", (out2.float() - want.float()).abs().max().item()))
+        bad += [case + (tile, "bits", n) for n in bits_differ(bits2, want_bits, lengths)]
     grad = torch.randn(q.shape, generator=g).to(dtype)
     wants = ta.backward_torch(grad, q, k, v, out, want_bits, lengths, p)
     # the backward's own tile, and with dropout tiles whose key blocks read the mask as 16 and 32 bits and two 64-bit

@@ -173,25 +173,64 @@ if triton is not None:
     @triton.jit
     def _draw(seed, head, rows, n0, tokens, groups, threshold, BM: tl.constexpr, BN: tl.constexpr):
         """The mask of query tokens `rows` (their places in the T tokens) against keys n0..n0+BN-1 of their
-        sequence: (kept (BM, BN) bool, its bytes (BM, BN // 8) int32, bit s of byte g being key n0 + 8g + s). Key
-        n0 + 8g + s is kept iff half s % 2 of word s // 2 of Philox call g is at or above `threshold`."""
-        g = n0 // 8 + tl.arange(0, BN // 8)
-        r0, r1, r2, r3 = tl.randint4x(tl.load(seed), (head * tokens + rows)[:, None] * groups + g[None, :], _ROUNDS)
-        # the (BM, BN) tile from a join and a reshape, not from the bytes: expanding the bytes let Triton lay the
-        # Philox calls out as the products' tile, each computed by four threads (SASS: 74 instructions an element).
-        # Both come from the words' kept bits, each half compared once: the tile from the halves compared again
-        # took the forward's sm_90 loop 974 instructions, this 881
-        b0, b1, b2, b3 = (_two_bits(r0, threshold), _two_bits(r1, threshold), _two_bits(r2, threshold),
-                          _two_bits(r3, threshold))
-        pairs = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., a, b]: word 2a + b's two bits
-        kept = tl.reshape(tl.join(pairs & 1, pairs >> 1), (BM, BN)) != 0  # key 8g + 4a + 2b + c
-        return kept, b0 | (b1 << 2) | (b2 << 4) | (b3 << 6)
+        sequence: (kept (BM, BN) bool, its 32-bit words (BM, ceil(BN / 32)) int32, bit s of word w being key
+        n0 + 32w + s; 16 bits for a BN of 16). Key n0 + 8g + s is kept iff half s % 2 of word s // 2 of Philox call
+        g is at or above `threshold`. `seed`: the key, loaded once a program (in the loop the pipeliner copied it
+        through shared memory each block). Counters in 32 bits: `check_counters`.
+
+        The tile comes from each row's words, not from the calls' (BM, BN // 8) bytes: a (BM,) tensor a word, which
+        the products' layout reads as `_kept` reads its loads. Unpacked from the bytes by joins and a reshape, the
+        tile was laid out as the calls and converted to the products' layout through shared memory (the forward's
+        sm_90 loop 881 instructions with dropout, bench/attention_sass.py). A row's bytes are summed into its
+        words (their bits are apart, so the sum is their OR), and the words are what the kernel stores."""
+        W: tl.constexpr = (BN + 31) // 32
+        part = tl.arange(0, BN // 8)  # a row's Philox calls in the block, BN // 8 // W to a word
+        counter = ((head * tokens + rows).to(tl.int32) * groups)[:, None] + (part + n0 // 8).to(tl.int32)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, counter, _ROUNDS)
+        byte = (_two_bits(r0, threshold) | (_two_bits(r1, threshold) << 2) | (_two_bits(r2, threshold) << 4)
+                | (_two_bits(r3, threshold) << 6))
+        words = tl.sum(tl.reshape(byte << (8 * (part % (BN // 8 // W)))[None, :], (BM, W, BN // 8 // W)), 2)
+        cols = tl.arange(0, BN)[None, :]
+        return _word_bits(_word_tile(words, cols, BM, BN), cols), words
+
+    @triton.jit
+    def _word_tile(words, cols, BM: tl.constexpr, BN: tl.constexpr):
+        """(BM, BN) int32: each element's word of its row, (BM, ceil(BN / 32)) `words`, taken apart by splits (by a
+        sum over a one-hot column the forward's loop ran 845 instructions where this runs 678)."""
+        W: tl.constexpr = (BN + 31) // 32
+        if W == 1:
+            word = tl.broadcast_to(words, (BM, BN))
+        elif W == 2:
+            w0, w1 = tl.split(words)
+            word = tl.where(cols < 32, w0[:, None], w1[:, None])
+        elif W == 4:
+            w0, w1, w2, w3 = _four(words, BM)
+            word = tl.where(cols < 64, tl.where(cols < 32, w0[:, None], w1[:, None]),
+                            tl.where(cols < 96, w2[:, None], w3[:, None]))
+        else:  # 8: BN 256
+            even, odd = tl.split(tl.reshape(words, (BM, 4, 2)))
+            w0, w2, w4, w6 = _four(even, BM)
+            w1, w3, w5, w7 = _four(odd, BM)
+            word = tl.where(cols < 128, tl.where(cols < 64, tl.where(cols < 32, w0[:, None], w1[:, None]),
+                                                 tl.where(cols < 96, w2[:, None], w3[:, None])),
+                            tl.where(cols < 192, tl.where(cols < 160, w4[:, None], w5[:, None]),
+                                     tl.where(cols < 224, w6[:, None], w7[:, None])))
+        return word
+
+    @triton.jit
+    def _four(x, BM: tl.constexpr):
+        """The four columns of a (BM, 4) tensor."""
+        even, odd = tl.split(tl.reshape(x, (BM, 2, 2)))
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
 
     @triton.jit
     def _two_bits(word, threshold):
-        """Bit 0: the word's low 16 bits are kept; bit 1: its high 16 bits."""
-        low = ((word & 0xFFFF).to(tl.int32) >= threshold).to(tl.int32)
-        return low | (((word >> 16).to(tl.int32) >= threshold).to(tl.int32) << 1)
+        """Bit 0: the word's low 16 bits are kept; bit 1: its high 16 bits. Both compared as 32 bits, unsigned, with
+        the threshold in the high half: the high half needs no shift (the loop's 694 instructions: 678)."""
+        high = threshold.to(tl.uint32) << 16
+        return ((word << 16) >= high).to(tl.int32) | ((word >= high).to(tl.int32) << 1)
 
     @triton.jit
     def _kept(BITS, head, tokens, groups, start, rows, row_in, n0, BM: tl.constexpr, BN: tl.constexpr):
@@ -220,6 +259,12 @@ if triton is not None:
         else:  # 16, the interpreter's small tiles: the high half (sign bits) is never read
             w = tl.load((BITS + first).to(tl.pointer_type(tl.int16)), mask=row_in, other=0)
             word = tl.broadcast_to(w.to(tl.int32)[:, None], (BM, BN))
+        return _word_bits(word, cols)
+
+    @triton.jit
+    def _word_bits(word, cols):
+        """Bit cols % 32 of each element's word, as two shifts: cols & 6 is the same for all of a thread's elements
+        in the products' layout (its lane's), cols & 25 a constant of its register (`_kept`)."""
         return ((word >> (cols & 6)) >> (cols & 25)) & 1 != 0
 
     @triton.jit
@@ -238,11 +283,13 @@ if triton is not None:
                                  offsets=(first, 0), block_shape=(B, D), order=(1, 0))
 
     @triton.jit
-    def _bits_at(BITS, head, tokens, groups, start, rows, n0, BN: tl.constexpr):
-        """Pointers to the mask's bytes of query tokens start + rows (local `rows`) and keys n0..n0+BN-1, and which
-        of the block's groups exist ((1, BN // 8): a row has G)."""
-        g = n0 // 8 + tl.arange(0, BN // 8)
-        return BITS + ((head * tokens + start + rows) * groups)[:, None] + g[None, :], g[None, :] < groups
+    def _words_at(BITS, head, tokens, groups, start, rows, n0, BN: tl.constexpr):
+        """Pointers to the mask's 32-bit words (16-bit for a BN of 16) of query tokens start + rows (local `rows`)
+        and keys n0..n0+BN-1, and which of them exist ((1, ceil(BN / 32)): a row has G bytes, a multiple of 8)."""
+        W: tl.constexpr = (BN + 31) // 32
+        g = n0 // 8 + BN // 8 // W * tl.arange(0, W)  # each word's first byte
+        at = BITS + ((head * tokens + start + rows) * groups)[:, None] + g[None, :]
+        return at.to(tl.pointer_type(tl.int32 if BN >= 32 else tl.int16)), g[None, :] < groups
 
     @triton.jit
     def _forward_tile(q, k_at, v_at, m_i, l_i, acc, n0, length, seed, BITS, head, start, rows, tokens, groups,
@@ -264,10 +311,12 @@ if triton is not None:
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(prob, 1)
         if DROPOUT:
-            kept, byte = _draw(seed, head, start + rows, n0, tokens, groups, threshold, BM, BN)
-            at, inside = _bits_at(BITS, head, tokens, groups, start, rows, n0, BN)
-            tl.store(at, byte.to(tl.uint8), mask=inside & (rows < length)[:, None])
-            prob = tl.where(kept, prob, 0.0)
+            kept, words = _draw(seed, head, start + rows, n0, tokens, groups, threshold, BM, BN)
+            at, inside = _words_at(BITS, head, tokens, groups, start, rows, n0, BN)
+            tl.store(at, words.to(at.dtype.element_ty), mask=inside & (rows < length)[:, None])
+            # a zero the compiler cannot fold (qk_scale is finite): against a constant it moved the select past the
+            # bf16 conversion below, selecting halves of registers (the loop's 819 instructions against 792)
+            prob = tl.where(kept, prob, qk_scale * 0.0)
         return m_new, l_i, acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
 
     @triton.jit
@@ -291,14 +340,15 @@ if triton is not None:
             m_i = tl.full((BM,), float("-inf"), tl.float32)
             l_i = tl.zeros((BM,), tl.float32)
             acc = tl.zeros((BM, D), tl.float32)
+            key = tl.load(seed) if DROPOUT else 0
             full = length // BN * BN
             for n0 in tl.range(0, full, BN, num_stages=2):
-                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, n0, length, seed, BITS, head, start, rows,
+                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, n0, length, key, BITS, head, start, rows,
                                               tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, False)
                 k_at = tl.advance(k_at, (BN, 0))
                 v_at = tl.advance(v_at, (BN, 0))
             if full < length:
-                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, full, length, seed, BITS, head, start,
+                m_i, l_i, acc = _forward_tile(q, k_at, v_at, m_i, l_i, acc, full, length, key, BITS, head, start,
                                               rows, tokens, groups, threshold, qk_scale, BM, BN, DROPOUT, True)
             out = (acc * (drop_scale / l_i)[:, None]).to(Q.dtype.element_ty)
             if not FLOAT8:
@@ -479,6 +529,15 @@ def check_tile(tile: tuple[int, int, int]) -> tuple[int, int, int]:
     return bm, bn, warps
 
 
+def check_counters(heads: int, tokens: int, groups: int) -> None:
+    """The forward kernel computes the mask's Philox counters, c = (h T + i) G + j // 8, in 32 bits (64-bit ones took
+    its sm_90 loop 18 instructions more): every c is below H T G, at most 2^31 (2 million tokens a call at 16 heads and
+    512 keys). There they equal the 64-bit ones the torch path computes, so the mask is the same."""
+    if heads * tokens * groups > 2**31:
+        raise ValueError(f"ATTENTION=triton's dropout mask takes at most 2^31 Philox counters a call: {heads} heads x "
+                         f"{tokens} tokens x {groups} mask bytes a row is {heads * tokens * groups}")
+
+
 def _strides(*tensors: Tensor) -> list[int]:
     return [s for t in tensors for s in (t.stride(0), t.stride(1))]
 
@@ -499,6 +558,8 @@ def launch_forward(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_seqlen: int,
     amax)."""
     tokens, heads, dim = q.shape
     groups, _, qk_scale, drop_scale, threshold = _common(q, max_seqlen, p)
+    if p > 0:  # before anything is allocated
+        check_counters(heads, tokens, groups)
     float8 = scale is not None
     lse = torch.empty((heads, tokens), dtype=torch.float32, device=q.device)
     # bytes past a sequence's groups are never written nor read (a sequence shorter than max_seqlen)
