@@ -37,8 +37,9 @@ Philox4x32-7(c, key seed) gives four 32-bit words, of which element j takes word
 rounds and a last one), so also those of torch's attention dropout on CUDA, the kernel this one replaces. Ten,
 Random123's and C++26's default, keeps a margin above the fewest rounds that pass the known statistical tests; none is
 known to fail at seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran
-1,055 (bench/attention_sass.py), 8 % of the kernel's work, and 881 since the forty-third session, each half compared
-with the threshold once (`_draw`); the backward reads the bits and draws nothing. The CPU draws the same numbers in
+1,055 (bench/attention_sass.py), 8 % of the kernel's work; 680 since the forty-fifth session, the tile made from each
+row's 32-bit words (`_draw`); the backward reads the bits and draws nothing. The kernel computes the counters in 32
+bits, so a call takes at most 2^31 of them (`check_counters`). The CPU draws the same numbers in
 torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the tests) equal the torch
 path's mask bit for bit. The bits of keys past a sequence's end, and of rows past it, are read by the backward but never
 change a gradient (`_probabilities`); no byte past a row's G is read.
