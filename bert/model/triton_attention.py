@@ -532,11 +532,12 @@ def check_tile(tile: tuple[int, int, int]) -> tuple[int, int, int]:
 
 def check_counters(heads: int, tokens: int, groups: int) -> None:
     """The forward kernel computes the mask's Philox counters, c = (h T + i) G + j // 8, in 32 bits (64-bit ones took
-    its sm_90 loop 18 instructions more): every c is below H T G, at most 2^31 (2 million tokens a call at 16 heads and
-    512 keys). There they equal the 64-bit ones the torch path computes, so the mask is the same."""
-    if heads * tokens * groups > 2**31:
-        raise ValueError(f"ATTENTION=triton's dropout mask takes at most 2^31 Philox counters a call: {heads} heads x "
-                         f"{tokens} tokens x {groups} mask bytes a row is {heads * tokens * groups}")
+    its sm_90 loop 18 instructions more): every c it computes is below (H T + 256) G (a last query block's rows run up
+    to 256 past the last token, unstored), which must be at most 2^31: 2 million tokens a call at 16 heads and 512
+    keys. There they equal the 64-bit ones the torch path computes, so the mask is the same."""
+    if (heads * tokens + 256) * groups > 2**31:
+        raise ValueError(f"ATTENTION=triton's dropout mask takes Philox counters below 2^31: {heads} heads x "
+                         f"{tokens} tokens (+ 256) x {groups} mask bytes a row is {(heads * tokens + 256) * groups}")
 
 
 def _strides(*tensors: Tensor) -> list[int]:
