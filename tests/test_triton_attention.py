@@ -271,7 +271,6 @@ import sys, torch
 from bert.model import triton_attention as ta
 
 
-
 def bits_differ(bits, want_bits, lengths):
     # the sequences whose own keys' bits differ, bit for bit (the rest is never read)
     starts = torch.tensor([0] + lengths).cumsum(0).tolist()

@@ -39,7 +39,7 @@ Random123's and C++26's default, keeps a margin above the fewest rounds that pas
 known to fail at seven. Compiled for sm_90 the forward's loop with dropout runs 974 instructions where ten rounds ran
 1,055 (bench/attention_sass.py), 8 % of the kernel's work; 680 since the forty-fifth session, the tile made from each
 row's 32-bit words (`_draw`); the backward reads the bits and draws nothing. The kernel computes the counters in 32
-bits, so a call takes at most 2^31 of them (`check_counters`). The CPU draws the same numbers in
+bits, so a call's must stay below 2^31 (`check_counters`). The CPU draws the same numbers in
 torch's arithmetic (`bert.model.philox`), so the kernels (run in Triton's interpreter by the tests) equal the torch
 path's mask bit for bit. The bits of keys past a sequence's end, and of rows past it, are read by the backward but never
 change a gradient (`_probabilities`); no byte past a row's G is read.
@@ -206,17 +206,19 @@ if triton is not None:
             word = tl.where(cols < 32, w0[:, None], w1[:, None])
         elif W == 4:
             w0, w1, w2, w3 = _four(words, BM)
-            word = tl.where(cols < 64, tl.where(cols < 32, w0[:, None], w1[:, None]),
-                            tl.where(cols < 96, w2[:, None], w3[:, None]))
+            word = _pick4(cols, w0, w1, w2, w3)
         else:  # 8: BN 256
             even, odd = tl.split(tl.reshape(words, (BM, 4, 2)))
             w0, w2, w4, w6 = _four(even, BM)
             w1, w3, w5, w7 = _four(odd, BM)
-            word = tl.where(cols < 128, tl.where(cols < 64, tl.where(cols < 32, w0[:, None], w1[:, None]),
-                                                 tl.where(cols < 96, w2[:, None], w3[:, None])),
-                            tl.where(cols < 192, tl.where(cols < 160, w4[:, None], w5[:, None]),
-                                     tl.where(cols < 224, w6[:, None], w7[:, None])))
+            word = tl.where(cols < 128, _pick4(cols, w0, w1, w2, w3), _pick4(cols - 128, w4, w5, w6, w7))
         return word
+
+    @triton.jit
+    def _pick4(cols, a, b, c, d):
+        """(BM, BN): a, b, c or d ((BM,) each) by cols // 32, for cols below 128."""
+        return tl.where(cols < 64, tl.where(cols < 32, a[:, None], b[:, None]),
+                        tl.where(cols < 96, c[:, None], d[:, None]))
 
     @triton.jit
     def _four(x, BM: tl.constexpr):
